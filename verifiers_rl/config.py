@@ -1,0 +1,152 @@
+"""RLConfig: every knob of the trainer, validated once in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig
+
+from .batching import MICRO_BATCHING_MODES, OVERLONG_POLICIES, SCALE_REWARDS
+from .loss import CORRECTION_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+
+@dataclass
+class RLConfig(GRPOConfig):
+    """GRPOConfig plus the fields of the exact, asynchronous trainer.
+
+    One optimizer step consumes ``rollouts_per_step`` rollouts, spread over ranks and micro-batches however
+    ``micro_batching`` says; the update equals the single-device full-batch update. ``gradient_accumulation_steps``
+    is read once, to size the default batch, and then set to 1: the trainer runs every micro-batch of a step
+    inside one ``training_step``.
+    """
+
+    loss_type: str = field(
+        default="grpo",
+        metadata={
+            "help": "Aggregation over the global batch: grpo (sequence mean of token means), dr_grpo (token sum / "
+            "(valid sequences * horizon)), token_mean (DAPO), seq_mean_token_sum.",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "PPO ratio per token, or per sequence (GSPO, length-normalised).", "choices": list(IMPORTANCE_SAMPLING_LEVELS)},
+    )
+    importance_correction: str = field(
+        default="token_truncate",
+        metadata={
+            "help": "Correction between the proximal and the sampler policy, when rollouts carry sampler log-probs: "
+            "token_truncate (w = min(exp(p - q), cap)), token_mask, sequence_truncate, sequence_mask, none.",
+            "choices": list(CORRECTION_MODES),
+        },
+    )
+    importance_cap: float = field(default=2.0, metadata={"help": "Upper bound C of the importance weight."})
+    importance_cap_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance weight (mask modes: the lower edge)."}
+    )
+    max_seq_len: int = field(default=1024, metadata={"help": "Longest prompt + completion trained on, in tokens."})
+    overlong: str = field(
+        default="error",
+        metadata={
+            "help": "A rollout longer than max_seq_len: 'error' refuses the batch, 'truncate' cuts the completion's "
+            "tail and marks it truncated (before any count is taken).",
+            "choices": list(OVERLONG_POLICIES),
+        },
+    )
+    dr_grpo_horizon: int | None = field(
+        default=None, metadata={"help": "Horizon H of dr_grpo; defaults to max_seq_len."}
+    )
+    micro_batching: str = field(
+        default="packed",
+        metadata={
+            "help": "padded: per_device_train_batch_size rows per micro-batch; packed: padding-free rows of at most "
+            "max_tokens_per_microbatch tokens.",
+            "choices": list(MICRO_BATCHING_MODES),
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None, metadata={"help": "Token budget of a packed micro-batch; defaults to 4 * max_seq_len."}
+    )
+    rollouts_per_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rollouts per optimizer step over all ranks (B). Defaults to per_device_train_batch_size * "
+            "gradient_accumulation_steps * world size."
+        },
+    )
+    logprob_chunk_size: int = field(
+        default=1024, metadata={"help": "Tokens per chunk of the log-prob computation; 0 computes all logits at once."}
+    )
+    rollouts_path: str | None = field(
+        default=None, metadata={"help": "A JSON Lines file of rollouts to train on (replay)."}
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "Advantage scaling: group std, batch std, or none.", "choices": list(SCALE_REWARDS)},
+    )
+    num_generations: int | None = field(
+        default=8, metadata={"help": "Rollouts per prompt when generating (a group)."}
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision; defaults to True on a GPU, False on CPU."}
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = torch.cuda.is_available() and not self.fp16
+        self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
+        requested_num_generations = self.num_generations
+        # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
+        # not ours, so give it values that pass, then restore.
+        self.gradient_accumulation_steps = 1
+        self.steps_per_generation = 2
+        self.generation_batch_size = None
+        self.num_generations = 2
+        super().__post_init__()
+        self.num_generations = requested_num_generations
+        self.steps_per_generation = 1
+        if self.rollouts_per_step is None:
+            self.rollouts_per_step = (
+                self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * self.world_size
+            )
+        self.generation_batch_size = self.rollouts_per_step
+        if self.max_tokens_per_microbatch is None:
+            self.max_tokens_per_microbatch = 4 * self.max_seq_len
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad knob."""
+        choices = {
+            "loss_type": LOSS_TYPES,
+            "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
+            "importance_correction": CORRECTION_MODES,
+            "overlong": OVERLONG_POLICIES,
+            "micro_batching": MICRO_BATCHING_MODES,
+            "scale_rewards": SCALE_REWARDS,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Unknown {name} {getattr(self, name)!r}; expected one of {', '.join(allowed)}.")
+        positive = ("max_seq_len", "rollouts_per_step", "max_tokens_per_microbatch", "per_device_train_batch_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        if self.dr_grpo_horizon is not None and self.dr_grpo_horizon < 1:
+            raise ValueError(f"dr_grpo_horizon must be >= 1, got {self.dr_grpo_horizon}.")
+        if self.micro_batching == "packed" and self.max_tokens_per_microbatch < self.max_seq_len:
+            raise ValueError(
+                f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be >= max_seq_len ({self.max_seq_len})."
+            )
+        if self.importance_cap <= 0:
+            raise ValueError(f"importance_cap must be > 0, got {self.importance_cap}.")
+        if self.importance_cap_min is not None and not 0 <= self.importance_cap_min < self.importance_cap:
+            raise ValueError("importance_cap_min must satisfy 0 <= importance_cap_min < importance_cap.")
+        if self.logprob_chunk_size < 0:
+            raise ValueError("logprob_chunk_size must be >= 0.")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ValueError("epsilon and epsilon_high must be >= 0.")

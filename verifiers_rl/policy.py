@@ -1,0 +1,99 @@
+"""Run a causal LM over a MicroBatch and return per-token log-probs of the tokens that are trained on.
+
+The model's output layer is swapped, for the length of one forward, for ``loss.target_logprobs`` applied to
+the loss positions only: the full-vocabulary logits of the micro-batch never exist at once, and the forward
+still goes through the (DDP / DeepSpeed) wrapper, so its hooks and gradient reduction work as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .batching import MicroBatch
+from .loss import target_logprobs
+
+
+@dataclass
+class PolicyOutput:
+    logps: torch.Tensor  # [R, T]: log pi(x_t | x_<t) where loss_mask[t] = 1, else 0
+    entropy: torch.Tensor  # [R, T], detached, same positions
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP / DeepSpeed / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            return model
+        model = inner
+
+
+def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D mask [R, 1, T, T]: causal, and a position sees only its own sequence (never padding)."""
+    length = seq_index.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=seq_index.device).tril()
+    same = (seq_index[:, :, None] == seq_index[:, None, :]) & (seq_index[:, :, None] >= 0)
+    # A padding position attends to itself only, so its softmax has a finite row.
+    allowed = (same & causal) | torch.eye(length, dtype=torch.bool, device=seq_index.device)
+    zero = torch.zeros((), dtype=dtype, device=seq_index.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+@contextlib.contextmanager
+def _output_layer_as_logprobs(model, targets, select, temperature, chunk_size, sink):
+    head = unwrap(model).get_output_embeddings()
+    if head is None or not hasattr(head, "weight"):
+        raise TypeError(f"{type(unwrap(model)).__name__} has no output embedding layer with a weight.")
+
+    def forward(hidden_states):
+        # Position t-1 predicts token t; only loss positions are computed.
+        hidden = hidden_states[:, :-1][select]
+        logps, entropy = target_logprobs(
+            hidden, head.weight, targets, bias=head.bias, temperature=temperature, chunk_size=chunk_size
+        )
+        out = hidden_states.new_zeros(hidden_states.shape[:2], dtype=logps.dtype)
+        out[:, 1:][select] = logps
+        ent = torch.zeros_like(out)
+        ent[:, 1:][select] = entropy
+        sink["entropy"] = ent
+        # Returned as "logits": the wrapper's autograd graph runs through it.
+        return out
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def micro_batch_logprobs(
+    model: torch.nn.Module,
+    micro_batch: MicroBatch,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+) -> PolicyOutput:
+    """Per-token log-probs of ``micro_batch`` under ``model`` at ``temperature``.
+
+    The attention mask comes from real-token positions (``seq_index``), never from the loss mask or from
+    ``input_ids != pad``; packed rows get a block-diagonal causal mask and restarted position ids.
+    """
+    select = micro_batch.loss_mask[:, 1:] > 0
+    targets = micro_batch.input_ids[:, 1:][select]
+    inner = unwrap(model)
+    kwargs = {"input_ids": micro_batch.input_ids, "position_ids": micro_batch.position_ids, "use_cache": False}
+    if micro_batch.packed:
+        attn_impl = str(getattr(inner.config, "_attn_implementation", "") or "")
+        if "flash" in attn_impl:
+            pass  # flash-attention kernels split packed rows by the restarted position ids
+        else:
+            kwargs["attention_mask"] = packed_attention_mask(micro_batch.seq_index, inner.dtype)
+    else:
+        kwargs["attention_mask"] = (micro_batch.seq_index >= 0).long()
+    sink: dict[str, torch.Tensor] = {}
+    with _output_layer_as_logprobs(model, targets, select, temperature, chunk_size, sink):
+        output = model(**kwargs)
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    return PolicyOutput(logps=logits, entropy=sink["entropy"])

@@ -1,0 +1,115 @@
+"""The rollout record (SPEC §4): what an environment produces, what `--rollouts_path` replays, one JSON line each."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+
+class RolloutFormatError(ValueError):
+    """A rollout record that cannot be trained on; the message names the record and the problem."""
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one prompt.
+
+    ``completion_mask`` is 1 on tokens the policy generated and that are trained on, 0 on environment/tool
+    tokens inside a multi-turn completion. ``completion_logprobs`` are the sampler's log-probs, one per
+    completion token (any value on masked tokens). Rollouts of the same prompt share ``group_id``.
+    """
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_mask: list[int]
+    reward: float
+    group_id: str | int
+    completion_logprobs: list[float] | None = None
+    truncated: bool = False
+    policy_version: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    prompt: Any = None
+    completion: Any = None
+
+    def validate(self, where: str = "rollout") -> None:
+        """Raise RolloutFormatError naming ``where`` if the record is inconsistent."""
+        for name in ("prompt_ids", "completion_ids", "completion_mask"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+                raise RolloutFormatError(f"{where}: `{name}` must be a list of integers.")
+        if not self.prompt_ids:
+            raise RolloutFormatError(f"{where}: `prompt_ids` is empty; the first completion token needs a context.")
+        if any(x < 0 for x in self.prompt_ids + self.completion_ids):
+            raise RolloutFormatError(f"{where}: token ids must be >= 0.")
+        if len(self.completion_mask) != len(self.completion_ids):
+            raise RolloutFormatError(
+                f"{where}: `completion_mask` has {len(self.completion_mask)} entries but `completion_ids` has "
+                f"{len(self.completion_ids)}."
+            )
+        if any(x not in (0, 1) for x in self.completion_mask):
+            raise RolloutFormatError(f"{where}: `completion_mask` must hold only 0 and 1.")
+        if self.completion_logprobs is not None:
+            if not isinstance(self.completion_logprobs, list):
+                raise RolloutFormatError(f"{where}: `completion_logprobs` must be a list of numbers.")
+            if len(self.completion_logprobs) != len(self.completion_ids):
+                raise RolloutFormatError(
+                    f"{where}: `completion_logprobs` has {len(self.completion_logprobs)} entries but "
+                    f"`completion_ids` has {len(self.completion_ids)}."
+                )
+            for value in self.completion_logprobs:
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or value > 0:
+                    raise RolloutFormatError(f"{where}: `completion_logprobs` must be finite log-probs <= 0, got {value!r}.")
+        if not isinstance(self.reward, (int, float)) or isinstance(self.reward, bool) or not math.isfinite(self.reward):
+            raise RolloutFormatError(f"{where}: `reward` must be a finite number, got {self.reward!r}.")
+        if not isinstance(self.group_id, (str, int)) or isinstance(self.group_id, bool):
+            raise RolloutFormatError(f"{where}: `group_id` must be a string or an integer.")
+
+    def to_json(self) -> str:
+        record = {k: v for k, v in asdict(self).items() if v is not None}
+        return json.dumps(record)
+
+    @classmethod
+    def from_record(cls, record: Any, where: str = "rollout") -> "Rollout":
+        if not isinstance(record, dict):
+            raise RolloutFormatError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+        known = {f.name for f in fields(cls)}
+        required = ("prompt_ids", "completion_ids", "completion_mask", "reward", "group_id")
+        missing = [name for name in required if name not in record]
+        if missing:
+            raise RolloutFormatError(f"{where}: missing field(s) {', '.join(missing)}.")
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise RolloutFormatError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}.")
+        rollout = cls(**record)
+        rollout.validate(where)
+        return rollout
+
+
+def read_rollouts(path: str | Path) -> list[Rollout]:
+    """Read a JSON Lines file of rollouts; blank lines are skipped, anything else malformed is an error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Rollouts file {str(path)!r} does not exist.")
+    rollouts = []
+    with path.open() as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise RolloutFormatError(f"{where}: not valid JSON ({error.msg}).") from None
+            rollouts.append(Rollout.from_record(record, where))
+    if not rollouts:
+        raise RolloutFormatError(f"{path}: the file holds no rollouts.")
+    return rollouts
+
+
+def write_rollouts(path: str | Path, rollouts: Iterable[Rollout], append: bool = False) -> None:
+    with Path(path).open("a" if append else "w") as handle:
+        for rollout in rollouts:
+            handle.write(rollout.to_json() + "\n")

@@ -1,0 +1,339 @@
+"""RLTrainer: glue between a rollout source, the batching plan, the model and the pure loss (SPEC §3).
+
+One HF Trainer step = one optimizer step = one batch. ``training_step`` runs every micro-batch of this rank
+and backpropagates  partial * world_size  for each (the backend averages gradients over ranks), with gradient
+synchronisation and the DeepSpeed engine step held back until the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedType
+from datasets import Dataset
+from torch.utils.data import DataLoader
+from trl import GRPOTrainer
+
+from .batching import BatchingConfig, MicroBatch, RankBatch, plan_batch
+from .config import RLConfig
+from .generator import ReplaySource, RolloutSource
+from .loss import GlobalCounts, aggregation_weights, per_token_loss
+from .policy import micro_batch_logprobs, unwrap
+
+
+class MainProcessError(RuntimeError):
+    """Raised on every rank when the main process failed to produce what all ranks wait for."""
+
+
+def _main_process_outcome(compute: Callable[[], Any], scatter: bool = False) -> Any:
+    """Run ``compute`` on rank 0 and hand its result (or its error) to every rank, so no rank waits forever.
+
+    With ``scatter``, ``compute`` returns one object per rank and each rank receives its own.
+    """
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
+        result = compute()
+        return result[0] if scatter else result
+    rank, world = dist.get_rank(), dist.get_world_size()
+    outcome: list[Any]
+    error = None
+    if rank == 0:
+        try:
+            result = compute()
+            outcome = [("ok", item) for item in result] if scatter else [("ok", result)]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, on every rank
+            error = exc
+            message = f"{type(exc).__name__}: {exc}"
+            outcome = [("error", message)] * (world if scatter else 1)
+    else:
+        outcome = [None] * (world if scatter else 1)
+    if scatter:
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, outcome if rank == 0 else None, src=0)
+        status, payload = received[0]
+    else:
+        dist.broadcast_object_list(outcome, src=0)
+        status, payload = outcome[0]
+    if status == "error":
+        if error is not None:
+            raise error
+        raise MainProcessError(f"The main process failed: {payload}")
+    return payload
+
+
+@dataclass
+class LossInputs:
+    """What a custom loss function receives for one micro-batch (tensors [R, T], zeros off the loss mask).
+
+    ``global_stats`` maps a mask name to its counts over the whole step batch on all ranks (tokens N, valid
+    sequences B_v, horizon H). ``aggregate(per_token, loss_type)`` turns per-token losses into this
+    micro-batch's partial loss under the global denominator, so partials over ranks and micro-batches sum to
+    the single-device loss.
+    """
+
+    logps: torch.Tensor
+    proximal_logps: torch.Tensor
+    sampler_logps: torch.Tensor | None
+    ref_logps: torch.Tensor | None
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    seq_index: torch.Tensor
+    sequence_loss_tokens: torch.Tensor
+    global_stats: dict[str, GlobalCounts]
+    loss_type: str
+
+    def aggregate(self, per_token: torch.Tensor, loss_type: str | None = None) -> torch.Tensor:
+        weights = aggregation_weights(
+            loss_type or self.loss_type, self.loss_mask, self.sequence_loss_tokens, self.global_stats["loss_mask"]
+        )
+        return (per_token * weights.to(per_token.dtype)).sum()
+
+
+CustomLoss = Callable[[LossInputs], torch.Tensor]
+
+
+def _unused_reward(completions, **kwargs):
+    """Rewards come with the rollouts; TRL's constructor still asks for a reward function."""
+    return [0.0] * len(completions)
+
+
+@dataclass
+class _StepMetrics:
+    """Token sums of one optimizer step on this rank; reduced over ranks once per step."""
+
+    names: tuple = ("entropy", "clip_fraction", "is_weight", "is_ratio", "is_clipped_fraction", "kl")
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.sums[name] = self.sums.get(name, torch.zeros((), dtype=torch.float64, device=value.device)) + value
+
+
+class RLTrainer(GRPOTrainer):
+    """A GRPOTrainer whose update equals the single-device full-batch update (SPEC §3).
+
+    Args:
+        model: hub id, local folder, or a loaded model.
+        args: an ``RLConfig``.
+        rollout_source: where batches come from; defaults to replaying ``args.rollouts_path``.
+        loss_fn: optional custom loss, ``loss_fn(LossInputs) -> per-token loss [R, T] or a partial loss``.
+    """
+
+    def __init__(
+        self,
+        model,
+        args: RLConfig,
+        processing_class=None,
+        rollout_source: RolloutSource | None = None,
+        loss_fn: CustomLoss | None = None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+    ):
+        if not isinstance(args, RLConfig):
+            raise TypeError(f"RLTrainer needs an RLConfig, got {type(args).__name__}.")
+        if rollout_source is None:
+            if not args.rollouts_path:
+                raise ValueError("RLTrainer needs a rollout source: pass rollout_source or set --rollouts_path.")
+            path, per_step = args.rollouts_path, args.rollouts_per_step
+            num_batches = _main_process_outcome(lambda: len(self._load_replay(path, per_step)))
+        else:
+            self._replay = rollout_source
+            num_batches = len(rollout_source)
+        if args.max_steps is None or args.max_steps <= 0:
+            args.max_steps = int(num_batches * args.num_iterations * max(args.num_train_epochs, 1))
+        placeholder = Dataset.from_dict({"prompt": ["(rollouts come from the rollout source)"]})
+        super().__init__(
+            model=model,
+            reward_funcs=_unused_reward,
+            args=args,
+            train_dataset=placeholder,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            peft_config=peft_config,
+        )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.accelerator.num_processes != launched:
+            raise RuntimeError(
+                f"{launched} processes were launched but Accelerate sees {self.accelerator.num_processes}: each would "
+                "train its own copy. On CPU pass use_cpu=True (or ACCELERATE_USE_CPU=1) with a MULTI_GPU/DEEPSPEED "
+                "launch; never `accelerate launch --cpu --num_processes N`."
+            )
+        self.loss_fn = loss_fn
+        self.pad_token_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        self._rank_batch: RankBatch | None = None
+        self._batch_index = 0
+        self._iteration = 0
+        self.last_step_loss: float | None = None
+
+    def _load_replay(self, path, rollouts_per_step) -> RolloutSource:
+        self._replay = ReplaySource(path, rollouts_per_step)
+        return self._replay
+
+    # --- data ---------------------------------------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        # One item per optimizer step on every rank; the batch itself comes from the rollout source.
+        return DataLoader(list(range(self.args.max_steps)), batch_size=1, collate_fn=lambda items: items)
+
+    def batching_config(self) -> BatchingConfig:
+        args = self.args
+        return BatchingConfig(
+            world_size=self.accelerator.num_processes,
+            mode=args.micro_batching,
+            rows_per_micro_batch=args.per_device_train_batch_size,
+            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+            max_seq_len=args.max_seq_len,
+            horizon=args.dr_grpo_horizon,
+            overlong=args.overlong,
+            mask_truncated_completions=args.mask_truncated_completions,
+            scale_rewards=args.scale_rewards,
+            pad_token_id=self.pad_token_id,
+        )
+
+    def _plan(self, batch_index: int) -> list[RankBatch]:
+        return plan_batch(self._replay.batch(batch_index), self.batching_config(), batch_index)
+
+    def _next_rank_batch(self, model) -> RankBatch:
+        """This rank's slice of the current batch; a new batch every ``num_iterations`` optimizer steps."""
+        if self._rank_batch is None or self._iteration == self.args.num_iterations:
+            index = self._batch_index
+            rank_batch = _main_process_outcome(lambda: self._plan(index), scatter=True)
+            rank_batch.micro_batches = [mb.to(self.accelerator.device) for mb in rank_batch.micro_batches]
+            self._batch_index += 1
+            self._iteration = 0
+            self._fill_fixed_logprobs(model, rank_batch)
+            self._rank_batch = rank_batch
+        self._iteration += 1
+        return self._rank_batch
+
+    @torch.no_grad()
+    def _fill_fixed_logprobs(self, model, rank_batch: RankBatch) -> None:
+        """Reference log-probs (beta > 0) and, with several updates per batch, proximal log-probs: once per batch,
+        before the first update, on every rank for the same number of micro-batches."""
+        for mb in rank_batch.micro_batches:
+            if self.args.num_iterations > 1:
+                mb.proximal_logps = self._logprobs(model, mb).logps.detach()
+            if self.beta != 0.0:
+                mb.ref_logps = self._reference_logprobs(model, mb)
+
+    def _reference_logprobs(self, model, mb: MicroBatch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, mb).logps
+        with unwrap(model).disable_adapter():  # PEFT: the base model is the reference
+            return self._logprobs(model, mb).logps
+
+    def _logprobs(self, model, mb: MicroBatch):
+        return micro_batch_logprobs(model, mb, self.args.temperature, self.args.logprob_chunk_size or None)
+
+    # --- one optimizer step -------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        model.train()
+        rank_batch = self._next_rank_batch(model)
+        world_size = self.accelerator.num_processes
+        deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
+        self._step_metrics = _StepMetrics()
+        total = torch.zeros((), device=self.accelerator.device)
+        last = len(rank_batch.micro_batches) - 1
+        for k, mb in enumerate(rank_batch.micro_batches):
+            # Only the last backward of the step may all-reduce (DDP) or step the engine (DeepSpeed).
+            self.accelerator.gradient_state._set_sync_gradients(k == last)
+            sync = contextlib.nullcontext() if (k == last or deepspeed) else self.accelerator.no_sync(model)
+            with sync:
+                with self.compute_loss_context_manager():
+                    partial = self.compute_loss(model, mb)
+                # Backends average gradients over ranks; numerator / (denominator / D) undoes it.
+                scaled = partial * world_size
+                self.accelerator.backward(scaled, **({"scale_wrt_gas": False} if deepspeed else {}))
+            total = total + scaled.detach().to(total.dtype)
+        self._log_step_metrics(rank_batch, time.perf_counter() - start)
+        # HF averages the returned value over ranks: the mean of (rank sum * D) is the global loss.
+        return total
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The partial loss of one micro-batch: its numerator over the global denominator (SPEC §3)."""
+        if return_outputs:
+            raise ValueError("RLTrainer.compute_loss does not return outputs.")
+        mb: MicroBatch = inputs
+        output = self._logprobs(model, mb)
+        logps = output.logps
+        proximal = mb.proximal_logps if mb.proximal_logps is not None else logps.detach()
+        args = self.args
+        terms = per_token_loss(
+            logps,
+            mb.advantages.to(logps.dtype),
+            mb.loss_mask,
+            mb.seq_index,
+            proximal_logps=proximal,
+            sampler_logps=mb.sampler_logps,
+            ref_logps=mb.ref_logps,
+            level=args.importance_sampling_level,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            correction=args.importance_correction,
+            correction_cap=args.importance_cap,
+            correction_cap_min=args.importance_cap_min,
+            beta=self.beta,
+        )
+        inputs_for_hook = LossInputs(
+            logps=logps,
+            proximal_logps=proximal,
+            sampler_logps=mb.sampler_logps,
+            ref_logps=mb.ref_logps,
+            advantages=mb.advantages,
+            loss_mask=mb.loss_mask,
+            seq_index=mb.seq_index,
+            sequence_loss_tokens=mb.sequence_loss_tokens,
+            global_stats={"loss_mask": mb.counts},
+            loss_type=args.loss_type,
+        )
+        if self.loss_fn is None:
+            partial = inputs_for_hook.aggregate(terms.per_token_loss)
+        else:
+            result = self.loss_fn(inputs_for_hook)
+            partial = result if result.dim() == 0 else inputs_for_hook.aggregate(result)
+        # Anchor every parameter in the graph, even for a micro-batch without loss tokens.
+        partial = partial + 0.0 * logps.sum()
+        self._accumulate(mb, output.entropy, terms)
+        return partial
+
+    def _accumulate(self, mb: MicroBatch, entropy, terms) -> None:
+        mask = mb.loss_mask
+        m = self._step_metrics
+        m.add("entropy", (entropy * mask).sum())
+        m.add("clip_fraction", (terms.clip_active * mask).sum())
+        if mb.sampler_logps is not None:
+            m.add("is_weight", (terms.is_weight * mask).sum())
+            m.add("is_ratio", (terms.is_ratio_raw * mask).sum())
+            m.add("is_clipped_fraction", ((terms.is_weight != terms.is_ratio_raw).to(mask.dtype) * mask).sum())
+        if terms.kl is not None:
+            m.add("kl", (terms.kl.detach() * mask).sum())
+
+    def _log_step_metrics(self, rank_batch: RankBatch, seconds: float) -> None:
+        m = self._step_metrics
+        names = [name for name in m.names if name in m.sums]
+        if names:
+            stacked = torch.stack([m.sums[name] for name in names])
+            reduced = self.accelerator.reduce(stacked, reduction="sum") if self.accelerator.num_processes > 1 else stacked
+            # Token-weighted over the whole batch: sums over all ranks divided by the global token count N.
+            tokens = max(rank_batch.counts.loss_tokens, 1)
+            for name, value in zip(names, reduced.tolist()):
+                self._metrics["train"][name].append(value / tokens)
+        stats = rank_batch.stats
+        train = self._metrics["train"]
+        train["reward"].append(stats.reward_mean)
+        train["reward_std"].append(stats.reward_std)
+        train["truncated_fraction"].append(stats.truncated_fraction)
+        train["real_token_fraction"].append(stats.real_tokens / max(stats.computed_tokens, 1))
+        train["micro_batches_per_rank"].append(float(len(rank_batch.micro_batches)))
+        train["loss_tokens"].append(float(rank_batch.counts.loss_tokens))
+        train["step_time"].append(seconds)
