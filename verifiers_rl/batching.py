@@ -187,9 +187,13 @@ class MicroBatch:
     sampler_logps: torch.Tensor | None
     counts: GlobalCounts
     packed: bool
-    num_sequences: int
+    batch_positions: list[int]  # index in the batch of each sequence of this micro-batch (by seq_index)
     proximal_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.batch_positions)
 
     @property
     def real_tokens(self) -> int:
@@ -207,7 +211,11 @@ class MicroBatch:
 
 
 def collate(
-    sequences: list[TrainSequence], counts: GlobalCounts, packed: bool, pad_token_id: int
+    sequences: list[TrainSequence],
+    counts: GlobalCounts,
+    packed: bool,
+    pad_token_id: int,
+    batch_positions: list[int] | None = None,
 ) -> MicroBatch:
     """Build one micro-batch. An empty list gives a zero-weight micro-batch of one 2-token padding row, so a
     rank with nothing left still runs the forward/backward every other rank runs."""
@@ -257,7 +265,7 @@ def collate(
         sampler_logps=sampler,
         counts=counts,
         packed=packed,
-        num_sequences=len(sequences),
+        batch_positions=list(batch_positions) if batch_positions is not None else list(range(len(sequences))),
     )
 
 
@@ -334,7 +342,7 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
     for groups in grouped:
         groups = groups + [[] for _ in range(num_micro_batches - len(groups))]
         micro_batches = [
-            collate([sequences[i] for i in group], counts, config.mode == "packed", config.pad_token_id)
+            collate([sequences[i] for i in group], counts, config.mode == "packed", config.pad_token_id, group)
             for group in groups
         ]
         micro_batches_all.extend(micro_batches)

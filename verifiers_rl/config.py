@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +95,7 @@ class RLConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        _skip_deepspeed_cpu_shm_op()
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
@@ -150,3 +153,13 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ValueError("epsilon and epsilon_high must be >= 0.")
+
+
+def _skip_deepspeed_cpu_shm_op() -> None:
+    """On CPU DeepSpeed compiles a shared-memory all-reduce op at every start (50-85 s on 2 cores). Only
+    inference all-reduce uses it; training collectives go through gloo, so skip building it."""
+    if torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+        return
+    import deepspeed.comm.torch  # noqa: F401  (the attribute of that name is torch itself, hence sys.modules)
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

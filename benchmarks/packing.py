@@ -1,0 +1,167 @@
+"""Packed vs padded micro-batches on a long-tailed length distribution.
+
+What it measures: one optimizer step's rollouts (16 groups x 4 = 64 by default) with a long-tailed completion
+length (lognormal body of 20-100 tokens, a tail up to ~1000; prompts of 20-60 tokens) are planned by
+``verifiers_rl.batching.plan_batch`` either as padded micro-batches (R rows each, sequences sorted by length)
+or as packed micro-batches (one row of at most T tokens each, first-fit decreasing). For every configuration
+the table gives the number of micro-batches, real tokens, computed tokens (rows x width, summed), the
+real-token fraction, and the wall time of one real forward + backward over all micro-batches of a small
+random Llama model (``verifiers_rl.models.build_tiny_model``: hidden 128, 4 layers, ~400-token vocabulary)
+through ``verifiers_rl.policy.micro_batch_logprobs`` (median of a few repetitions after one warm-up), on CPU
+with 2 threads.
+
+Note on the model: without flash-attention (as on CPU) a packed row gets a dense block-diagonal causal 4D mask,
+so its attention still costs (row length)^2 per head, padding-free or not; the MLP/projection work is what
+packing saves.
+
+Run (about 1-2 minutes on 2 cores; ``--quick``: fewer rollouts and repetitions, well under a minute):
+
+    PYTHONPATH=. .venv/bin/python benchmarks/packing.py
+    PYTHONPATH=. .venv/bin/python benchmarks/packing.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from verifiers_rl.batching import BatchingConfig, plan_batch
+from verifiers_rl.models import build_tiny_model
+from verifiers_rl.policy import micro_batch_logprobs
+from verifiers_rl.rollouts import Rollout
+
+MAX_SEQ_LEN = 1100
+FIRST_TOKEN_ID = 4
+
+
+def long_tailed_rollouts(num_groups: int, group_size: int, vocab_size: int, seed: int = 0) -> list[Rollout]:
+    """Rollouts whose completion lengths are mostly 20-100 tokens with a long tail to ~1000.
+
+    Body (90%): lognormal with median 45 tokens; tail (10%): lognormal with median 450; clipped to [8, 1000].
+    Prompts: 20-60 tokens, shared within a group. Every completion token is trained on.
+    """
+    rng = random.Random(seed)
+    rollouts = []
+    for group in range(num_groups):
+        prompt = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(rng.randint(20, 60))]
+        for _ in range(group_size):
+            if rng.random() < 0.9:
+                n = rng.lognormvariate(math.log(45), 0.45)
+            else:
+                n = rng.lognormvariate(math.log(450), 0.5)
+            n = int(min(max(round(n), 8), 1000))
+            completion = [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]
+            rollouts.append(
+                Rollout(
+                    prompt_ids=list(prompt),
+                    completion_ids=completion,
+                    completion_mask=[1] * n,
+                    reward=float(rng.random() < 0.5),
+                    group_id=f"g{group}",
+                )
+            )
+    return rollouts
+
+
+def step_seconds(model, micro_batches, repeats: int) -> float:
+    """Median wall time of forward + backward over all micro-batches (one warm-up first)."""
+
+    def one_step():
+        model.zero_grad(set_to_none=True)
+        for mb in micro_batches:
+            out = micro_batch_logprobs(model, mb, temperature=1.0, chunk_size=1024)
+            loss = (out.logps * mb.loss_mask).sum()
+            loss.backward()
+
+    one_step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller batch, fewer repetitions (smoke test)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(2)
+    torch.manual_seed(args.seed)
+    num_groups, group_size = (8, 4) if args.quick else (16, 4)
+    repeats = args.repeats or (1 if args.quick else 3)
+    padded_rows = [4, 8] if args.quick else [1, 4, 8, 16]
+    packed_budgets = [2048] if args.quick else [2048, 4096]
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="vrl-bench-") as folder:
+        build_tiny_model(folder, hidden_size=128, num_layers=4, seed=args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder)
+    model.train()
+    vocab = len(tokenizer)
+    rollouts = long_tailed_rollouts(num_groups, group_size, vocab, seed=args.seed)
+
+    lengths = sorted(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+    completion_lengths = sorted(len(r.completion_ids) for r in rollouts)
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    configs = [("padded", f"rows={r}", dict(mode="padded", rows_per_micro_batch=r)) for r in padded_rows]
+    configs += [("packed", f"tokens={t}", dict(mode="packed", max_tokens_per_microbatch=t)) for t in packed_budgets]
+
+    results = []
+    for mode, label, kwargs in configs:
+        config = BatchingConfig(world_size=1, max_seq_len=MAX_SEQ_LEN, overlong="truncate", **kwargs)
+        (rank_batch,) = plan_batch(rollouts, config)
+        mbs = rank_batch.micro_batches
+        real = sum(mb.real_tokens for mb in mbs)
+        computed = sum(mb.computed_tokens for mb in mbs)
+        assert real == rank_batch.stats.real_tokens and computed == rank_batch.stats.computed_tokens
+        shapes = [tuple(mb.input_ids.shape) for mb in mbs]
+        seconds = step_seconds(model, mbs, repeats)
+        results.append(dict(mode=mode, label=label, mbs=len(mbs), real=real, computed=computed, seconds=seconds,
+                            shapes=shapes))
+
+    print(
+        f"\n{len(rollouts)} rollouts ({num_groups} groups x {group_size}), vocab {vocab}, max_seq_len {MAX_SEQ_LEN}; "
+        f"completion length p50/p90/max = {pct(completion_lengths, 0.5)}/{pct(completion_lengths, 0.9)}/"
+        f"{completion_lengths[-1]}, sequence length p50/p90/max = {pct(lengths, 0.5)}/{pct(lengths, 0.9)}/"
+        f"{lengths[-1]}; tiny Llama (hidden 128, 4 layers), CPU, {torch.get_num_threads()} threads, "
+        f"median of {repeats} after 1 warm-up.\n"
+    )
+    print("| mode | setting | micro-batches | real tokens | computed tokens | real fraction | fwd+bwd s/step | real tok/s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['mode']} | {r['label']} | {r['mbs']} | {r['real']} | {r['computed']} | "
+            f"{r['real'] / r['computed']:.1%} | {r['seconds']:.3f} | {r['real'] / r['seconds']:,.0f} |"
+        )
+    padded = [r for r in results if r["mode"] == "padded"]
+    packed = [r for r in results if r["mode"] == "packed"]
+    best_padded = min(padded, key=lambda r: r["seconds"])
+    best_packed = min(packed, key=lambda r: r["seconds"])
+    packed_fraction = min(r["real"] / r["computed"] for r in packed)
+    print(
+        f"\npacked/best-padded time: {best_packed['seconds'] / best_padded['seconds']:.2f} "
+        f"(packed {best_packed['label']} {best_packed['seconds']:.3f} s vs padded {best_padded['label']} "
+        f"{best_padded['seconds']:.3f} s); packed real-token fraction {packed_fraction:.1%} (target >= 95%)."
+    )
+    print("\nmicro-batch shapes (rows x width):")
+    for r in results:
+        print(f"- {r['mode']} {r['label']}: " + ", ".join(f"{a}x{b}" for a, b in r["shapes"]))
+
+
+if __name__ == "__main__":
+    main()

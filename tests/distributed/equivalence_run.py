@@ -1,0 +1,137 @@
+"""One launch, many configurations: train one (or two) SGD steps per configuration and save what the test compares.
+
+Run under one process, under torchrun/Accelerate DDP, and under DeepSpeed ZeRO-3 with the same arguments;
+``tests/test_distributed_equivalence.py`` compares the saved parameters, logged losses and step counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from verifiers_rl.config import RLConfig
+from verifiers_rl.trainer import RLTrainer
+
+# name -> RLConfig overrides. Batches mix ragged lengths, environment tokens and fully masked sequences.
+CONFIGS = {
+    "grpo_token_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1),
+    "grpo_token_packed64": dict(loss_type="grpo", micro_batching="packed", max_tokens_per_microbatch=64),
+    "grpo_sequence_padded3": dict(loss_type="grpo", importance_sampling_level="sequence", micro_batching="padded", per_device_train_batch_size=3),
+    "dr_grpo_token_padded3": dict(loss_type="dr_grpo", micro_batching="padded", per_device_train_batch_size=3),
+    "dr_grpo_sequence_packed96": dict(loss_type="dr_grpo", importance_sampling_level="sequence", importance_correction="sequence_truncate", micro_batching="packed", max_tokens_per_microbatch=96),
+    "token_mean_padded2_clip": dict(loss_type="token_mean", micro_batching="padded", per_device_train_batch_size=2, max_grad_norm=0.05),
+    "token_mean_packed256": dict(loss_type="token_mean", micro_batching="packed", max_tokens_per_microbatch=256),
+    "grpo_kl_mask_padded4": dict(loss_type="grpo", beta=0.1, max_steps=2, importance_correction="token_mask", importance_cap_min=0.5, micro_batching="padded", per_device_train_batch_size=4),
+    "dr_grpo_two_iterations_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64),
+    "custom_loss_packed64": dict(loss_type="seq_mean_token_sum", micro_batching="packed", max_tokens_per_microbatch=64, loss_fn="reinforce"),
+    "grpo_uneven_ranks_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1, rollouts_per_step=3, rollouts="small"),
+}
+
+
+def reinforce_loss(inputs):
+    """A user's loss: plain REINFORCE per token, aggregated by the trainer under the global denominator."""
+    return -inputs.advantages * inputs.logps
+
+
+class StepCounter(TrainerCallback):
+    """Counts real optimizer steps (on the innermost torch optimizer) and scheduler steps."""
+
+    def __init__(self):
+        self.optimizer_steps = 0
+        self.scheduler = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        inner = optimizer
+        while not type(inner).__module__.startswith("torch.optim"):
+            inner = inner.optimizer
+        inner.register_step_post_hook(lambda *_: setattr(self, "optimizer_steps", self.optimizer_steps + 1))
+        self.scheduler = lr_scheduler
+
+    def scheduler_steps(self) -> int:
+        scheduler = self.scheduler
+        while not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            scheduler = scheduler.scheduler
+        return scheduler.last_epoch
+
+
+def full_parameters(trainer) -> dict[str, torch.Tensor]:
+    model = trainer.model_wrapped if trainer.is_deepspeed_enabled else trainer.accelerator.unwrap_model(trainer.model)
+    params = dict(model.named_parameters())
+    if trainer.is_deepspeed_enabled:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name.removeprefix("module."): p.detach().clone() for name, p in params.items()}
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: Path) -> None:
+    overrides = dict(overrides)
+    rollouts_file = rollouts[overrides.pop("rollouts", "main")]
+    loss_fn = {"reinforce": reinforce_loss, None: None}[overrides.pop("loss_fn", None)]
+    settings = dict(
+        output_dir=str(out / "trainer" / name),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=1e9,
+        weight_decay=0.0,
+        gradient_checkpointing=False,
+        max_seq_len=64,
+        rollouts_per_step=16,
+        rollouts_path=rollouts_file,
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    settings.setdefault("max_steps", settings.get("num_iterations", 1))
+    counter = StepCounter()
+    trainer = RLTrainer(model, RLConfig(**settings), callbacks=[counter], loss_fn=loss_fn)
+    trainer.train()
+    params = full_parameters(trainer)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    if trainer.accelerator.is_main_process:
+        torch.save(params, out / f"{name}.pt")
+        record = {
+            "losses": losses,
+            # ZeRO-3 steps its inner optimizer once per parameter sub-group; the engine counts real steps.
+            "optimizer_steps": trainer.model_wrapped.global_steps if trainer.is_deepspeed_enabled else counter.optimizer_steps,
+            "scheduler_steps": counter.scheduler_steps(),
+            "global_steps": trainer.state.global_step,
+            "num_processes": trainer.accelerator.num_processes,
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "model_class": type(trainer.model_wrapped).__name__,
+        }
+        (out / f"{name}.json").write_text(json.dumps(record))
+    trainer.accelerator.wait_for_everyone()
+    del trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--rollouts", required=True)
+    parser.add_argument("--small_rollouts", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", nargs="*", default=None)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = args.only or list(CONFIGS)
+    for name in names:
+        print(f"[equivalence] rank {os.environ.get('RANK', '0')}: {name}", file=sys.stderr, flush=True)
+        run(name, CONFIGS[name], args.model, {"main": args.rollouts, "small": args.small_rollouts}, out)
+
+
+if __name__ == "__main__":
+    main()
