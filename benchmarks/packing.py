@@ -24,17 +24,23 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
+    sys.path.insert(0, ROOT)
 
-from verifiers_rl.batching import BatchingConfig, plan_batch
-from verifiers_rl.models import build_tiny_model
-from verifiers_rl.policy import micro_batch_logprobs
-from verifiers_rl.rollouts import Rollout
+import torch  # noqa: E402
+
+from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
+from verifiers_rl.models import build_tiny_model  # noqa: E402
+from verifiers_rl.policy import micro_batch_logprobs  # noqa: E402
+from verifiers_rl.rollouts import Rollout  # noqa: E402
 
 MAX_SEQ_LEN = 1100
 FIRST_TOKEN_ID = 4
@@ -130,9 +136,11 @@ def main() -> None:
         computed = sum(mb.computed_tokens for mb in mbs)
         assert real == rank_batch.stats.real_tokens and computed == rank_batch.stats.computed_tokens
         shapes = [tuple(mb.input_ids.shape) for mb in mbs]
+        # Query-key pairs the (dense-mask) attention computes: rows x width^2 per micro-batch.
+        attention_cells = sum(rows * width * width for rows, width in shapes)
         seconds = step_seconds(model, mbs, repeats)
         results.append(dict(mode=mode, label=label, mbs=len(mbs), real=real, computed=computed, seconds=seconds,
-                            shapes=shapes))
+                            shapes=shapes, attention_cells=attention_cells))
 
     print(
         f"\n{len(rollouts)} rollouts ({num_groups} groups x {group_size}), vocab {vocab}, max_seq_len {MAX_SEQ_LEN}; "
@@ -141,12 +149,17 @@ def main() -> None:
         f"{lengths[-1]}; tiny Llama (hidden 128, 4 layers), CPU, {torch.get_num_threads()} threads, "
         f"median of {repeats} after 1 warm-up.\n"
     )
-    print("| mode | setting | micro-batches | real tokens | computed tokens | real fraction | fwd+bwd s/step | real tok/s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    needed_cells = sum(min(n, MAX_SEQ_LEN) ** 2 for n in lengths)
+    print(
+        "| mode | setting | micro-batches | real tokens | computed tokens | real fraction | attention cells (M) "
+        "| fwd+bwd s/step | real tok/s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         print(
             f"| {r['mode']} | {r['label']} | {r['mbs']} | {r['real']} | {r['computed']} | "
-            f"{r['real'] / r['computed']:.1%} | {r['seconds']:.3f} | {r['real'] / r['seconds']:,.0f} |"
+            f"{r['real'] / r['computed']:.1%} | {r['attention_cells'] / 1e6:.1f} | {r['seconds']:.3f} | "
+            f"{r['real'] / r['seconds']:,.0f} |"
         )
     padded = [r for r in results if r["mode"] == "padded"]
     packed = [r for r in results if r["mode"] == "packed"]
@@ -157,6 +170,10 @@ def main() -> None:
         f"\npacked/best-padded time: {best_packed['seconds'] / best_padded['seconds']:.2f} "
         f"(packed {best_packed['label']} {best_packed['seconds']:.3f} s vs padded {best_padded['label']} "
         f"{best_padded['seconds']:.3f} s); packed real-token fraction {packed_fraction:.1%} (target >= 95%)."
+    )
+    print(
+        f"attention cells = sum over micro-batches of rows x width^2 (dense mask, no flash-attention); "
+        f"the sequences alone need {needed_cells / 1e6:.1f} M."
     )
     print("\nmicro-batch shapes (rows x width):")
     for r in results:

@@ -1,0 +1,128 @@
+"""Real multi-process equivalence: one process vs Accelerate DDP (2 processes) vs DeepSpeed ZeRO-3 (2 processes).
+
+Each backend is ONE launch of ``tests/distributed/equivalence_run.py``, which trains every configuration of its
+CONFIGS table for one SGD step (two where a configuration says so) from the same tiny model and rollouts file.
+The test compares parameters after the step, the logged loss and the number of optimizer/scheduler steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verifiers_rl.rollouts import write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "tests" / "distributed" / "equivalence_run.py"
+sys.path.insert(0, str(RUNNER.parent))
+from equivalence_run import CONFIGS  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+LAUNCH_TIMEOUT_S = 600
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(prefix: list[str], args: list[str], log: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    with log.open("w") as handle:
+        result = subprocess.run(prefix + args, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                timeout=LAUNCH_TIMEOUT_S)
+    return result
+
+
+def accelerate(config: str) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
+            "--main_process_port", str(free_port())]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("equivalence")
+    write_rollouts(work / "main.jsonl", random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15))
+    write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
+    common = ["--model", tiny_model_dir, "--rollouts", str(work / "main.jsonl"),
+              "--small_rollouts", str(work / "small.jsonl")]
+    prefixes = {
+        "single": [sys.executable],
+        "ddp": accelerate("ddp_cpu.yaml"),
+        "zero3": accelerate("zero3_cpu.yaml"),
+    }
+    for backend, prefix in prefixes.items():
+        log = work / f"{backend}.log"
+        result = launch(prefix, [str(RUNNER), *common, "--out", str(work / backend)], log)
+        assert result.returncode == 0, f"{backend} launch failed:\n{log.read_text()[-6000:]}"
+    return work
+
+
+def load(work: Path, backend: str, name: str):
+    return torch.load(work / backend / f"{name}.pt"), json.loads((work / backend / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def initial_parameters(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_process_step_equals_single_process_step(runs, initial_parameters, backend, name):
+    single_params, single = load(runs, "single", name)
+    params, record = load(runs, backend, name)
+    expected_steps = CONFIGS[name].get("max_steps", CONFIGS[name].get("num_iterations", 1))
+
+    assert record["num_processes"] == 2 and single["num_processes"] == 1
+    expected_wrapper = "DeepSpeedEngine" if backend == "zero3" else "DistributedDataParallel"
+    assert record["model_class"] == expected_wrapper
+    # Exactly one optimizer step, one scheduler step per batch.
+    assert record["optimizer_steps"] == single["optimizer_steps"] == expected_steps
+    assert record["scheduler_steps"] == single["scheduler_steps"] == expected_steps
+    assert record["global_steps"] == expected_steps
+
+    assert set(params) == set(single_params)
+    worst = 0.0
+    update = 0.0
+    for key, reference in single_params.items():
+        worst = max(worst, float((params[key] - reference).abs().max() / reference.abs().max()))
+        update = max(update, float((reference - initial_parameters[key]).abs().max() / reference.abs().max()))
+    assert worst < 1e-5, f"max relative parameter difference {worst:.3e}"
+    # Sensitivity: the step moved parameters by far more than the tolerance, so a scale error would show.
+    assert update > 100 * 1e-5, f"the step barely moved the parameters ({update:.2e})"
+
+    # The logged loss is the single-device loss of the batch.
+    assert len(record["losses"]) == len(single["losses"]) == expected_steps
+    for got, want in zip(record["losses"], single["losses"]):
+        assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (got, want)
+
+
+def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, tiny_model_dir, tmp_path):
+    script = ROOT / "examples" / "train.py"
+    args = [str(script), "--model", tiny_model_dir, "--rollouts_path", str(runs / "main.jsonl"),
+            "--loss_type", "dr_grpo", "--rollouts_per_step", "8", "--max_seq_len", "64", "--max_steps", "2",
+            "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "out")]
+    ok = launch(accelerate("ddp_cpu.yaml"), args, tmp_path / "ddp.log")
+    log = (tmp_path / "ddp.log").read_text()
+    assert ok.returncode == 0, log[-6000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+
+    # A MULTI_GPU launch on a CPU-only machine whose script does not select the CPU would train two copies.
+    bad = launch(accelerate("ddp_cpu.yaml"), args[:-1] + [str(tmp_path / "bad")], tmp_path / "bad.log",
+                 env_extra={"ACCELERATE_USE_CPU": "false"})
+    log = (tmp_path / "bad.log").read_text()
+    assert bad.returncode != 0
+    assert "2 processes were launched but Accelerate sees 1" in log
