@@ -108,6 +108,11 @@ def test_two_process_step_equals_single_process_step(runs, initial_parameters, b
     assert len(record["losses"]) == len(single["losses"]) == expected_steps
     for got, want in zip(record["losses"], single["losses"]):
         assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (got, want)
+    # Token-weighted metrics are global too: the same numbers as one process over the whole batch.
+    assert set(record["metrics"]) == set(single["metrics"]) and "entropy" in single["metrics"]
+    for key, values in single["metrics"].items():
+        for got, want in zip(record["metrics"][key], values):
+            assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (key, got, want)
 
 
 def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, tiny_model_dir, tmp_path):
@@ -126,3 +131,31 @@ def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, ti
     log = (tmp_path / "bad.log").read_text()
     assert bad.returncode != 0
     assert "2 processes were launched but Accelerate sees 1" in log
+
+
+def test_bad_input_stops_every_rank_with_the_error(runs, tiny_model_dir, tmp_path):
+    """A malformed file (found at start) and an over-long rollout in the second batch (found mid-run): every
+    rank exits with the main process's message, promptly, instead of waiting on a collective."""
+    malformed = tmp_path / "malformed.jsonl"
+    lines = (runs / "main.jsonl").read_text().splitlines()
+    malformed.write_text("\n".join(lines[:3] + ['{"prompt_ids": [1, 2], "oops"'] + lines[3:]) + "\n")
+
+    overlong = tmp_path / "overlong.jsonl"
+    rollouts = random_rollouts(2, 4, vocab_size=390, seed=3)
+    rollouts[5].completion_ids = rollouts[5].completion_ids + [7] * 100
+    rollouts[5].completion_mask = rollouts[5].completion_mask + [1] * 100
+    rollouts[5].completion_logprobs = rollouts[5].completion_logprobs + [-1.0] * 100
+    write_rollouts(overlong, rollouts)
+
+    for path, own_error, step_trained in [(malformed, "malformed.jsonl:4: not valid JSON", False),
+                                          (overlong, "more than max_seq_len=64", True)]:
+        args = [str(ROOT / "examples" / "train.py"), "--model", tiny_model_dir, "--rollouts_path", str(path),
+                "--rollouts_per_step", "4", "--max_seq_len", "64", "--max_steps", "2", "--logging_steps", "1",
+                "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "out")]
+        log_path = tmp_path / f"{path.stem}.log"
+        result = launch(accelerate("ddp_cpu.yaml"), args, log_path)
+        log = log_path.read_text()
+        assert result.returncode != 0
+        assert own_error in log, log[-4000:]
+        assert "The main process failed:" in log, log[-4000:]  # rank 1 got the same error
+        assert ("'loss'" in log) == step_trained

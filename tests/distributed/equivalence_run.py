@@ -30,6 +30,7 @@ CONFIGS = {
     "grpo_kl_mask_padded4": dict(loss_type="grpo", beta=0.1, max_steps=2, importance_correction="token_mask", importance_cap_min=0.5, micro_batching="padded", per_device_train_batch_size=4),
     "dr_grpo_two_iterations_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64),
     "custom_loss_packed64": dict(loss_type="seq_mean_token_sum", micro_batching="packed", max_tokens_per_microbatch=64, loss_fn="reinforce"),
+    "custom_partial_padded2": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=2, loss_fn="reinforce_partial"),
     "grpo_uneven_ranks_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1, rollouts_per_step=3, rollouts="small"),
 }
 
@@ -37,6 +38,14 @@ CONFIGS = {
 def reinforce_loss(inputs):
     """A user's loss: plain REINFORCE per token, aggregated by the trainer under the global denominator."""
     return -inputs.advantages * inputs.logps
+
+
+def reinforce_partial_loss(inputs):
+    """A user's loss that aggregates itself: it returns this micro-batch's partial (token mean over the batch)."""
+    return inputs.aggregate(-inputs.advantages * inputs.logps, "token_mean")
+
+
+TOKEN_METRICS = ("entropy", "clip_fraction", "is_weight", "is_ratio", "is_clipped_fraction", "kl")
 
 
 class StepCounter(TrainerCallback):
@@ -74,7 +83,7 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
 def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: Path) -> None:
     overrides = dict(overrides)
     rollouts_file = rollouts[overrides.pop("rollouts", "main")]
-    loss_fn = {"reinforce": reinforce_loss, None: None}[overrides.pop("loss_fn", None)]
+    loss_fn = {"reinforce": reinforce_loss, "reinforce_partial": reinforce_partial_loss, None: None}[overrides.pop("loss_fn", None)]
     settings = dict(
         output_dir=str(out / "trainer" / name),
         use_cpu=True,
@@ -99,11 +108,14 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
     trainer = RLTrainer(model, RLConfig(**settings), callbacks=[counter], loss_fn=loss_fn)
     trainer.train()
     params = full_parameters(trainer)
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    losses = [entry["loss"] for entry in logged]
+    metrics = {key: [entry[key] for entry in logged] for key in TOKEN_METRICS if all(key in e for e in logged)}
     if trainer.accelerator.is_main_process:
         torch.save(params, out / f"{name}.pt")
         record = {
             "losses": losses,
+            "metrics": metrics,
             # ZeRO-3 steps its inner optimizer once per parameter sub-group; the engine counts real steps.
             "optimizer_steps": trainer.model_wrapped.global_steps if trainer.is_deepspeed_enabled else counter.optimizer_steps,
             "scheduler_steps": counter.scheduler_steps(),
