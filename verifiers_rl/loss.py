@@ -255,10 +255,12 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             grad_logits = -torch.exp(logits - lse_all[start:stop, None]) * grad_logps[start:stop, None].to(dtype)
             grad_logits.scatter_add_(-1, targets[start:stop, None], grad_logps[start:stop, None].to(dtype))
             grad_logits = grad_logits / ctx.temperature
+            # Matmuls in the parameters' dtype, so a bf16 weight is never copied to fp32 whole.
+            grad_logits_native = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
-                grad_hidden[start:stop] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
+                grad_hidden[start:stop] = (grad_logits_native @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += grad_logits.T @ hidden[start:stop].to(dtype)
+                grad_weight += (grad_logits_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
         if grad_weight is not None:
@@ -269,7 +271,8 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
 
 
 def _logits(hidden, weight, bias, temperature, dtype):
-    logits = hidden.to(dtype) @ weight.to(dtype).T
+    # The matmul runs in the weight's dtype (no fp32 copy of a bf16 vocabulary matrix); softmax math in ``dtype``.
+    logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
     if bias is not None:
         logits = logits + bias.to(dtype)
     return logits / temperature
