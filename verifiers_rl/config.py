@@ -60,11 +60,12 @@ class RLConfig(GRPOConfig):
         default=None, metadata={"help": "Horizon H of dr_grpo; defaults to max_seq_len."}
     )
     micro_batching: str = field(
-        default="packed",
+        default="auto",
         metadata={
-            "help": "padded: per_device_train_batch_size rows per micro-batch; packed: padding-free rows of at most "
-            "max_tokens_per_microbatch tokens.",
-            "choices": list(MICRO_BATCHING_MODES),
+            "help": "padded: per_device_train_batch_size rows per micro-batch (length-sorted); packed: padding-free "
+            "rows of at most max_tokens_per_microbatch tokens; auto: packed with a flash-attention (varlen) kernel, "
+            "padded otherwise (a dense block-diagonal mask attends over the whole packed row, benchmarks/packing.py).",
+            "choices": list(MICRO_BATCHING_MODES) + ["auto"],
         },
     )
     max_tokens_per_microbatch: int | None = field(
@@ -86,6 +87,16 @@ class RLConfig(GRPOConfig):
     scale_rewards: str = field(
         default="group",
         metadata={"help": "Advantage scaling: group std, batch std, or none.", "choices": list(SCALE_REWARDS)},
+    )
+    max_off_policy_steps: int = field(
+        default=1,
+        metadata={"help": "k: generation runs up to k optimizer steps ahead of training (0 = synchronous)."},
+    )
+    generation_timeout_s: float = field(
+        default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error."}
+    )
+    save_rollouts_path: str | None = field(
+        default=None, metadata={"help": "Append every trained rollout to this JSON Lines file (the replay format)."}
     )
     num_generations: int | None = field(
         default=8, metadata={"help": "Rollouts per prompt when generating (a group)."}
@@ -125,7 +136,7 @@ class RLConfig(GRPOConfig):
             "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
             "importance_correction": CORRECTION_MODES,
             "overlong": OVERLONG_POLICIES,
-            "micro_batching": MICRO_BATCHING_MODES,
+            "micro_batching": MICRO_BATCHING_MODES + ("auto",),
             "scale_rewards": SCALE_REWARDS,
         }
         for name, allowed in choices.items():
@@ -137,7 +148,7 @@ class RLConfig(GRPOConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         if self.dr_grpo_horizon is not None and self.dr_grpo_horizon < 1:
             raise ValueError(f"dr_grpo_horizon must be >= 1, got {self.dr_grpo_horizon}.")
-        if self.micro_batching == "packed" and self.max_tokens_per_microbatch < self.max_seq_len:
+        if self.micro_batching != "padded" and self.max_tokens_per_microbatch < self.max_seq_len:
             raise ValueError(
                 f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be >= max_seq_len ({self.max_seq_len})."
             )
@@ -149,6 +160,10 @@ class RLConfig(GRPOConfig):
             raise ValueError("logprob_chunk_size must be >= 0.")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
+        if self.max_off_policy_steps < 0:
+            raise ValueError(f"max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}.")
+        if self.generation_timeout_s <= 0:
+            raise ValueError("generation_timeout_s must be > 0.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):

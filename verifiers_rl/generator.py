@@ -7,7 +7,11 @@ implements the same two methods.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
+import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Protocol
@@ -73,3 +77,148 @@ class ReplaySource:
 
     def batch(self, index: int) -> list[Rollout]:
         return self.batches[index % len(self.batches)]
+
+
+class GenerationError(RuntimeError):
+    """Generation, an environment or a reward function failed; raised where the trainer waits for a batch."""
+
+
+class GenerationTimeout(GenerationError):
+    """No batch arrived in time: the engine or an environment is stuck."""
+
+
+class AsyncGenerator:
+    """Produces batches of rollouts ``max_off_policy_steps`` (k) optimizer steps ahead, on a thread of the main process.
+
+    Batch b is started only once the engine holds policy version >= b - k, so every rollout of batch b is at most
+    k versions behind the weights that train on it (k = 0 is synchronous). A batch is generated under one lock, and
+    ``hold_weights()`` takes the same lock, so a weight load never lands in the middle of a batch.
+    """
+
+    def __init__(
+        self,
+        environment,
+        engine,
+        rollouts_per_step: int,
+        num_generations: int,
+        max_off_policy_steps: int = 1,
+        timeout_s: float = 600.0,
+        seed: int = 0,
+    ):
+        if rollouts_per_step % num_generations:
+            raise ValueError(
+                f"rollouts_per_step ({rollouts_per_step}) must be a multiple of num_generations ({num_generations})."
+            )
+        if max_off_policy_steps < 0:
+            raise ValueError("max_off_policy_steps must be >= 0.")
+        rows = list(environment.dataset)
+        if not rows:
+            raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")
+        self.environment = environment
+        self.engine = engine
+        self.rows = rows
+        self.prompts_per_batch = rollouts_per_step // num_generations
+        self.num_generations = num_generations
+        self.max_off_policy_steps = max_off_policy_steps
+        self.timeout_s = timeout_s
+        self.seed = seed
+        self._ready: dict[int, list[Rollout]] = {}
+        self._error: BaseException | None = None
+        self._condition = threading.Condition()
+        self._batch_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return max(len(self.rows) // self.prompts_per_batch, 1)
+
+    # --- the trainer's side -------------------------------------------------------------------------------------
+
+    def batch(self, index: int) -> list[Rollout]:
+        """Batch ``index``; waits at most ``timeout_s``; re-raises what went wrong in generation."""
+        self.start()
+        deadline = time.monotonic() + self.timeout_s
+        with self._condition:
+            while index not in self._ready:
+                if self._error is not None:
+                    raise GenerationError(f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise GenerationTimeout(
+                        f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
+                        f"{self.engine.policy_version}); the engine or an environment is stuck."
+                    )
+                self._condition.wait(timeout=min(remaining, 1.0))
+            return self._ready.pop(index)
+
+    def hold_weights(self):
+        """Context manager for a weight load: waits for the batch in progress, blocks the next one."""
+        return self._batch_lock
+
+    def weights_updated(self) -> None:
+        with self._condition:
+            self._condition.notify_all()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="verifiers_rl-generator", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        with self._condition:
+            self._condition.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            self._thread = None
+
+    # --- the generator thread -----------------------------------------------------------------------------------
+
+    def _rows_of(self, index: int) -> list[tuple[int, dict]]:
+        picked = []
+        for k in range(self.prompts_per_batch):
+            position = index * self.prompts_per_batch + k
+            epoch, offset = divmod(position, len(self.rows))
+            while len(self._order) <= epoch * len(self.rows) + offset:
+                order = list(range(len(self.rows)))
+                random.Random(self.seed + len(self._order) // len(self.rows)).shuffle(order)
+                self._order.extend(order)
+            row_index = self._order[epoch * len(self.rows) + offset]
+            picked.append((position, row_index))
+        return picked
+
+    def _wait_for_version(self, index: int) -> bool:
+        needed = index - self.max_off_policy_steps
+        with self._condition:
+            while self.engine.policy_version < needed and not self._stop.is_set():
+                self._condition.wait(timeout=0.5)
+        return not self._stop.is_set()
+
+    def _run(self) -> None:
+        try:
+            index = 0
+            while self._wait_for_version(index):
+                with self._batch_lock:
+                    rollouts = asyncio.run(self._generate(index))
+                with self._condition:
+                    self._ready[index] = rollouts
+                    self._condition.notify_all()
+                index += 1
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank
+            with self._condition:
+                self._error = error
+                self._condition.notify_all()
+
+    async def _generate(self, index: int) -> list[Rollout]:
+        version = self.engine.policy_version
+        groups = await asyncio.gather(
+            *(
+                self.environment.rollout_group(self.engine, self.rows[row_index], f"b{index}-p{position}", self.num_generations)
+                for position, row_index in self._rows_of(index)
+            )
+        )
+        rollouts = [rollout for group in groups for rollout in group]
+        for rollout in rollouts:
+            rollout.policy_version = version
+        return rollouts

@@ -215,7 +215,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _ChunkedTargetLogProbs(torch.autograd.Function):
-    """log softmax(h W^T + b) / T)[target] and the entropy, over token chunks, with a recomputing backward."""
+    """log softmax((h W^T + b) / T)[target] and the entropy, over token chunks, with a recomputing backward.
+
+    Each chunk works in place on one [chunk, V] buffer (two at the peak), so memory is bounded by the chunk size.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
@@ -225,12 +228,14 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
         lse_all = torch.empty_like(logps)
         for start in range(0, hidden.shape[0], chunk_size):
             stop = start + chunk_size
-            logits = _logits(hidden[start:stop], weight, bias, temperature, dtype)
-            lse = torch.logsumexp(logits, dim=-1)
-            logps[start:stop] = logits.gather(-1, targets[start:stop, None]).squeeze(-1) - lse
-            probs = torch.exp(logits - lse[:, None])
-            entropy[start:stop] = lse - (probs * logits).sum(-1)
+            logsoftmax = _logits(hidden[start:stop], weight, bias, temperature, dtype)
+            lse = torch.logsumexp(logsoftmax, dim=-1)
+            logsoftmax.sub_(lse[:, None])
+            logps[start:stop] = logsoftmax.gather(-1, targets[start:stop, None]).squeeze(-1)
+            probs = logsoftmax.exp()
+            entropy[start:stop] = -probs.mul_(logsoftmax).sum(-1)
             lse_all[start:stop] = lse
+            del logsoftmax, probs
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -250,19 +255,24 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
         )
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             stop = start + ctx.chunk_size
-            logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
-            # d logp_target / d logits = onehot(target) - softmax
-            grad_logits = -torch.exp(logits - lse_all[start:stop, None]) * grad_logps[start:stop, None].to(dtype)
-            grad_logits.scatter_add_(-1, targets[start:stop, None], grad_logps[start:stop, None].to(dtype))
-            grad_logits = grad_logits / ctx.temperature
+            upstream = grad_logps[start:stop, None].to(dtype)
+            # d logp_target / d logits = (onehot(target) - softmax) / T, built in place in the logits buffer.
+            grad_logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
+            grad_logits.sub_(lse_all[start:stop, None]).exp_().mul_(-upstream)
+            grad_logits.scatter_add_(-1, targets[start:stop, None], upstream)
+            grad_logits.div_(ctx.temperature)
             # Matmuls in the parameters' dtype, so a bf16 weight is never copied to fp32 whole.
-            grad_logits_native = grad_logits.to(weight.dtype)
+            grad_native = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
-                grad_hidden[start:stop] = (grad_logits_native @ weight).to(hidden.dtype)
+                grad_hidden[start:stop] = (grad_native @ weight).to(hidden.dtype)
             if grad_weight is not None:
-                grad_weight += (grad_logits_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
+                if weight.dtype == dtype:
+                    grad_weight.addmm_(grad_native.T, hidden[start:stop].to(dtype))
+                else:
+                    grad_weight += (grad_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
+            del grad_logits, grad_native
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:

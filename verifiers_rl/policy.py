@@ -31,6 +31,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
+def splits_packed_rows(model: torch.nn.Module) -> bool:
+    """Whether the attention kernel separates packed sequences by their restarted position ids (flash/varlen);
+    other kernels need a dense block-diagonal mask and attend over the whole packed row."""
+    return "flash" in str(getattr(unwrap(model).config, "_attn_implementation", "") or "")
+
+
 def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Additive 4D mask [R, 1, T, T]: causal, and a position sees only its own sequence (never padding)."""
     length = seq_index.shape[1]
@@ -82,14 +88,10 @@ def micro_batch_logprobs(
     """
     select = micro_batch.loss_mask[:, 1:] > 0
     targets = micro_batch.input_ids[:, 1:][select]
-    inner = unwrap(model)
     kwargs = {"input_ids": micro_batch.input_ids, "position_ids": micro_batch.position_ids, "use_cache": False}
     if micro_batch.packed:
-        attn_impl = str(getattr(inner.config, "_attn_implementation", "") or "")
-        if "flash" in attn_impl:
-            pass  # flash-attention kernels split packed rows by the restarted position ids
-        else:
-            kwargs["attention_mask"] = packed_attention_mask(micro_batch.seq_index, inner.dtype)
+        if not splits_packed_rows(model):
+            kwargs["attention_mask"] = packed_attention_mask(micro_batch.seq_index, unwrap(model).dtype)
     else:
         kwargs["attention_mask"] = (micro_batch.seq_index >= 0).long()
     sink: dict[str, torch.Tensor] = {}

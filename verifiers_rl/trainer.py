@@ -18,13 +18,15 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from datasets import Dataset
 from torch.utils.data import DataLoader
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .batching import BatchingConfig, MicroBatch, RankBatch, plan_batch
 from .config import RLConfig
-from .generator import ReplaySource, RolloutSource
+from .generator import AsyncGenerator, ReplaySource, RolloutSource
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
-from .policy import micro_batch_logprobs, unwrap
+from .policy import micro_batch_logprobs, splits_packed_rows, unwrap
+from .rollouts import write_rollouts
 
 
 class MainProcessError(RuntimeError):
@@ -122,6 +124,8 @@ class RLTrainer(GRPOTrainer):
         model: hub id, local folder, or a loaded model.
         args: an ``RLConfig``.
         rollout_source: where batches come from; defaults to replaying ``args.rollouts_path``.
+        environment: an ``envs.Environment`` to generate from (live, asynchronous); needs ``engine`` on the main
+            process (an ``inference`` engine whose weights the trainer refreshes after every optimizer step).
         loss_fn: optional custom loss, ``loss_fn(LossInputs) -> per-token loss [R, T] or a partial loss``.
     """
 
@@ -131,6 +135,8 @@ class RLTrainer(GRPOTrainer):
         args: RLConfig,
         processing_class=None,
         rollout_source: RolloutSource | None = None,
+        environment=None,
+        engine=None,
         loss_fn: CustomLoss | None = None,
         callbacks=None,
         optimizers=(None, None),
@@ -138,9 +144,15 @@ class RLTrainer(GRPOTrainer):
     ):
         if not isinstance(args, RLConfig):
             raise TypeError(f"RLTrainer needs an RLConfig, got {type(args).__name__}.")
-        if rollout_source is None:
+        self.engine = engine
+        self.generator: AsyncGenerator | None = None
+        if environment is not None:
+            if rollout_source is not None or args.rollouts_path:
+                raise ValueError("Pass either an environment or a rollout source / --rollouts_path, not both.")
+            num_batches = _main_process_outcome(lambda: len(self._start_generator(environment, engine, args)))
+        elif rollout_source is None:
             if not args.rollouts_path:
-                raise ValueError("RLTrainer needs a rollout source: pass rollout_source or set --rollouts_path.")
+                raise ValueError("RLTrainer needs a rollout source: an environment, rollout_source or --rollouts_path.")
             path, per_step = args.rollouts_path, args.rollouts_per_step
             num_batches = _main_process_outcome(lambda: len(self._load_replay(path, per_step)))
         else:
@@ -159,6 +171,8 @@ class RLTrainer(GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
+        if environment is not None:
+            self.add_callback(_WeightSyncCallback(self))
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.accelerator.num_processes != launched:
             raise RuntimeError(
@@ -177,6 +191,65 @@ class RLTrainer(GRPOTrainer):
         self._replay = ReplaySource(path, rollouts_per_step)
         return self._replay
 
+    def _start_generator(self, environment, engine, args: RLConfig) -> AsyncGenerator:
+        if engine is None:
+            raise ValueError("Generating from an environment needs an inference engine on the main process.")
+        self.generator = AsyncGenerator(
+            environment,
+            engine,
+            rollouts_per_step=args.rollouts_per_step,
+            num_generations=args.num_generations,
+            max_off_policy_steps=args.max_off_policy_steps,
+            timeout_s=args.generation_timeout_s,
+            seed=args.seed,
+        )
+        self._replay = self.generator
+        return self.generator
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.generator is not None:
+                self.generator.close()
+
+    # --- weights to the engine ----------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The policy's full parameters on the main process (None elsewhere); every rank must call it (ZeRO-3
+        gathers shards collectively). LoRA adapters are merged into the base weights for the copy."""
+        model = self.model_wrapped if self.is_deepspeed_enabled else self.model
+        inner = unwrap(model)
+        params = list(inner.named_parameters())
+        gather = contextlib.nullcontext()
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in params])
+        with gather:
+            if not self.accelerator.is_main_process:
+                return None
+            if hasattr(inner, "merge_adapter"):
+                inner.merge_adapter()
+                try:
+                    state = {
+                        name.replace("base_model.model.", "").replace(".base_layer", ""): p.detach().clone()
+                        for name, p in inner.named_parameters()
+                        if "lora_" not in name
+                    }
+                finally:
+                    inner.unmerge_adapter()
+                return state
+            return {name: p.detach().clone() for name, p in params}
+
+    def sync_weights(self) -> None:
+        """Load the current policy into the engine as version ``global_step`` (never in the middle of a batch)."""
+        state = self.full_state_dict()
+        if self.accelerator.is_main_process and self.engine is not None:
+            with self.generator.hold_weights():
+                self.engine.load_weights(state.items(), version=self.state.global_step)
+            self.generator.weights_updated()
+
     # --- data ---------------------------------------------------------------------------------------------------
 
     def get_train_dataloader(self):
@@ -187,7 +260,7 @@ class RLTrainer(GRPOTrainer):
         args = self.args
         return BatchingConfig(
             world_size=self.accelerator.num_processes,
-            mode=args.micro_batching,
+            mode=self.micro_batching_mode(),
             rows_per_micro_batch=args.per_device_train_batch_size,
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             max_seq_len=args.max_seq_len,
@@ -198,8 +271,30 @@ class RLTrainer(GRPOTrainer):
             pad_token_id=self.pad_token_id,
         )
 
+    def micro_batching_mode(self) -> str:
+        """``auto`` packs only when the attention kernel splits packed rows by position ids (flash/varlen)."""
+        if self.args.micro_batching != "auto":
+            return self.args.micro_batching
+        return "packed" if splits_packed_rows(self.model) else "padded"
+
     def _plan(self, batch_index: int) -> list[RankBatch]:
-        return plan_batch(self._replay.batch(batch_index), self.batching_config(), batch_index)
+        rollouts = self._replay.batch(batch_index)
+        if self.args.save_rollouts_path:
+            write_rollouts(self.args.save_rollouts_path, rollouts, append=True)
+        rank_batches = plan_batch(rollouts, self.batching_config(), batch_index)
+        versions = [r.policy_version for r in rollouts if r.policy_version is not None]
+        if versions:
+            # Staleness: optimizer steps between the weights that sampled a rollout and the weights it trains.
+            staleness = [self.state.global_step - v for v in versions]
+            for rank_batch in rank_batches:
+                rank_batch.stats.extra.update(
+                    staleness_max=float(max(staleness)), staleness_mean=sum(staleness) / len(staleness)
+                )
+        for name in ("reward_errors",):
+            values = [r.metrics.get(name, 0.0) for r in rollouts]
+            for rank_batch in rank_batches:
+                rank_batch.stats.extra[name] = float(sum(values))
+        return rank_batches
 
     def _next_rank_batch(self, model) -> RankBatch:
         """This rank's slice of the current batch; a new batch every ``num_iterations`` optimizer steps."""
@@ -337,3 +432,15 @@ class RLTrainer(GRPOTrainer):
         train["micro_batches_per_rank"].append(float(len(rank_batch.micro_batches)))
         train["loss_tokens"].append(float(rank_batch.counts.loss_tokens))
         train["step_time"].append(seconds)
+        for name, value in stats.extra.items():
+            train[name].append(value)
+
+
+class _WeightSyncCallback(TrainerCallback):
+    """After every optimizer step, the engine gets the new weights (all ranks take part in the ZeRO-3 gather)."""
+
+    def __init__(self, trainer: "RLTrainer"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.sync_weights()

@@ -1,0 +1,69 @@
+"""The small interface every inference engine implements (SPEC §5): the embedded HF engine, a vLLM client.
+
+Environments call ``await engine.sample(prompt_ids, max_new_tokens)`` from many coroutines at once; the engine
+batches them. The trainer calls ``load_weights`` after each optimizer step and bumps ``policy_version``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol, runtime_checkable
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class Sample:
+    """One completion: its token ids, the sampler's log-prob of each, and why it ended.
+
+    ``logprobs[t]`` = log softmax(logits_t / temperature)[token_ids[t]], the same quantity the trainer computes
+    for the policy at the sampling temperature. ``finish_reason`` is ``"stop"`` (ended with an eos token, which is
+    included in ``token_ids``) or ``"length"`` (hit ``max_new_tokens``).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class SamplingConfig:
+    """How an engine samples. ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` sample from the full
+    softmax, which is what the trainer's log-probs describe; narrower settings make the sampler's distribution
+    differ from the one the importance weights assume."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """Generate with token ids + log-probs, load new weights, report health."""
+
+    policy_version: int
+
+    async def sample(self, prompt_ids: list[int], max_new_tokens: int) -> Sample:
+        """Sample one completion of ``prompt_ids``; concurrent calls are batched by the engine."""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy ``(name, tensor)`` pairs (the trainer's parameter names) into the engine; set ``policy_version``."""
+
+    def health(self) -> dict:
+        """At least ``{"model": ..., "policy_version": ..., "ok": bool}``."""
+
+    def close(self) -> None:
+        """Release the engine; later ``sample`` calls fail."""
