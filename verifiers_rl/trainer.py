@@ -185,7 +185,6 @@ class RLTrainer(GRPOTrainer):
         self._rank_batch: RankBatch | None = None
         self._batch_index = 0
         self._iteration = 0
-        self.last_step_loss: float | None = None
 
     def _load_replay(self, path, rollouts_per_step) -> RolloutSource:
         self._replay = ReplaySource(path, rollouts_per_step)
