@@ -16,7 +16,15 @@ from verifiers_rl.batching import BatchingConfig, compute_advantages, plan_batch
 from verifiers_rl.loss import LOSS_TYPES, aggregation_weights, per_token_loss
 from verifiers_rl.synthetic import random_rollouts
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _fp64():
+    """This module computes in fp64; other modules keep torch's default dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def reference_loss(sequences, logps, proximal, sampler, ref, loss_type, level, correction, cap, cap_min, beta, horizon,

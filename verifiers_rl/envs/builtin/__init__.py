@@ -1,0 +1,1 @@
+"""Built-in environments, each a module exposing ``load_environment(tokenizer=..., **kwargs)``."""

@@ -1,0 +1,143 @@
+"""Environment: a dataset of tasks, a rollout procedure and a Rubric. It knows nothing about training."""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..rollouts import Rollout
+from .messages import Messages, check_messages
+from .rubric import Rubric
+from .sampler import Sampler
+
+
+class RolloutError(RuntimeError):
+    """A rollout failed; the message names the environment and the dataset row."""
+
+
+@dataclass
+class Row:
+    """One task: the prompt as chat messages, plus the optional ``answer`` and ``info`` the rubric receives."""
+
+    index: int
+    prompt: Messages
+    answer: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Trajectory:
+    """What a rollout procedure produced before scoring: the completion as messages (for rewards and logs) and as
+    tokens (for training). Mask 1 marks the model's tokens, 0 the environment's (whose log-probs are 0.0)."""
+
+    completion: Messages
+    completion_ids: list[int]
+    completion_mask: list[int]
+    completion_logprobs: list[float]
+    truncated: bool
+
+
+class Environment(ABC):
+    """Base class: owns the dataset and the rubric, renders prompts with the tokenizer's chat template and turns
+    a ``generate`` procedure into ``Rollout`` records.
+
+    ``dataset`` is a list of dict rows (or a ``datasets.Dataset``) with ``prompt`` (chat messages) or ``question``
+    (a string, sent as a user message), and optional ``answer`` and ``info`` (a dict). ``system_prompt``, when
+    given, is put before every prompt that does not start with a system message. ``max_new_tokens`` bounds each
+    model turn and ``max_seq_len`` the whole sequence (prompt + completion).
+    """
+
+    def __init__(
+        self,
+        dataset: Iterable[Mapping[str, Any]],
+        rubric: Rubric,
+        tokenizer: Any,
+        *,
+        system_prompt: str | None = None,
+        max_new_tokens: int = 256,
+        max_seq_len: int = 1024,
+        name: str | None = None,
+    ):
+        self.name = name or type(self).__name__
+        if max_new_tokens < 1 or max_seq_len < 2:
+            raise ValueError(f"{self.name}: max_new_tokens must be >= 1 and max_seq_len >= 2.")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"{self.name}: the tokenizer has no chat template, so prompts cannot be rendered.")
+        self.rubric = rubric
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.max_seq_len = max_seq_len
+        self.dataset = [self._row(index, record, system_prompt) for index, record in enumerate(dataset)]
+        if not self.dataset:
+            raise ValueError(f"{self.name}: the dataset is empty; an environment needs at least one row.")
+
+    def _row(self, index: int, record: Any, system_prompt: str | None) -> Row:
+        where = f"{self.name}: dataset row {index}"
+        if not isinstance(record, Mapping):
+            raise TypeError(f"{where} is a {type(record).__name__}; expected a dict with 'prompt' or 'question'.")
+        if record.get("prompt") is not None:
+            prompt = check_messages(record["prompt"], f"{where}, 'prompt'")
+        elif isinstance(record.get("question"), str):
+            prompt = [{"role": "user", "content": record["question"]}]
+        else:
+            raise ValueError(
+                f"{where} needs 'prompt' (a list of chat messages) or 'question' (a string); it has keys {sorted(record)}."
+            )
+        if system_prompt is not None and (not prompt or prompt[0]["role"] != "system"):
+            prompt.insert(0, {"role": "system", "content": system_prompt})
+        info = record.get("info") or {}
+        if not isinstance(info, Mapping):
+            raise TypeError(f"{where}: 'info' must be a dict, got {type(info).__name__}.")
+        return Row(index=index, prompt=prompt, answer=record.get("answer"), info=dict(info))
+
+    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+        """The chat template applied to ``messages`` (as text)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        # No special tokens added: a chat template writes its own (bos included) into the text.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @abstractmethod
+    async def generate(
+        self, sampler: Sampler, prompt: Messages, prompt_ids: list[int], state: dict[str, Any]
+    ) -> Trajectory:
+        """Produce the completion of ``prompt`` (whose template rendering is ``prompt_ids``) with ``sampler``."""
+
+    async def rollout(self, sampler: Sampler, row: Row, group_id: str | int) -> Rollout:
+        """Roll ``row`` out once and score it. Any failure is raised as a RolloutError naming the environment and row."""
+        try:
+            prompt_ids = self.encode(self.render(row.prompt, add_generation_prompt=True))
+            if len(prompt_ids) >= self.max_seq_len:
+                raise ValueError(
+                    f"the prompt is {len(prompt_ids)} tokens, leaving no room within max_seq_len={self.max_seq_len}"
+                )
+            # ``state`` is shared by the rollout procedure and the reward functions; ``turn`` counts model turns.
+            state: dict[str, Any] = {"answer": row.answer, "info": row.info, "turn": 0}
+            trajectory = await self.generate(sampler, row.prompt, prompt_ids, state)
+            score = await self.rubric.score(row.prompt, trajectory.completion, row.answer, state, row.info)
+        except Exception as error:
+            raise RolloutError(
+                f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}"
+            ) from error
+        return Rollout(
+            prompt_ids=prompt_ids,
+            completion_ids=trajectory.completion_ids,
+            completion_mask=trajectory.completion_mask,
+            completion_logprobs=trajectory.completion_logprobs,
+            reward=score.reward,
+            group_id=group_id,
+            truncated=trajectory.truncated,
+            metrics=score.metrics,
+            prompt=row.prompt,
+            completion=trajectory.completion,
+        )
+
+    async def rollout_group(self, sampler: Sampler, row: Row, group_id: str | int, n: int) -> list[Rollout]:
+        """``n`` concurrent rollouts of ``row`` sharing ``group_id``."""
+        if n < 1:
+            raise ValueError(f"{self.name}: a group needs at least one rollout, got n={n}.")
+        return list(await asyncio.gather(*(self.rollout(sampler, row, group_id) for _ in range(n))))

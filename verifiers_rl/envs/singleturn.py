@@ -1,0 +1,14 @@
+"""SingleTurnEnv: the model answers the prompt once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .multiturn import MultiTurnEnv
+
+
+class SingleTurnEnv(MultiTurnEnv):
+    """One model turn per rollout; takes the arguments of ``Environment``."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, max_turns=1, **kwargs)

@@ -1,0 +1,356 @@
+"""The embedded engine: transformers ``generate`` on the engine's own copy of the weights (SPEC §5, default on CPU).
+
+Concurrent ``sample`` calls from the coroutines of one event loop are queued and run as one left-padded
+``generate`` call in a worker thread, so the loop keeps serving environments while the model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ..policy import unwrap
+from .engine import Sample, SamplingConfig
+
+# Prefixes that wrappers (DDP / DeepSpeed ``module.``, torch.compile ``_orig_mod.``) put before parameter names.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
+# the loop busy forever).
+_MAX_SETTLE_ROUNDS = 64
+
+
+@contextlib.contextmanager
+def _without_zero3_init():
+    """Load a whole model on this process only. Under a ZeRO-3 launch transformers would otherwise build it with
+    ``deepspeed.zero.Init``, a collective the other ranks never join."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+class EngineClosedError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    future: asyncio.Future
+
+
+class _LoopQueue:
+    """Requests waiting in one event loop, and the task that feeds them to the model."""
+
+    def __init__(self):
+        self.pending: list[_Request] = []
+        self.task: asyncio.Task | None = None
+
+
+class EmbeddedEngine:
+    """An ``InferenceEngine`` running transformers ``generate`` in-process, on its own copy of the weights.
+
+    Args:
+        model: a model (deep-copied, wrappers removed) or a name/folder for ``AutoModelForCausalLM``.
+        tokenizer: a tokenizer or a name/folder (default: the model's folder); gives the pad and eos ids.
+        sampling: temperature / top_p / top_k / default ``max_new_tokens``.
+        max_batch_size: most requests per ``generate`` call.
+        dtype: when loading from a name/folder (default float32).
+
+    Log-probs are those of the full softmax at the sampling temperature, from the raw logits (with temperature 0,
+    greedy decoding, at temperature 1). ``generate`` keeps every step's logits until it returns:
+    ``max_batch_size x max_new_tokens x vocab x 4`` bytes at most.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        sampling: SamplingConfig | None = None,
+        max_batch_size: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ):
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if isinstance(model, (str, Path)):
+            self.model_name = str(model)
+            with _without_zero3_init():
+                self.model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=dtype)
+        else:
+            inner = unwrap(model)
+            if any(hasattr(p, "ds_id") for p in inner.parameters()):
+                # A ZeRO-3 model holds only this rank's shards; a copy of it would be empty.
+                raise ValueError("Pass a model name or folder (not a DeepSpeed ZeRO-3 model) to build the engine.")
+            self.model_name = str(getattr(inner, "name_or_path", "") or type(inner).__name__)
+            self.model = copy.deepcopy(inner)
+        if tokenizer is None or isinstance(tokenizer, (str, Path)):
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_name))
+        self.tokenizer = tokenizer
+        self.sampling = sampling or SamplingConfig()
+        self.max_batch_size = max_batch_size
+        self.model.eval()
+        for param in self.model.parameters():
+            param.requires_grad_(False)
+            param.grad = None
+        self._tie_embeddings()
+
+        gen = self.model.generation_config
+        eos = gen.eos_token_id if gen is not None else None
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(tokenizer.eos_token_id)
+        if not eos:
+            raise ValueError("Neither the generation config nor the tokenizer defines an eos token.")
+        self.eos_token_ids: list[int] = eos
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = gen.pad_token_id if gen is not None and gen.pad_token_id is not None else eos[0]
+        self.pad_token_id = int(pad)
+        # generate() fills every option left unset from model.generation_config, then from global defaults
+        # (top_k=50 among them). A checkpoint's own defaults (top_k, repetition_penalty, min_length, ...) would
+        # change the sampling distribution behind the log-probs' back, so this private copy gets a blank config
+        # and every sampling option is passed explicitly in _generation_config().
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            bos_token_id=gen.bos_token_id if gen is not None else None,
+        )
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self._targets = self._named_targets()
+
+        self.policy_version = 0
+        self.generate_calls = 0
+        self.requests_served = 0
+        self._closed = False
+        self._lock = threading.Lock()  # one generate or one weight load at a time
+        self._queues_lock = threading.Lock()
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
+
+    # --- sampling -----------------------------------------------------------------------------------------------
+
+    async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Sample:
+        """Sample one completion of ``prompt_ids`` (default length: ``sampling.max_new_tokens``).
+
+        Calls made concurrently in one event loop are batched into one ``generate``; an error in it is raised
+        in every caller of that batch.
+        """
+        if self._closed:
+            raise EngineClosedError("The engine is closed.")
+        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty; the first completion token needs a context.")
+        # Checked here, so one bad request fails alone instead of failing the whole batch it would join.
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+        loop = asyncio.get_running_loop()
+        queue = self._queue_for(loop)
+        future = loop.create_future()
+        queue.pending.append(_Request(prompt_ids, max_new_tokens, future))
+        if queue.task is None or queue.task.done():
+            queue.task = loop.create_task(self._drain(queue))
+        return await future
+
+    def _queue_for(self, loop: asyncio.AbstractEventLoop) -> _LoopQueue:
+        # The trainer's generator opens a new event loop per batch (asyncio.run), so queues are per loop.
+        with self._queues_lock:
+            queue = self._queues.get(loop)
+            if queue is None:
+                queue = self._queues[loop] = _LoopQueue()
+            return queue
+
+    async def _drain(self, queue: _LoopQueue) -> None:
+        batch: list[_Request] = []
+        try:
+            while queue.pending:
+                await self._settle(queue)
+                batch = queue.pending[: self.max_batch_size]
+                del queue.pending[: len(batch)]
+                batch = [r for r in batch if not r.future.done()]  # callers that gave up (cancelled)
+                if not batch:
+                    continue
+                try:
+                    samples = await asyncio.to_thread(
+                        self._generate, [r.prompt_ids for r in batch], [r.max_new_tokens for r in batch]
+                    )
+                except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
+                    for request in batch:
+                        if not request.future.done():
+                            request.future.set_exception(error)
+                else:
+                    for request, sample in zip(batch, samples):
+                        if not request.future.done():
+                            request.future.set_result(sample)
+                batch = []
+        except BaseException:
+            # Cancelled (the loop is shutting down) or worse: nobody may be left waiting.
+            for request in batch + queue.pending:
+                if not request.future.done():
+                    request.future.cancel()
+            queue.pending.clear()
+            raise
+
+    async def _settle(self, queue: _LoopQueue) -> None:
+        """Yield to the event loop until no other work is ready to run (everyone about to ask has asked)."""
+        loop = asyncio.get_running_loop()
+        # CPython's loop keeps its runnable callbacks in ``_ready``; other loops (uvloop) don't expose it, and then
+        # a round without a new request is taken as "settled".
+        ready = getattr(loop, "_ready", None)
+        for _ in range(_MAX_SETTLE_ROUNDS):
+            if len(queue.pending) >= self.max_batch_size:
+                return
+            before = len(queue.pending)
+            await asyncio.sleep(0)
+            if (not ready) if ready is not None else len(queue.pending) == before:
+                return
+
+    def _generation_config(self, max_new_tokens: int):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        options = dict(
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        if s.temperature == 0:
+            options.update(do_sample=False)
+        else:
+            options.update(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+        return GenerationConfig(**options)
+
+    @torch.no_grad()
+    def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
+        """One left-padded ``generate`` for a batch of prompts (worker thread)."""
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("The engine was closed while requests were waiting.")
+            self.generate_calls += 1
+            self.requests_served += len(prompts)
+            device = self.model.get_input_embeddings().weight.device
+            width = max(len(p) for p in prompts)
+            input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+            attention_mask = torch.zeros_like(input_ids)
+            for row, prompt in enumerate(prompts):
+                input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+                attention_mask[row, width - len(prompt) :] = 1  # from real tokens, never from ids != pad
+            output = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=self._generation_config(max(max_new_tokens)),
+                # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
+                synced_gpus=False,
+            )
+            tokens = output.sequences[:, width:].cpu()
+            temperature = self.sampling.temperature or 1.0
+            # One step at a time: never a [batch, steps, vocab] copy of the logits.
+            logprobs = torch.stack(
+                [
+                    torch.log_softmax(step.float() / temperature, dim=-1)
+                    .gather(-1, tokens[:, t, None].to(step.device))[:, 0]
+                    .cpu()
+                    for t, step in enumerate(output.logits)
+                ],
+                dim=1,
+            )
+        eos = set(self.eos_token_ids)
+        samples = []
+        for row, limit in enumerate(max_new_tokens):
+            ids = tokens[row, :limit].tolist()
+            end = next((i for i, token in enumerate(ids) if token in eos), None)
+            # After its eos a finished row is filled with padding: cut it off (pad may equal eos).
+            if end is not None:
+                ids = ids[: end + 1]
+            samples.append(Sample(ids, logprobs[row, : len(ids)].tolist(), "stop" if end is not None else "length"))
+        return samples
+
+    # --- weights ------------------------------------------------------------------------------------------------
+
+    def _tie_embeddings(self) -> None:
+        # With tied embeddings the output layer must BE the input embedding, so loading the (deduplicated)
+        # ``embed_tokens`` name updates the head too (the stale-head bug vLLM on CPU has).
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        head, embed = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        if getattr(text_config, "tie_word_embeddings", False) and head is not None and head.weight is not embed.weight:
+            head.weight = embed.weight
+
+    def _named_targets(self) -> dict[str, torch.Tensor]:
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        return targets
+
+    def _resolve(self, name: str) -> str:
+        while name not in self._targets and name.startswith(_WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        return name
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy ``(name, tensor)`` pairs into the engine's model and set ``policy_version``.
+
+        Names are the trainer's (``named_parameters()``; ``module.`` / ``_orig_mod.`` prefixes are removed). A
+        subset of the parameters may be given. Every name and shape is checked before anything is copied, so an
+        error (unknown name, wrong shape) leaves the weights and the version as they were. Waits for a running
+        ``generate`` to finish.
+        """
+        pairs = []
+        for name, tensor in named_tensors:
+            key = self._resolve(name)
+            target = self._targets.get(key)
+            if target is None:
+                raise KeyError(
+                    f"Unknown weight {name!r}: the engine's {type(self.model).__name__} has no such parameter."
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"Weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(target.shape)}."
+                )
+            pairs.append((target, tensor))
+        with self._lock, torch.no_grad():
+            if self._closed:
+                raise EngineClosedError("The engine is closed.")
+            for target, tensor in pairs:
+                target.copy_(tensor)
+            self.policy_version = int(version)
+
+    # --- state --------------------------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        with self._queues_lock:
+            pending = sum(len(q.pending) for q in self._queues.values())
+        return {
+            "engine": "embedded-hf",
+            "model": self.model_name,
+            "policy_version": self.policy_version,
+            "ok": not self._closed,
+            "generate_calls": self.generate_calls,
+            "requests_served": self.requests_served,
+            "pending": pending,
+        }
+
+    def close(self) -> None:
+        """Free the model; waiting and later ``sample`` calls raise ``EngineClosedError``."""
+        with self._lock:
+            self._closed = True
+            self.model = None
+            self._targets = {}
