@@ -1,6 +1,8 @@
 """Train a policy with verifiers_rl.
 
-    python examples/train.py --model tiny --rollouts_path rollouts.jsonl --loss_type dr_grpo
+    python examples/train.py --model tiny --env reverse_text --max_steps 50       # live generation (embedded engine)
+    python examples/train.py --env my_pkg.my_env:load_environment --env_args '{"num_examples": 100}'
+    python examples/train.py --model tiny --rollouts_path rollouts.jsonl --loss_type dr_grpo   # replay
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/train.py --rollouts_path rollouts.jsonl
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train.py --model Qwen/Qwen2.5-0.5B-Instruct ...
     python examples/train.py --config my_run.yaml
@@ -11,6 +13,7 @@ The final model and tokenizer are saved to ``--output_dir``.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -24,7 +27,11 @@ if not torch.cuda.is_available():
 
 from trl import TrlParser  # noqa: E402
 
+from accelerate import PartialState  # noqa: E402
+
 from verifiers_rl.config import RLConfig  # noqa: E402
+from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment  # noqa: E402
+from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.models import load_tokenizer, resolve_model  # noqa: E402
 from verifiers_rl.trainer import RLTrainer  # noqa: E402
 
@@ -35,15 +42,31 @@ class ScriptArguments:
         default="tiny",
         metadata={"help": "Hub id or local folder of a causal LM; 'tiny' builds a random tiny model offline."},
     )
+    env: str = field(
+        default=DEFAULT_ENVIRONMENT,
+        metadata={"help": "Environment to generate from (unless --rollouts_path): a built-in name, "
+                  "'pkg.module:function', or a .py file defining load_environment(**kwargs)."},
+    )
+    env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = TrlParser((ScriptArguments, RLConfig))
     script_args, config = parser.parse_args_and_config(args=argv)
-    if not config.rollouts_path:
-        parser.error("--rollouts_path is required: a JSON Lines file of rollouts to train on (SPEC §4 format).")
+    try:
+        env_args = json.loads(script_args.env_args)
+    except json.JSONDecodeError as error:
+        parser.error(f"--env_args is not valid JSON: {error}")
     model = resolve_model(script_args.model)
-    trainer = RLTrainer(model=model, args=config, processing_class=load_tokenizer(model))
+    tokenizer = load_tokenizer(model)
+    live = {}
+    if not config.rollouts_path:
+        environment = load_environment(script_args.env, tokenizer=tokenizer, **env_args)
+        # The engine (its own copy of the weights) lives on the main process only.
+        sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_completion_length)
+        engine = EmbeddedEngine(model, tokenizer, sampling) if PartialState().is_main_process else None
+        live = {"environment": environment, "engine": engine}
+    trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
     trainer.train()
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:

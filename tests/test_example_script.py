@@ -51,7 +51,29 @@ def test_yaml_config_trains_and_saves(tmp_path, tiny_model_dir):
 def test_cli_errors_are_clear(tmp_path):
     result = run_script(["--loss_type", "bogus", "--rollouts_path", "x.jsonl"], tmp_path)
     assert result.returncode == 2 and "invalid choice: 'bogus'" in result.stderr
-    result = run_script([], tmp_path)
-    assert result.returncode == 2 and "--rollouts_path is required" in result.stderr
+    result = run_script(["--env_args", "{oops"], tmp_path)
+    assert result.returncode == 2 and "--env_args is not valid JSON" in result.stderr
+    result = run_script(["--env", "no_such_env", "--model", "tiny"], tmp_path)
+    assert result.returncode != 0 and "Unknown environment 'no_such_env'" in result.stderr
     result = run_script(["--rollouts_path", str(tmp_path / "missing.jsonl"), "--model", "tiny"], tmp_path)
     assert result.returncode != 0 and "missing.jsonl' does not exist" in result.stderr
+
+
+def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
+    env_file = ROOT / "tests" / "live" / "toy_env.py"
+    result = run_script(["--model", tiny_model_dir, "--env", str(env_file), "--env_args", '{"num_examples": 4}',
+                         "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "64",
+                         "--max_completion_length", "8", "--max_steps", "3", "--logging_steps", "1",
+                         "--save_rollouts_path", str(tmp_path / "seen.jsonl"), "--report_to", "none",
+                         "--save_strategy", "no", "--output_dir", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    # Every trained rollout was saved in the replay format, and replays through the same path.
+    from verifiers_rl.rollouts import read_rollouts
+
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    assert len(seen) == 3 * 8 and {r.policy_version for r in seen} <= {0, 1, 2}
+    replay = run_script(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "seen.jsonl"),
+                         "--rollouts_per_step", "8", "--max_seq_len", "64", "--max_steps", "3", "--report_to", "none",
+                         "--save_strategy", "no", "--output_dir", str(tmp_path / "replayed")], tmp_path)
+    assert replay.returncode == 0, replay.stderr[-4000:]
