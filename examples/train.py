@@ -31,7 +31,7 @@ from accelerate import PartialState  # noqa: E402
 
 from verifiers_rl.config import RLConfig  # noqa: E402
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment  # noqa: E402
-from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
+from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.models import load_tokenizer, resolve_model  # noqa: E402
 from verifiers_rl.trainer import RLTrainer  # noqa: E402
 
@@ -62,9 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     live = {}
     if not config.rollouts_path:
         environment = load_environment(script_args.env, tokenizer=tokenizer, **env_args)
-        # The engine (its own copy of the weights) lives on the main process only.
-        sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_completion_length)
-        engine = EmbeddedEngine(model, tokenizer, sampling) if PartialState().is_main_process else None
+        # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
+        engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
         live = {"environment": environment, "engine": engine}
     trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
     trainer.train()
