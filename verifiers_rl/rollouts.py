@@ -31,6 +31,7 @@ class Rollout:
     truncated: bool = False
     policy_version: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    reward_errors: dict[str, str] = field(default_factory=dict)
     prompt: Any = None
     completion: Any = None
 
@@ -64,11 +65,15 @@ class Rollout:
                     raise RolloutFormatError(f"{where}: `completion_logprobs` must be finite log-probs <= 0, got {value!r}.")
         if not isinstance(self.reward, (int, float)) or isinstance(self.reward, bool) or not math.isfinite(self.reward):
             raise RolloutFormatError(f"{where}: `reward` must be a finite number, got {self.reward!r}.")
+        if not isinstance(self.reward_errors, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.reward_errors.items()
+        ):
+            raise RolloutFormatError(f"{where}: `reward_errors` must map reward function names to messages.")
         if not isinstance(self.group_id, (str, int)) or isinstance(self.group_id, bool):
             raise RolloutFormatError(f"{where}: `group_id` must be a string or an integer.")
 
     def to_json(self) -> str:
-        record = {k: v for k, v in asdict(self).items() if v is not None}
+        record = {k: v for k, v in asdict(self).items() if v is not None and not (k == "reward_errors" and not v)}
         return json.dumps(record)
 
     @classmethod

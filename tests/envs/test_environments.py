@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import json
 
 import pytest
 
@@ -52,6 +53,24 @@ def test_single_turn_rollout_record(tokenizer):
     assert rollout.prompt == prompt and rollout.completion == [{"role": "assistant", "content": "olleh"}]
     assert env.dataset[0].info == {"id": 7}
     rollout.validate()
+
+
+def test_failing_reward_function_message_is_kept_in_the_rollout_record(tokenizer, tmp_path):
+    from verifiers_rl.rollouts import read_rollouts, write_rollouts
+
+    def broken(completion):
+        raise ZeroDivisionError("no answer to divide by")
+
+    env = SingleTurnEnv([{"question": "hi", "answer": "ih"}], Rubric([exact, broken]), tokenizer, max_new_tokens=8)
+    sampled = encode(tokenizer, "ih") + [tokenizer.eos_token_id]
+    rollout = asyncio.run(env.rollout(ScriptedSampler([sampled]), env.dataset[0], "g0"))
+    assert rollout.reward == 1.0 and rollout.metrics["reward_errors"] == 1.0
+    assert rollout.reward_errors == {"broken": "ZeroDivisionError: no answer to divide by"}
+    # The message survives the replay format (and a clean rollout writes no such field).
+    write_rollouts(tmp_path / "r.jsonl", [rollout])
+    assert read_rollouts(tmp_path / "r.jsonl")[0].reward_errors == rollout.reward_errors
+    rollout.reward_errors = {}
+    assert "reward_errors" not in json.loads(rollout.to_json())
 
 
 def test_single_turn_truncation_by_max_new_tokens_and_by_max_seq_len(tokenizer):

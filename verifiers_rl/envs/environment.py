@@ -132,6 +132,7 @@ class Environment(ABC):
             group_id=group_id,
             truncated=trajectory.truncated,
             metrics=score.metrics,
+            reward_errors=dict(score.errors),
             prompt=row.prompt,
             completion=trajectory.completion,
         )
