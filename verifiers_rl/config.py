@@ -101,8 +101,61 @@ class RLConfig(GRPOConfig):
     num_generations: int | None = field(
         default=8, metadata={"help": "Rollouts per prompt when generating (a group)."}
     )
+    print_samples_every: int = field(
+        default=10,
+        metadata={"help": "Print num_completions_to_print sample completions (with rewards) every N steps; 0 = never."},
+    )
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision; defaults to True on a GPU, False on CPU."}
+    )
+    weight_sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={
+            "help": "Weight sync to the engine gathers ZeRO-3 shards in buckets of about this many MiB (one collective "
+            "per bucket; also the extra memory each rank holds while a bucket is out). 0 = one parameter at a time."
+        },
+    )
+    weight_sync_probe_tokens: int = field(
+        default=32,
+        metadata={
+            "help": "After each weight sync, compare the engine's and the trainer's log-probs of this many fixed "
+            "tokens and warn if they differ (stale layers, e.g. a tied output layer). 0 turns the probe off."
+        },
+    )
+    weight_sync_probe_tolerance: float | None = field(
+        default=None,
+        metadata={
+            "help": "Largest |engine - trainer| log-prob gap on the probe before the warning. Default: 1e-3 when "
+            "training in float32, 0.1 with bf16/fp16 (the two sides round differently)."
+        },
+    )
+
+    vllm_server_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Generate through this vLLM server (e.g. http://127.0.0.1:8000) instead of the embedded engine; "
+            "start one with `python -m verifiers_rl.inference.vllm_server --model MODEL --port 8000`."
+        },
+    )
+    vllm_max_concurrency: int = field(
+        default=64, metadata={"help": "Most requests in flight to the vLLM server (it batches them)."}
+    )
+    vllm_request_timeout_s: float = field(
+        default=600.0, metadata={"help": "Longest wait for one request to the vLLM server."}
+    )
+    vllm_max_retries: int = field(
+        default=3,
+        metadata={
+            "help": "Further attempts after a connection error or HTTP 5xx from the vLLM server (backoff 0.5 s, "
+            "doubled each time)."
+        },
+    )
+    vllm_weights_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where weight syncs write their snapshot for the vLLM server to read (the same path on both "
+            "machines). Default: a temporary folder (a server on this machine)."
+        },
     )
 
     def __post_init__(self):
@@ -162,12 +215,35 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
         if self.max_off_policy_steps < 0:
             raise ValueError(f"max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}.")
+        if self.print_samples_every < 0:
+            raise ValueError(f"print_samples_every must be >= 0, got {self.print_samples_every}.")
         if self.generation_timeout_s <= 0:
             raise ValueError("generation_timeout_s must be > 0.")
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ValueError("epsilon and epsilon_high must be >= 0.")
+        if self.weight_sync_bucket_mb < 0:
+            raise ValueError(f"weight_sync_bucket_mb must be >= 0 (0 = one tensor per gather), got {self.weight_sync_bucket_mb}.")
+        if self.weight_sync_probe_tokens < 0 or self.weight_sync_probe_tokens == 1:
+            raise ValueError(f"weight_sync_probe_tokens must be 0 (off) or >= 2, got {self.weight_sync_probe_tokens}.")
+        if self.weight_sync_probe_tolerance is not None and not self.weight_sync_probe_tolerance > 0:
+            raise ValueError(f"weight_sync_probe_tolerance must be > 0, got {self.weight_sync_probe_tolerance}.")
+        if self.use_vllm or self.vllm_server_base_url:
+            # TRL's own vLLM path would start its client and an NCCL weight-transfer group (CUDA only) beside ours.
+            raise ValueError(
+                "use_vllm / vllm_server_base_url select TRL's vLLM client, which verifiers_rl does not use. Pass "
+                "--vllm_server_url http://HOST:PORT instead (start the server with "
+                "`python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT`)."
+            )
+        if self.vllm_server_url is not None and not self.vllm_server_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_server_url must start with http:// or https://, got {self.vllm_server_url!r}.")
+        if self.vllm_max_concurrency < 1:
+            raise ValueError(f"vllm_max_concurrency must be >= 1, got {self.vllm_max_concurrency}.")
+        if self.vllm_request_timeout_s <= 0:
+            raise ValueError(f"vllm_request_timeout_s must be > 0, got {self.vllm_request_timeout_s}.")
+        if self.vllm_max_retries < 0:
+            raise ValueError(f"vllm_max_retries must be >= 0, got {self.vllm_max_retries}.")
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:

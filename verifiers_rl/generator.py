@@ -123,6 +123,7 @@ class AsyncGenerator:
         self.timeout_s = timeout_s
         self.seed = seed
         self._ready: dict[int, list[Rollout]] = {}
+        self.generation_seconds: dict[int, float] = {}  # batch index -> seconds its generation took
         self._error: BaseException | None = None
         self._condition = threading.Condition()
         self._batch_lock = threading.Lock()
@@ -209,10 +210,12 @@ class AsyncGenerator:
             index = 0
             while self._wait_for_version(index):
                 with self._batch_lock:
+                    started = time.perf_counter()
                     self._task = self._loop.create_task(self._generate(index))
                     rollouts = self._loop.run_until_complete(self._task)
                 with self._condition:
                     self._ready[index] = rollouts
+                    self.generation_seconds[index] = time.perf_counter() - started
                     self._condition.notify_all()
                 index += 1
         except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank

@@ -8,8 +8,10 @@ synchronisation and the DeepSpeed engine step held back until the last micro-bat
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,8 +27,21 @@ from .batching import BatchingConfig, MicroBatch, RankBatch, plan_batch
 from .config import RLConfig
 from .generator import AsyncGenerator, ReplaySource, RolloutSource
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
+from . import progress
 from .policy import micro_batch_logprobs, splits_packed_rows, unwrap
+from .progress import sample_lines
 from .rollouts import write_rollouts
+from .weights import (
+    GatherStats,
+    WeightSyncError,
+    WeightSyncWarning,
+    compare_logprobs,
+    gathered_named_weights,
+    probe_token_ids,
+    probe_warning,
+)
+
+logger = logging.getLogger(__name__)
 
 
 class MainProcessError(RuntimeError):
@@ -173,6 +188,7 @@ class RLTrainer(GRPOTrainer):
         )
         if environment is not None:
             self.add_callback(_WeightSyncCallback(self))
+        progress.install(self, self.sample_completions)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.accelerator.num_processes != launched:
             raise RuntimeError(
@@ -183,6 +199,7 @@ class RLTrainer(GRPOTrainer):
         self.loss_fn = loss_fn
         self.pad_token_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
         self._rank_batch: RankBatch | None = None
+        self._latest_rollouts: list | None = None
         self._batch_index = 0
         self._iteration = 0
 
@@ -214,40 +231,140 @@ class RLTrainer(GRPOTrainer):
 
     # --- weights to the engine ----------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The policy's full parameters on the main process (None elsewhere); every rank must call it (ZeRO-3
-        gathers shards collectively). LoRA adapters are merged into the base weights for the copy."""
-        model = self.model_wrapped if self.is_deepspeed_enabled else self.model
-        inner = unwrap(model)
-        params = list(inner.named_parameters())
-        gather = contextlib.nullcontext()
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            import deepspeed
+    _probe_ids: list[int] | None = None  # the probe's tokens, once the first sync found the engine can be probed
+    _probe_checked = False
 
-            gather = deepspeed.zero.GatheredParameters([p for _, p in params])
-        with gather:
-            if not self.accelerator.is_main_process:
-                return None
-            if hasattr(inner, "merge_adapter"):
-                inner.merge_adapter()
-                try:
-                    state = {
-                        name.replace("base_model.model.", "").replace(".base_layer", ""): p.detach().clone()
-                        for name, p in inner.named_parameters()
-                        if "lora_" not in name
-                    }
-                finally:
-                    inner.unmerge_adapter()
-                return state
-            return {name: p.detach().clone() for name, p in params}
+    def _zero3(self) -> bool:
+        return bool(self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
+
+    def named_weights(self, bucket_bytes: int | None = None, stats: GatherStats | None = None):
+        """The policy's full weights as a stream of ``(hf_name, tensor)`` on the main process (nothing elsewhere),
+        gathered bucket by bucket (``weights.gathered_named_weights``; default bucket ``weight_sync_bucket_mb``).
+
+        Every rank must exhaust it, in lockstep (ZeRO-3 gathers are collective); tensors are valid only until the
+        next item is requested.
+        """
+        model = self.model_wrapped if self.is_deepspeed_enabled else self.model
+        if bucket_bytes is None:
+            bucket_bytes = int(self.args.weight_sync_bucket_mb * 2**20)
+        is_main = self.accelerator.is_main_process
+        return gathered_named_weights(model, bucket_bytes, is_main=is_main, zero3=self._zero3(), stats=stats)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Copies of the policy's full parameters (LoRA merged, names as in ``named_weights``) on the main process,
+        None elsewhere; every rank must call it. Holds the whole model at once: the weight sync streams instead."""
+        state = {name: tensor.clone() for name, tensor in self.named_weights()}
+        return state if self.accelerator.is_main_process else None
 
     def sync_weights(self) -> None:
-        """Load the current policy into the engine as version ``global_step`` (never in the middle of a batch)."""
-        state = self.full_state_dict()
-        if self.accelerator.is_main_process and self.engine is not None:
-            with self.generator.hold_weights():
-                self.engine.load_weights(state.items(), version=self.state.global_step)
+        """Stream the current policy into the engine as version ``global_step``, then probe the engine.
+
+        Every rank must call it (ZeRO-3 gathers and the probe's forward are collective). A failure of the engine
+        on the main process stops every rank with an error once the gathers are done, instead of a hang.
+        """
+        version = self.state.global_step
+        start = time.perf_counter()
+        generating = self.accelerator.is_main_process and self.engine is not None and self.generator is not None
+        # The batch lock, held through the load AND the probe: no batch mixes two versions, and the probe is not
+        # queued behind the next batch's generation (which would serialise k >= 1 into generate-then-train).
+        with self.generator.hold_weights() if generating else contextlib.nullcontext():
+            stats = self._load_engine_weights(version)
+            self._metrics["train"]["weight_sync_s"].append(time.perf_counter() - start)
+            logger.debug("Weight sync to version %d: %s in %.3f s.", version, stats, time.perf_counter() - start)
+            self._probe_engine(version)
+        if generating:
             self.generator.weights_updated()
+
+    def _load_engine_weights(self, version: int) -> GatherStats:
+        stats = GatherStats()
+        stream = self.named_weights(stats=stats)
+        is_main = self.accelerator.is_main_process
+        loading = is_main and self.engine is not None
+        error: BaseException | None = None
+        left = 0
+        try:
+            if loading:
+                self.engine.load_weights(stream, version=version)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below, once every gather is done
+            error = exc
+        try:
+            # The other ranks are still gathering: join every remaining bucket before anything else.
+            left = sum(1 for _ in stream)
+        except Exception as exc:  # noqa: BLE001 - a merge error, raised after the last gather
+            error = error or exc
+        if loading and error is None and left:
+            error = RuntimeError(
+                f"{type(self.engine).__name__}.load_weights returned with {left} of {stats.tensors} tensors unread."
+            )
+
+        def outcome() -> None:
+            if error is not None:
+                raise WeightSyncError(
+                    f"Loading policy version {version} into the engine failed: {type(error).__name__}: {error}"
+                ) from error
+
+        _main_process_outcome(outcome)
+        return stats
+
+    def _probe_tolerance(self) -> float:
+        if self.args.weight_sync_probe_tolerance is not None:
+            return float(self.args.weight_sync_probe_tolerance)
+        return 0.1 if (self.args.bf16 or self.args.fp16) else 1e-3
+
+    def _probe_engine(self, version: int) -> None:
+        """Compare the engine's log-probs of a fixed sequence with the trainer's; warn loudly on a gap."""
+        if self.args.weight_sync_probe_tokens == 0:
+            return
+        if not self._probe_checked:
+            # Only the main process holds the engine; every rank must agree on running the (collective) forward.
+            probed = _main_process_outcome(lambda: callable(getattr(self.engine, "prompt_logprobs", None)))
+            self._probe_checked = True
+            if probed:
+                vocab = unwrap(self.model).get_input_embeddings().num_embeddings
+                self._probe_ids = probe_token_ids(self._tokenizer, self.args.weight_sync_probe_tokens, vocab)
+            elif self.accelerator.is_main_process:
+                logger.info("The engine %s has no prompt_logprobs: no post-sync probe.", type(self.engine).__name__)
+        if self._probe_ids is None:
+            return
+        ids = self._probe_ids
+        trainer_logps = self._trainer_prompt_logprobs(ids)
+        tolerance = self._probe_tolerance()
+
+        def check():
+            try:
+                engine_logps = self.engine.prompt_logprobs(ids)
+            except Exception as exc:
+                raise WeightSyncError(
+                    f"The post-sync probe of policy version {version} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            result = compare_logprobs(trainer_logps, [float(x) for x in engine_logps])
+            if not result.max_gap <= tolerance:
+                message = probe_warning(result, version, tolerance)
+                logger.warning(message)
+                warnings.warn(message, WeightSyncWarning, stacklevel=2)
+            return result
+
+        result = _main_process_outcome(check)
+        self._metrics["train"]["weight_sync_probe_gap"].append(result.max_gap)
+
+    @torch.no_grad()
+    def _trainer_prompt_logprobs(self, ids: list[int]) -> list[float] | None:
+        """The policy's log p(token_t | tokens_<t), t >= 1, at temperature 1 (main process; None elsewhere)."""
+        zero3 = self._zero3()
+        if not zero3 and not self.accelerator.is_main_process:
+            return None
+        # Under ZeRO-3 the forward gathers shards, so every rank runs it; otherwise the bare model runs on the main
+        # process alone (a DDP forward may broadcast buffers, a collective the other ranks would not join).
+        model = self.model_wrapped if zero3 else unwrap(self.model)
+        was_training = model.training
+        model.eval()  # no dropout: the engine's forward has none either
+        try:
+            input_ids = torch.tensor([ids], device=self.accelerator.device)
+            output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+        finally:
+            model.train(was_training)
+        logps = torch.log_softmax(output.logits[0, :-1].float(), dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
+        return logps.cpu().tolist() if self.accelerator.is_main_process else None
 
     # --- data ---------------------------------------------------------------------------------------------------
 
@@ -277,7 +394,10 @@ class RLTrainer(GRPOTrainer):
         return "packed" if splits_packed_rows(self.model) else "padded"
 
     def _plan(self, batch_index: int) -> list[RankBatch]:
+        waited = time.perf_counter()
         rollouts = self._replay.batch(batch_index)
+        waited = time.perf_counter() - waited
+        self._latest_rollouts = rollouts
         if self.args.save_rollouts_path:
             write_rollouts(self.args.save_rollouts_path, rollouts, append=True)
         rank_batches = plan_batch(rollouts, self.batching_config(), batch_index)
@@ -289,11 +409,18 @@ class RLTrainer(GRPOTrainer):
                 rank_batch.stats.extra.update(
                     staleness_max=float(max(staleness)), staleness_mean=sum(staleness) / len(staleness)
                 )
-        for name in ("reward_errors",):
-            values = [r.metrics.get(name, 0.0) for r in rollouts]
-            for rank_batch in rank_batches:
-                rank_batch.stats.extra[name] = float(sum(values))
+        extra = {"reward_errors": float(sum(r.metrics.get("reward_errors", 0.0) for r in rollouts))}
+        if self.generator is not None:
+            # Time the trainer sat waiting for rollouts (0 when generation ran ahead), and the batch's generation.
+            extra.update(wait_time=waited, generation_time=self.generator.generation_seconds.pop(batch_index, 0.0))
+        for rank_batch in rank_batches:
+            rank_batch.stats.extra.update(extra)
         return rank_batches
+
+    def sample_completions(self) -> list:
+        """A few completions of the newest batch, for the progress output (main process; empty elsewhere)."""
+        count = self.args.num_completions_to_print or 3
+        return sample_lines(self._latest_rollouts, count) if self._latest_rollouts else []
 
     def _next_rank_batch(self, model) -> RankBatch:
         """This rank's slice of the current batch; a new batch every ``num_iterations`` optimizer steps."""
@@ -436,7 +563,8 @@ class RLTrainer(GRPOTrainer):
 
 
 class _WeightSyncCallback(TrainerCallback):
-    """After every optimizer step, the engine gets the new weights (all ranks take part in the ZeRO-3 gather)."""
+    """After every optimizer step, the engine gets the new weights and is probed (every rank takes part: the ZeRO-3
+    gathers and the probe's forward are collective)."""
 
     def __init__(self, trainer: "RLTrainer"):
         self.trainer = trainer

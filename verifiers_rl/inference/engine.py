@@ -1,7 +1,8 @@
 """The small interface every inference engine implements (SPEC §5): the embedded HF engine, a vLLM client.
 
 Environments call ``await engine.sample(prompt_ids, max_new_tokens)`` from many coroutines at once; the engine
-batches them. The trainer calls ``load_weights`` after each optimizer step and bumps ``policy_version``.
+batches them. The trainer calls ``load_weights`` after each optimizer step and bumps ``policy_version``, then
+(for engines with ``prompt_logprobs``) checks the engine's log-probs of a fixed probe against its own.
 """
 
 from __future__ import annotations
@@ -49,10 +50,35 @@ class InferenceEngine(Protocol):
         """Sample one completion of ``prompt_ids``; concurrent calls are batched by the engine."""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy ``(name, tensor)`` pairs (the trainer's parameter names) into the engine; set ``policy_version``."""
+        """Load ``(name, tensor)`` pairs into the engine, then set ``policy_version`` to ``version``.
+
+        ``named_tensors`` is a stream (``verifiers_rl.weights.gathered_named_weights``): names are the plain
+        Hugging Face model's (LoRA merged, a tied embedding sent once under the input embedding's name, so the
+        engine must keep its output layer tied to it), and each tensor is valid only until the next item is
+        requested, because the trainer gathers ZeRO-3 shards bucket by bucket and frees each bucket after it. Copy
+        or send every tensor as it arrives and keep no reference. Consume the stream to its end; the trainer drains
+        whatever is left (the other ranks are still gathering) and counts an early return as a failure.
+
+        Raise on failure: the trainer then stops every rank with the error. Whether a failed load leaves the old
+        weights (the embedded engine stages and swaps atomically) or a mix (a server written tensor by tensor) is
+        the engine's to document; training stops after a failed load, so nothing sampled then is trained on.
+        The trainer calls this while holding the generator's batch lock, so no batch straddles two versions.
+        """
 
     def health(self) -> dict:
         """At least ``{"model": ..., "policy_version": ..., "ok": bool}``."""
 
     def close(self) -> None:
         """Release the engine; later ``sample`` calls fail."""
+
+
+@runtime_checkable
+class SupportsPromptLogprobs(Protocol):
+    """Optional: engines that have it are checked after every weight load (the post-sync probe, SPEC §5).
+
+    The trainer compares these log-probs with its own for a fixed ~32-token sequence and warns loudly when they
+    differ (stale layers: a tied output layer not refreshed, a tensor skipped). Engines without it skip the probe.
+    """
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """``log p(token_t | tokens_<t)`` for t = 1 .. n-1 at temperature 1 (n - 1 floats), current weights."""

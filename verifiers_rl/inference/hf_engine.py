@@ -309,11 +309,14 @@ class EmbeddedEngine:
         """Copy ``(name, tensor)`` pairs into the engine's model and set ``policy_version``.
 
         Names are the trainer's (``named_parameters()``; ``module.`` / ``_orig_mod.`` prefixes are removed). A
-        subset of the parameters may be given. Every name and shape is checked before anything is copied, so an
-        error (unknown name, wrong shape) leaves the weights and the version as they were. Waits for a running
-        ``generate`` to finish.
+        subset of the parameters may be given. ``named_tensors`` may be a stream whose tensors are valid only until
+        the next item is requested (the trainer's bucketed ZeRO-3 gather): each is checked (name, shape) and copied
+        into a staging area as it arrives, and the staged weights replace the live ones in one step at the end.
+        So the load is atomic: an error (unknown name, wrong shape, a failing producer) leaves the weights and the
+        version as they were, and generation never sees a mix of versions. The price is one extra copy of the
+        weights sent, for the length of the load. Waits for a running ``generate`` to finish.
         """
-        pairs = []
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, tensor in named_tensors:
             key = self._resolve(name)
             target = self._targets.get(key)
@@ -325,13 +328,36 @@ class EmbeddedEngine:
                 raise ValueError(
                     f"Weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(target.shape)}."
                 )
-            pairs.append((target, tensor))
+            # Copied now: the producer may free or reuse the tensor's memory once the next item is requested.
+            staged.append((target, tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)))
         with self._lock, torch.no_grad():
             if self._closed:
                 raise EngineClosedError("The engine is closed.")
-            for target, tensor in pairs:
+            for target, tensor in staged:
                 target.copy_(tensor)
             self.policy_version = int(version)
+
+    @torch.no_grad()
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """``log p(token_t | tokens_<t)`` for t = 1 .. n-1 at temperature 1, under the engine's current weights.
+
+        The trainer compares these with its own after every weight load (the post-sync probe). Waits for a
+        running ``generate`` or weight load.
+        """
+        token_ids = [int(t) for t in token_ids]
+        if len(token_ids) < 2:
+            raise ValueError(f"prompt_logprobs needs at least 2 tokens, got {len(token_ids)}.")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("The engine is closed.")
+            device = self.model.get_input_embeddings().weight.device
+            ids = torch.tensor([token_ids], device=device)
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+            logps = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+        return logps.cpu().tolist()
 
     # --- state --------------------------------------------------------------------------------------------------
 

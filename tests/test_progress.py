@@ -1,0 +1,39 @@
+"""The progress output's pure parts: the per-step line and the choice of sample completions."""
+
+from verifiers_rl.progress import SampleLine, format_samples, format_step_line, format_summary, sample_lines
+from verifiers_rl.rollouts import Rollout
+
+
+def test_step_line_shows_present_metrics_in_order_and_skips_absent_ones():
+    logs = {"reward": 0.2314, "reward_std": 0.1, "loss": 0.01234, "staleness_max": 1.0, "step_time": 5.44,
+            "generation_time": 3.06, "wait_time": 0.0, "entropy": 3.2}
+    line = format_step_line(12, 60, logs)
+    assert line == ("step 12/60 | reward 0.231 ± 0.100 | loss 0.0123 | staleness 1 | gen 3.1s | wait 0.0s"
+                    " | step 5.4s")
+    # Replay without sampler log-probs: no is_ratio, no generation timing.
+    assert format_step_line(1, 2, {"reward": 1.0}) == "step 1/2 | reward 1.000"
+
+
+def _rollout(group, reward, reply):
+    return Rollout([1, 2], [3], [1], reward, group, prompt=[{"role": "user", "content": f"q{group}"}],
+                   completion=[{"role": "assistant", "content": reply}])
+
+
+def test_samples_take_one_rollout_per_prompt_and_show_reward_prompt_and_reply():
+    rollouts = [_rollout("a", 0.5, "x"), _rollout("a", 0.9, "y"), _rollout("b", 0.25, "z" * 300), _rollout("c", 0, "w")]
+    picked = sample_lines(rollouts, 2)
+    assert picked == [SampleLine("qa", "x", 0.5), SampleLine("qb", "z" * 300, 0.25)]
+    text = format_samples(7, picked, width=40).splitlines()
+    assert text[0] == "--- sample completions at step 7 ---"
+    assert text[1] == "  [0.50] 'qa' -> 'x'"
+    assert text[2].startswith("  [0.25] 'qb' -> 'zzz") and text[2].endswith("...") and len(text[2]) < 80
+    # Plain-text prompts and completions (no chat) print as they are.
+    plain = Rollout([1], [2], [1], 1.0, 0, prompt="say hi", completion="hi")
+    assert sample_lines([plain], 3) == [SampleLine("say hi", "hi", 1.0)]
+
+
+def test_summary_compares_the_first_and_last_logged_rewards():
+    assert format_summary(60, 611.6, [0.1, 0.0, 0.2, 0.3, 0.5, 0.4]) == (
+        "done: 60 steps in 612 s; mean reward 0.100 (first 3 logged steps) -> 0.400 (last 3)"
+    )
+    assert format_summary(1, 2.0, [0.5]) == "done: 1 steps in 2 s"
