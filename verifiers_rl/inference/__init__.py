@@ -1,6 +1,15 @@
-"""Inference engines (SPEC §5): one small interface, an embedded HF engine, and (later) a vLLM client."""
+"""Inference engines (SPEC §5): one small interface, an embedded HF engine, and a vLLM server client."""
 
 from .engine import InferenceEngine, Sample, SamplingConfig
 from .hf_engine import EmbeddedEngine, EngineClosedError
+from .vllm_engine import VLLMEngine, VLLMError  # HTTP only: never imports vllm
 
-__all__ = ["EmbeddedEngine", "EngineClosedError", "InferenceEngine", "Sample", "SamplingConfig"]
+__all__ = [
+    "EmbeddedEngine",
+    "EngineClosedError",
+    "InferenceEngine",
+    "Sample",
+    "SamplingConfig",
+    "VLLMEngine",
+    "VLLMError",
+]

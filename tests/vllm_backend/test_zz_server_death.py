@@ -1,0 +1,106 @@
+"""A vLLM server that dies: clear errors within a bounded time, never a hang (client, and a DDP training run).
+
+Runs last in tests/vllm_backend (file order): it kills the session's servers; a later user of the fixtures would get
+fresh ones (``Served.ensure_running``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import threading
+import time
+
+import pytest
+
+from test_vllm_training import ROOT, ddp_command, launch_env
+from verifiers_rl.inference import SamplingConfig, VLLMEngine
+from verifiers_rl.inference.vllm_engine import VLLMUnavailableError
+from verifiers_rl.inference.vllm_server import free_port
+
+DDP_DEADLINE_S = 120
+
+
+def test_killed_server_fails_sampling_clearly_and_quickly(untied):
+    engine = VLLMEngine(untied.url, model=untied.model_dir, max_retries=3, retry_backoff_s=0.25,
+                        sampling=SamplingConfig(temperature=1.0, max_new_tokens=200))
+    served = 0
+
+    async def keep_sampling():
+        nonlocal served
+        while True:
+            served += len(await asyncio.gather(*(engine.sample([5, 6, 7], 200) for _ in range(8))))
+
+    def kill_soon():
+        while served == 0:  # the server is really serving before it dies
+            time.sleep(0.05)
+        untied.server.kill()
+
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(VLLMUnavailableError) as error:
+        asyncio.run(asyncio.wait_for(keep_sampling(), timeout=60))
+    elapsed = time.monotonic() - started
+    killer.join(5)
+    message = str(error.value)
+    assert untied.url in message and "failed POST /v1/completions 4 time(s)" in message and "Is it running?" in message
+    assert served >= 8 and elapsed < 30, (served, elapsed)
+    assert engine.health()["ok"] is False
+    with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {untied.url}"):
+        engine.check()
+    # Weight loads fail the same way (the trainer then stops every rank).
+    with pytest.raises(VLLMUnavailableError, match="failed POST /collective_rpc"):
+        engine.load_weights(untied.hf_model().named_parameters(), version=1)
+    assert engine.policy_version == 0
+    engine.close()
+
+
+def test_ddp_run_stops_on_every_rank_when_the_server_dies(tied, tmp_path):
+    process = subprocess.Popen(ddp_command(tied.model_dir, tied.url, tmp_path, 500), cwd=ROOT, env=launch_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("step 1/") for line in lines):  # training (and syncing) is under way
+            assert process.poll() is None, "".join(lines)[-6000:]
+            assert time.monotonic() < deadline, "no training step within 300 s:\n" + "".join(lines)[-6000:]
+            time.sleep(0.2)
+        tied.server.kill()
+        killed = time.monotonic()
+        try:
+            code = process.wait(timeout=DDP_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s of the server's death:\n"
+                        + "".join(lines)[-6000:])
+        stopped_after = time.monotonic() - killed
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(10)
+    output = "".join(lines)
+    assert code != 0, output[-6000:]
+    # Rank 0 raises the engine's error; rank 1 gets it through the trainer's error propagation.
+    assert f"The vLLM server at {tied.url} failed" in output, output[-6000:]
+    assert "The main process failed:" in output, output[-6000:]
+    print(f"the DDP run stopped {stopped_after:.1f} s after the server was killed")
+
+
+def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):
+    # The server is gone before the run starts: the main process's engine check fails (after its 30 s grace for a
+    # server still starting), and the launcher stops the other rank, which waits on the main process.
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    try:
+        # Only the model folder is used (the session's server may be dead by now: no restart needed).
+        result = subprocess.run(ddp_command(vllm_servers["tied"].model_dir, url, tmp_path, 2), cwd=ROOT,
+                                env=launch_env(), capture_output=True, text=True, timeout=DDP_DEADLINE_S)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s:\n{(error.stdout or b'')[-6000:]!r}")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-6000:]
+    assert f"No vLLM server at {url}" in output and "python -m verifiers_rl.inference.vllm_server" in output
+    print(f"the DDP run without a server stopped after {time.monotonic() - started:.1f} s")

@@ -1,0 +1,553 @@
+"""A client of a vLLM server (OpenAI-compatible API): the engine for real throughput (SPEC §5).
+
+The server runs in its own venv (``scripts/install_vllm.sh``) and is started with
+``python -m verifiers_rl.inference.vllm_server --model DIR --port P`` (see that module for the flags it needs:
+``--logprobs-mode processed_logprobs``, ``VLLM_SERVER_DEV_MODE=1`` and the weight-sync worker extension).
+This module only speaks HTTP: it never imports vllm.
+
+Weight sync writes a safetensors snapshot to a folder the server can read (same path on both sides) and asks the
+server's worker extension (``verifiers_rl/vllm_worker/vllm_weight_sync.py``) to reload it in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import ssl
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .engine import Sample, SamplingConfig
+from .hf_engine import EngineClosedError
+from .vllm_server import WORKER_EXTENSION
+
+try:  # huggingface_hub (hence transformers) depends on httpx2; plain httpx has the same API.
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover
+    import httpx
+
+logger = logging.getLogger(__name__)
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# Bumped with verifiers_rl/vllm_worker/vllm_weight_sync.py's PROTOCOL_VERSION; checked at connect time.
+_PROTOCOL_VERSION = 1
+# check() and health() bound their own requests: they ask "are you there", not "generate".
+_CHECK_TIMEOUT_S = 10.0
+_START_HINT = "start one with: python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT"
+# Failures worth another attempt: the server is (re)starting, went away mid-request, or answered 5xx.
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+class VLLMError(RuntimeError):
+    """A vLLM server failed or is unusable; the message names its URL."""
+
+    status: int | None = None  # the HTTP status, when there was one
+
+
+class VLLMUnavailableError(VLLMError):
+    """No answer (connection refused or dropped, or HTTP 5xx) after every retry."""
+
+
+class VLLMTimeoutError(VLLMError):
+    """A request took longer than ``request_timeout_s``."""
+
+
+class VLLMRequestError(VLLMError, ValueError):
+    """The server refused the request (HTTP 4xx): bad input, such as ids outside the vocabulary."""
+
+
+class VLLMEngine:
+    """An ``InferenceEngine`` that samples from a vLLM server and loads new weights into it.
+
+    Args:
+        base_url: the server, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
+        model: the model the server must serve (its served name, or the folder/hub id it was started with);
+            ``None`` accepts whatever single model it serves.
+        sampling: temperature / top_p / top_k / default ``max_new_tokens``.
+        max_concurrency: most requests in flight per event loop (the server batches them).
+        request_timeout_s: longest wait for one HTTP request.
+        max_retries: further attempts after a connection error or HTTP 5xx, with exponential backoff
+            (``retry_backoff_s``, doubled each time).
+        weights_dir: where ``load_weights`` writes its snapshots; the server must read the same path.
+            Default: a temporary folder (fine when the server runs on this machine).
+        check: run ``check()`` now (fails fast with a clear error when the server is missing or wrong).
+        require_weight_sync: ``check()`` also verifies the server can load weights (dev mode + our extension).
+        wait_s: ``check()`` keeps trying this long for a server that is still starting.
+
+    Log-probs are the sampler's, at the sampling temperature (the server must run with
+    ``--logprobs-mode processed_logprobs``; ``vllm_server`` does). Like the embedded engine, ``temperature=0``
+    is greedy with log-probs at temperature 1. Methods other than ``sample`` are blocking (call them outside
+    the event loop).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str | os.PathLike | None = None,
+        sampling: SamplingConfig | None = None,
+        max_concurrency: int = 64,
+        request_timeout_s: float = 600.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        weights_dir: str | os.PathLike | None = None,
+        check: bool = True,
+        require_weight_sync: bool = True,
+        wait_s: float = 0.0,
+    ):
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
+        if request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}.")
+        if max_retries < 0 or retry_backoff_s < 0:
+            raise ValueError("max_retries and retry_backoff_s must be >= 0.")
+        url = str(base_url).rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}.")
+        self.base_url = url
+        self.expected_model = None if model is None else str(model)
+        self.model_name: str | None = None  # the served name, set by check()
+        self.sampling = sampling or SamplingConfig()
+        self.max_concurrency = max_concurrency
+        self.request_timeout_s = float(request_timeout_s)
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self._weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self._cleanup = None
+        self.vocab_size: int | None = None
+        self.tie_word_embeddings: bool | None = None
+        self.policy_version = 0
+        self.requests_served = 0
+        self.last_load: dict | None = None
+        self._closed = False
+        # Connecting gets its own bound: a short request timeout should not turn a busy accept() into a retry.
+        self._timeout = httpx.Timeout(self.request_timeout_s, connect=10.0)
+        # Built once (tens of ms); every per-request async client reuses it.
+        self._ssl = ssl.create_default_context()
+        self._client = httpx.Client(timeout=self._timeout, verify=self._ssl)
+        self._semaphores_lock = threading.Lock()
+        self._semaphores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
+        if check:
+            try:
+                self.check(require_weight_sync=require_weight_sync, wait_s=wait_s)
+            except BaseException:
+                self.close()
+                raise
+
+    # --- connection ---------------------------------------------------------------------------------------------
+
+    def check(self, require_weight_sync: bool = True, wait_s: float = 0.0) -> dict:
+        """Verify the server answers ``/health``, serves the expected model and (optionally) can load weights.
+
+        Raises ``VLLMUnavailableError`` ("no vLLM server at URL ...") or ``VLLMError`` (another model; no weight
+        sync). Tries once unless ``wait_s`` > 0 (then polls until the server is up or the time is over).
+        """
+        deadline = time.monotonic() + wait_s
+        said = False
+        while True:
+            try:
+                self._request("GET", "/health", retries=0, timeout=_CHECK_TIMEOUT_S)
+                break
+            except VLLMError as error:
+                if not said and wait_s > 0:
+                    logger.warning("Waiting up to %.0f s for a vLLM server at %s ...", wait_s, self.base_url)
+                    said = True
+                if time.monotonic() >= deadline:
+                    raise VLLMUnavailableError(
+                        f"No vLLM server at {self.base_url} ({_cause(error)}); {_START_HINT}."
+                    ) from error
+                time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+        models = self._request("GET", "/v1/models", timeout=_CHECK_TIMEOUT_S).get("data") or []
+        served = [(m.get("id"), m.get("root")) for m in models]
+        if not served:
+            raise VLLMError(f"The vLLM server at {self.base_url} serves no model.")
+        if self.expected_model is None:
+            match = served[0]
+        else:
+            match = next((s for s in served if _same_model(self.expected_model, s)), None)
+            if match is None:
+                listed = ", ".join(f"{i!r} (from {r!r})" for i, r in served)
+                raise VLLMError(
+                    f"The vLLM server at {self.base_url} serves {listed}, not {self.expected_model!r}. "
+                    f"Start it with --model {self.expected_model} (or connect to the right port)."
+                )
+        self.model_name = match[0]
+        if require_weight_sync:
+            info = self._protocol()
+            self.vocab_size = int(info["vocab_size"])
+            self.tie_word_embeddings = bool(info["tie_word_embeddings"])
+        return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
+
+    def _protocol(self) -> dict:
+        try:
+            results = self._rpc("verifiers_rl_protocol", retries=0, timeout=_CHECK_TIMEOUT_S)
+        except VLLMError as error:
+            status = getattr(error, "status", None)
+            if status == 404:
+                raise VLLMError(
+                    f"The vLLM server at {self.base_url} has no /collective_rpc route: start it with "
+                    f"VLLM_SERVER_DEV_MODE=1 (verifiers_rl.inference.vllm_server does) to load weights into it."
+                ) from error
+            if status != 500:
+                raise
+            # collective_rpc of a method the worker lacks fails inside the engine: HTTP 500.
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} cannot load weights: it was not started with "
+                f"--worker-extension-cls {WORKER_EXTENSION} and verifiers_rl/vllm_worker on its PYTHONPATH "
+                f"(verifiers_rl.inference.vllm_server does both). Server said: {_cause(error)}"
+            ) from error
+        info = results[0]
+        if not isinstance(info, dict) or info.get("protocol") != _PROTOCOL_VERSION:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} runs weight-sync protocol {info!r}; this client speaks "
+                f"{_PROTOCOL_VERSION}. Restart it with this checkout's verifiers_rl/vllm_worker."
+            )
+        return info
+
+    # --- sampling -----------------------------------------------------------------------------------------------
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        # asyncio primitives belong to one loop; the trainer's generator (and asyncio.run callers) bring their own.
+        loop = asyncio.get_running_loop()
+        with self._semaphores_lock:
+            semaphore = self._semaphores.get(loop)
+            if semaphore is None:
+                semaphore = self._semaphores[loop] = asyncio.Semaphore(self.max_concurrency)
+            return semaphore
+
+    def _check_ids(self, token_ids: list[int]) -> list[int]:
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("prompt_ids is empty; the first completion token needs a context.")
+        limit = self.vocab_size
+        bad = [t for t in token_ids if t < 0 or (limit is not None and t >= limit)]
+        if bad:
+            raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {limit}): {bad[:5]}.")
+        return token_ids
+
+    def _sampling_payload(self, temperature: float, top_p: float, top_k: int) -> dict:
+        # Every option explicit: a server reading the checkpoint's generation_config would otherwise fill in
+        # its defaults (top_k, repetition_penalty, ...) and sample from another distribution than the log-probs say.
+        return {
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k if top_k > 0 else -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "n": 1,
+            "stream": False,
+            "return_token_ids": True,
+        }
+
+    async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Sample:
+        """Sample one completion of ``prompt_ids`` (default length: ``sampling.max_new_tokens``).
+
+        Concurrent calls run as concurrent requests (at most ``max_concurrency``), which the server batches.
+        """
+        if self._closed:
+            raise EngineClosedError("The engine is closed.")
+        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        prompt_ids = self._check_ids(prompt_ids)
+        s = self.sampling
+        payload = {
+            "model": self.model_name or self.expected_model,
+            "prompt": prompt_ids,
+            "max_tokens": max_new_tokens,
+            "logprobs": 0,  # the chosen token's log-prob only
+            **self._sampling_payload(s.temperature, s.top_p, s.top_k),
+        }
+        async with self._semaphore():
+            data = await self._arequest("POST", "/v1/completions", payload)
+        self.requests_served += 1
+        return self._to_sample(data, max_new_tokens)
+
+    def _to_sample(self, data: dict, max_new_tokens: int) -> Sample:
+        try:
+            choice = data["choices"][0]
+            token_ids = choice["token_ids"]
+            logprobs = choice["logprobs"]["token_logprobs"]
+            finish = choice["finish_reason"]
+        except (KeyError, IndexError, TypeError) as error:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} answered without token ids or log-probs ({error!r}); it needs "
+                f"vLLM >= 0.10 (return_token_ids). Answer: {json.dumps(data)[:500]}"
+            ) from error
+        if token_ids is None or logprobs is None:
+            raise VLLMError(f"The vLLM server at {self.base_url} returned no token ids or log-probs.")
+        if finish not in ("stop", "length"):
+            raise VLLMError(f"The vLLM server at {self.base_url} ended a sample with finish_reason={finish!r}.")
+        sample = Sample([int(t) for t in token_ids], [float(x) for x in logprobs], finish)
+        sample.validate(max_new_tokens)
+        return sample
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token_t | tokens_<t) at temperature 1 for t >= 1 (``len(token_ids) - 1`` values), from the
+        weights the server holds now: the check that a weight sync landed."""
+        if self._closed:
+            raise EngineClosedError("The engine is closed.")
+        token_ids = self._check_ids(token_ids)
+        if len(token_ids) < 2:
+            raise ValueError("prompt_logprobs needs at least 2 tokens.")
+        payload = {
+            "model": self.model_name or self.expected_model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "prompt_logprobs": 0,  # the actual token's log-prob at each position
+            **self._sampling_payload(1.0, 1.0, 0),
+        }
+        data = self._request("POST", "/v1/completions", payload)
+        try:
+            per_token = data["choices"][0]["prompt_logprobs"]
+            values = [per_token[t][str(token_ids[t])]["logprob"] for t in range(1, len(token_ids))]
+        except (KeyError, IndexError, TypeError) as error:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} returned no prompt log-probs ({error!r}): "
+                f"{json.dumps(data)[:500]}"
+            ) from error
+        return [float(v) for v in values]
+
+    # --- weights ------------------------------------------------------------------------------------------------
+
+    @property
+    def weights_dir(self) -> Path:
+        """Where snapshots are written (made on first use; a temporary one is removed with the engine)."""
+        if self._weights_dir is None:
+            self._weights_dir = Path(tempfile.mkdtemp(prefix="vllm-weights-"))
+            # Removed at close(), garbage collection or interpreter exit, whichever comes first.
+            self._cleanup = weakref.finalize(self, shutil.rmtree, str(self._weights_dir), True)
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+        return self._weights_dir
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load ``(name, tensor)`` pairs (HF parameter names; ``module.`` / ``_orig_mod.`` prefixes are removed)
+        into the server and set ``policy_version``.
+
+        The iterable is consumed once, each tensor written to disk as soon as it is drawn (a ZeRO-3 gather may
+        free it right after), as a snapshot in ``weights_dir`` that the server reloads in place; the snapshot is
+        deleted once loaded. Give every parameter (a tied output layer may be left out): the server's extension
+        checks names and shapes against its checkpoint before touching anything, and rejects unknown, missing or
+        misshapen tensors with ``VLLMRequestError``, leaving its weights as they were. A failure during the
+        reload itself (rare: I/O) leaves the server's weights inconsistent, and the error says to restart it.
+        Any error leaves ``policy_version`` unchanged. Tied embeddings: the extension re-packs the output layer.
+        """
+        from safetensors.torch import save_file
+
+        if self._closed:
+            raise EngineClosedError("The engine is closed.")
+        started = time.perf_counter()
+        snapshot = Path(tempfile.mkdtemp(prefix=f"v{int(version)}-", dir=self.weights_dir))
+        try:
+            entries, seen = [], set()
+            for index, (name, tensor) in enumerate(named_tensors):
+                key = _strip_wrappers(name)
+                if key in seen:
+                    raise ValueError(f"Weight {key!r} was given twice.")
+                seen.add(key)
+                file_name = f"{index:05d}.safetensors"
+                # One file per tensor, written before the next tensor is drawn: nothing of the model is buffered.
+                save_file({key: tensor.detach().to("cpu").contiguous()}, str(snapshot / file_name))
+                entries.append({"name": key, "file": file_name, "shape": list(tensor.shape)})
+            if not entries:
+                raise ValueError("load_weights got no tensors.")
+            manifest = snapshot / "manifest.json"
+            manifest.write_text(json.dumps({"version": int(version), "tensors": entries}))
+            written = time.perf_counter()
+            try:
+                result = self._rpc("verifiers_rl_load_snapshot", str(manifest.resolve()))[0]
+            except VLLMError as error:
+                if "Weights rejected" in str(error):
+                    raise VLLMRequestError(str(error)) from None
+                raise
+            # Cached prefixes hold keys/values computed with the old weights.
+            self._request("POST", "/reset_prefix_cache")
+            self.policy_version = int(version)
+            self.last_load = {
+                **(result if isinstance(result, dict) else {"result": result}),
+                "write_s": written - started,
+                "total_s": time.perf_counter() - started,
+                "version": int(version),
+            }
+        finally:
+            shutil.rmtree(snapshot, ignore_errors=True)
+
+    def _rpc(self, method: str, *args: str, retries: int | None = None, timeout: float | None = None) -> list:
+        # An HTTP 500 here is the worker's own error (it would fail again): raised at once, not retried.
+        data = self._request(
+            "POST", "/collective_rpc", {"method": method, "args": list(args)}, retries=retries, timeout=timeout,
+            retry_5xx=False,
+        )
+        return data.get("results") or [None]
+
+    # --- state --------------------------------------------------------------------------------------------------
+
+    def health(self) -> dict:
+        """``ok`` is True when the server answers ``/health``; ``error`` says why not. Never raises."""
+        state = {
+            "engine": "vllm",
+            "url": self.base_url,
+            "model": self.model_name or self.expected_model,
+            "policy_version": self.policy_version,
+            "requests_served": self.requests_served,
+            "ok": False,
+        }
+        if self._closed:
+            return {**state, "error": "closed"}
+        try:
+            self._request("GET", "/health", retries=0, timeout=_CHECK_TIMEOUT_S)
+        except VLLMError as error:
+            return {**state, "error": str(error)}
+        return {**state, "ok": True}
+
+    def close(self) -> None:
+        """Drop the HTTP client (the server keeps running); later ``sample`` calls raise ``EngineClosedError``."""
+        self._closed = True
+        self._client.close()
+        if self._cleanup is not None:
+            self._cleanup()
+
+    # --- HTTP ---------------------------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, payload: dict | None = None, retries: int | None = None,
+                 timeout: float | None = None, retry_5xx: bool = True) -> Any:
+        """One call with retries, from a normal thread."""
+        url = self.base_url + path
+        retries = self.max_retries if retries is None else retries
+        timeout = self._timeout if timeout is None else httpx.Timeout(timeout)
+        started, last = time.monotonic(), None
+        for attempt in range(retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._client.request(method, url, json=payload, timeout=timeout)
+            except _RETRYABLE as error:
+                last = f"{type(error).__name__}: {error}"
+                continue
+            except httpx.TimeoutException as error:
+                raise self._timeout_error(method, path, timeout) from error
+            last = self._outcome(method, path, response)
+            if last is None:
+                return _json(response)
+            if not retry_5xx:
+                error = VLLMError(f"The vLLM server at {self.base_url} failed {method} {path}: {last}")
+                error.status = response.status_code
+                raise error
+        raise self._unavailable(method, path, retries + 1, time.monotonic() - started, last)
+
+    async def _arequest(self, method: str, path: str, payload: dict | None = None) -> Any:
+        """One call with retries, in the running event loop (a client per call: nothing binds to a loop)."""
+        url = self.base_url + path
+        started, last = time.monotonic(), None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                async with httpx.AsyncClient(timeout=self._timeout, verify=self._ssl) as client:
+                    response = await client.request(method, url, json=payload)
+            except _RETRYABLE as error:
+                last = f"{type(error).__name__}: {error}"
+                continue
+            except httpx.TimeoutException as error:
+                raise self._timeout_error(method, path, self._timeout) from error
+            last = self._outcome(method, path, response)
+            if last is None:
+                return _json(response)
+        raise self._unavailable(method, path, self.max_retries + 1, time.monotonic() - started, last)
+
+    def _outcome(self, method: str, path: str, response) -> str | None:
+        """None when the response is usable; a description when it is worth a retry (5xx); raises on 4xx."""
+        if response.status_code < 400:
+            return None
+        detail = _error_detail(response)
+        if response.status_code >= 500:
+            return f"HTTP {response.status_code}: {detail}"
+        error = VLLMRequestError(
+            f"The vLLM server at {self.base_url} refused {method} {path} (HTTP {response.status_code}): {detail}"
+        )
+        error.status = response.status_code
+        raise error
+
+    def _timeout_error(self, method: str, path: str, timeout) -> VLLMTimeoutError:
+        seconds = timeout.read if isinstance(timeout, httpx.Timeout) else timeout
+        return VLLMTimeoutError(
+            f"The vLLM server at {self.base_url} did not answer {method} {path} within {seconds} s; it is stuck "
+            "or overloaded (request_timeout_s bounds generation and weight loads)."
+        )
+
+    def _unavailable(self, method, path, attempts, seconds, last) -> VLLMUnavailableError:
+        hint = "" if last.startswith("HTTP") else f" Is it running? To {_START_HINT}."
+        error = VLLMUnavailableError(
+            f"The vLLM server at {self.base_url} failed {method} {path} {attempts} time(s) over {seconds:.1f} s "
+            f"(last: {last}).{hint}"
+        )
+        error.last = last
+        return error
+
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _same_model(expected: str, served: tuple[str | None, str | None]) -> bool:
+    if expected in served:
+        return True
+    # A folder may be named differently (relative path, symlink) on the two sides of the check.
+    if not os.path.exists(expected):
+        return False
+    return os.path.realpath(expected) in {os.path.realpath(p) for p in served if p and os.path.exists(p)}
+
+
+def _json(response) -> Any:
+    if not response.content:
+        return {}
+    try:
+        return response.json()
+    except ValueError:
+        return {"text": response.text}
+
+
+def _error_detail(response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:1000] or "(empty body)"
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:1000]
+        if body.get("detail"):
+            return str(body["detail"])[:1000]
+        if body.get("message"):
+            return str(body["message"])[:1000]
+    return json.dumps(body)[:1000]
+
+
+def _cause(error: BaseException) -> str:
+    return getattr(error, "last", None) or str(error)
+
+
+__all__ = [
+    "VLLMEngine",
+    "VLLMError",
+    "VLLMRequestError",
+    "VLLMTimeoutError",
+    "VLLMUnavailableError",
+    "WORKER_EXTENSION",
+]

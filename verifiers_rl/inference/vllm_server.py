@@ -1,0 +1,387 @@
+"""Start (and stop) a vLLM server that ``VLLMEngine`` can sample from and load weights into.
+
+    scripts/install_vllm.sh                                       # once: vLLM in its own venv (.venv-vllm)
+    python -m verifiers_rl.inference.vllm_server --model DIR --port 8000
+    python examples/train.py --model DIR --vllm_server_url http://127.0.0.1:8000 ...
+
+In Python (tests): ``with VLLMServer(model_dir) as server: VLLMEngine(server.url, model=model_dir)``.
+
+The server runs ``<venv>/bin/python -m vllm.entrypoints.cli.main serve`` in its own process group with what weight
+sync and exact log-probs need: ``--logprobs-mode processed_logprobs`` (sampler log-probs at the sampling
+temperature), ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``), our worker extension on ``PYTHONPATH``, and
+``--generation-config vllm`` (the checkpoint's sampling defaults never apply). On CPU: ``--enforce-eager``,
+float32, both cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER_DIR = Path(__file__).resolve().parents[1] / "vllm_worker"
+WORKER_EXTENSION = "vllm_weight_sync.WeightSyncExtension"
+VENV_ENV_VAR = "VERIFIERS_RL_VLLM_VENV"
+# Variables of a torch.distributed launch: a server started from inside a rank must not join that job.
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                "ROLE_RANK", "TORCHELASTIC_RUN_ID", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
+
+
+# A watchdog beside the server: if this process dies without stopping it (SIGKILL, a killed test run: no atexit),
+# it kills the server's process group (API server, engine core, workers) and removes its folder. Polls, so it
+# works whichever thread started the server. argv: parent pid, server process group, folder.
+_WATCHDOG = """
+import os, shutil, signal, sys, time
+parent, group, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+while True:
+    try:
+        os.killpg(group, 0)
+    except (ProcessLookupError, PermissionError):
+        sys.exit(0)  # the server is gone (stopped normally)
+    if os.getppid() != parent:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        time.sleep(1)
+        shutil.rmtree(folder, ignore_errors=True)
+        sys.exit(0)
+    time.sleep(0.5)
+"""
+
+
+class VLLMServerError(RuntimeError):
+    """The server could not be started (missing venv, died during startup, not ready in time)."""
+
+
+def default_venv() -> Path:
+    """``$VERIFIERS_RL_VLLM_VENV``, else ``<repo>/.venv-vllm`` (what ``scripts/install_vllm.sh`` creates)."""
+    return Path(os.environ.get(VENV_ENV_VAR) or ROOT / ".venv-vllm")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """A vLLM OpenAI-compatible server in a child process group; a context manager (``stop()`` on exit).
+
+    Args:
+        model: local folder (or hub id) of the model.
+        port: default: a free port. ``host``: default 127.0.0.1.
+        served_model_name: the name clients send (default: ``model`` as given).
+        venv: the vLLM venv (default ``default_venv()``).
+        max_model_len: longest prompt + completion.
+        dtype: default float32 (CPU); ``"auto"`` on a GPU.
+        enforce_eager: skip torch.compile and graph capture (~40 s faster to start on CPU).
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, whole GiB (CPU only).
+        max_logprobs: most log-probs per token a request may ask for.
+        extra_args / extra_env: passed through to ``vllm serve`` / its environment.
+        log_path: where the server's output goes (default: in its temporary folder); ``"-"``: this terminal.
+        die_with_parent: a watchdog process kills the server if this process dies without stopping it.
+
+    ``start()`` waits for ``/health`` (``startup_timeout_s``), printing progress; if the server dies first it
+    raises ``VLLMServerError`` with the tail of its log. ``stop()`` kills the whole process group (the API server
+    spawns the engine core and its workers) and removes the temporary folder.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        served_model_name: str | None = None,
+        venv: str | os.PathLike | None = None,
+        max_model_len: int = 2048,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+        kv_cache_gib: int = 1,
+        max_logprobs: int = 5,
+        extra_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 300.0,
+        progress: bool = True,
+        die_with_parent: bool = True,
+    ):
+        self.model = str(model)
+        self.host = host
+        self.port = int(port) if port else free_port()
+        self.served_model_name = served_model_name or self.model
+        self.venv = Path(venv) if venv else default_venv()
+        self.max_model_len = max_model_len
+        self.dtype = dtype
+        self.enforce_eager = enforce_eager
+        self.kv_cache_gib = kv_cache_gib
+        self.max_logprobs = max_logprobs
+        self.extra_args = list(extra_args or [])
+        self.extra_env = dict(extra_env or {})
+        self.startup_timeout_s = startup_timeout_s
+        self.progress = progress
+        self.die_with_parent = die_with_parent
+        self.watchdog: subprocess.Popen | None = None
+        self._tmp = Path(tempfile.mkdtemp(prefix="vllm-server-"))
+        self._inherit_output = str(log_path) == "-"
+        self.log_path = self._tmp / "server.log" if not log_path or self._inherit_output else Path(log_path)
+        self.process: subprocess.Popen | None = None
+        self._log = None
+        self._stopped = threading.Event()
+        self._launched_at = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def log_name(self) -> str:
+        return "this terminal" if self._inherit_output else str(self.log_path)
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+    def command(self) -> list[str]:
+        cmd = [
+            str(self.python), "-m", "vllm.entrypoints.cli.main", "serve", self.model,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--served-model-name", self.served_model_name,
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--logprobs-mode", "processed_logprobs",
+            "--max-logprobs", str(self.max_logprobs),
+            "--generation-config", "vllm",
+            "--worker-extension-cls", WORKER_EXTENSION,
+        ]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        return cmd + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+        env.update(
+            HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"),
+            VLLM_SERVER_DEV_MODE="1",  # /collective_rpc and /reset_prefix_cache
+            VLLM_CPU_KVCACHE_SPACE=str(int(self.kv_cache_gib)),
+            VLLM_CPU_NUM_OF_RESERVED_CPU="0",  # vLLM would otherwise keep one of the (2) cores idle
+            VLLM_CACHE_ROOT=str(self._tmp / "cache"),  # not ~/.cache/vllm
+            VLLM_RPC_BASE_PATH=str(self._tmp),  # its zmq IPC sockets, removed with the folder
+            PYTHONPATH=str(WORKER_DIR),  # the weight-sync extension alone (no verifiers_rl, no trainer deps)
+            PYTHONUNBUFFERED="1",
+        )
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> "VLLMServer":
+        """Launch and wait until ``/health`` answers 200."""
+        self.launch()
+        try:
+            self.wait_ready(self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def launch(self) -> "VLLMServer":
+        """Start the process without waiting (then ``wait_ready``): lets several servers start side by side."""
+        if self.process is not None:
+            raise VLLMServerError("This server was already started.")
+        if not self.python.is_file():
+            raise VLLMServerError(
+                f"No vLLM venv at {self.venv} ({self.python} is missing). Install it with "
+                f"scripts/install_vllm.sh [{self.venv}] (~2 min), or point {VENV_ENV_VAR} to one."
+            )
+        if not self._inherit_output:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.command(),
+            env=self.environment(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT if self._log is not None else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stop() kills the engine core and workers too
+        )
+        atexit.register(self.stop)
+        if self.die_with_parent:
+            self.watchdog = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.process.pid), str(self._tmp)],
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        self._say(f"starting vLLM for {self.model} at {self.url} (pid {self.process.pid}, log {self.log_name})")
+        self._launched_at = time.monotonic()
+        return self
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Wait until ``/health`` answers 200 (``timeout_s`` counted from the launch); raise with the log's tail
+        if the server exits or the time runs out."""
+        timeout_s = self.startup_timeout_s if timeout_s is None else timeout_s
+        started = self._launched_at
+        next_note = started + 15
+        while True:
+            if self.process.poll() is not None:
+                raise VLLMServerError(
+                    f"The vLLM server for {self.model} exited with code {self.process.returncode} during startup. "
+                    f"Last lines of {self.log_name}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                self._say(f"vLLM ready at {self.url} after {time.monotonic() - started:.0f} s")
+                return
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise VLLMServerError(
+                    f"The vLLM server for {self.model} at {self.url} was not ready within {timeout_s:.0f} s. "
+                    f"Last lines of {self.log_name}:\n{self.log_tail()}"
+                )
+            if now >= next_note:
+                self._say(f"... waiting for vLLM at {self.url} ({now - started:.0f} s)")
+                next_note = now + 15
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self._inherit_output:
+            return "(the server's output went to this terminal)"
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to the whole server process group (tests use it to simulate a crash)."""
+        if self.process is not None and self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after ``grace_s``; remove the temporary folder."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        process = self.process
+        if process is not None:
+            _kill_group(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # The engine core / workers may outlive the API server: kill the group whatever happened above.
+            _kill_group(process.pid, signal.SIGKILL)
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            _wait_group_gone(process.pid, 5.0)
+        if self.watchdog is not None:
+            try:  # it exits by itself within 0.5 s of the group being gone
+                self.watchdog.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.watchdog.kill()
+                self.watchdog.wait()
+        if self._log is not None:
+            self._log.close()
+        try:
+            atexit.unregister(self.stop)
+        except Exception:  # noqa: BLE001
+            pass
+        # Keep a log that was asked for elsewhere; the rest goes.
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _say(self, message: str) -> None:
+        if self.progress:
+            print(f"[vllm_server] {message}", file=sys.stderr, flush=True)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m verifiers_rl.inference.vllm_server",
+        description="Serve a model with vLLM for verifiers_rl (generation + weight sync); Ctrl-C stops it.",
+    )
+    parser.add_argument("--model", required=True, help="local folder (or hub id) of the model")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--venv", default=None, help=f"the vLLM venv (default ${VENV_ENV_VAR} or <repo>/.venv-vllm)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile / CUDA graphs")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, whole GiB")
+    parser.add_argument("--max-logprobs", type=int, default=5)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--log", default="-", help="file for the server's output (default: this terminal)")
+    args, extra = parser.parse_known_args(argv)
+    server = VLLMServer(
+        args.model, port=args.port, host=args.host, served_model_name=args.served_model_name, venv=args.venv,
+        max_model_len=args.max_model_len, dtype=args.dtype, enforce_eager=not args.no_enforce_eager,
+        kv_cache_gib=args.kv_cache_gib, max_logprobs=args.max_logprobs, extra_args=extra,
+        startup_timeout_s=args.startup_timeout_s, log_path=args.log,
+    )
+    signal.signal(signal.SIGTERM, _interrupt)  # a job runner's SIGTERM stops the server like Ctrl-C does
+    try:
+        server.start()
+        print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); Ctrl-C stops it.", flush=True)
+        while server.process.poll() is None:
+            time.sleep(1.0)
+        print(f"The vLLM server exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+        return 1
+    except VLLMServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
