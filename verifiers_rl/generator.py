@@ -224,6 +224,12 @@ class AsyncGenerator:
                 self._condition.notify_all()
         finally:
             self._task = None
+            # Engines may leave helper tasks (a batching queue's drain) behind: end them before the loop closes.
+            leftovers = asyncio.all_tasks(self._loop)
+            for task in leftovers:
+                task.cancel()
+            if leftovers:
+                self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
             self._loop.close()
 
     async def _generate(self, index: int) -> list[Rollout]:
