@@ -79,6 +79,16 @@ class ReplaySource:
         return self.batches[index % len(self.batches)]
 
 
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close ``loop`` after ending the tasks engines may leave behind (a batching queue's drain)."""
+    leftovers = asyncio.all_tasks(loop)
+    for task in leftovers:
+        task.cancel()
+    if leftovers:
+        loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+    loop.close()
+
+
 class GenerationError(RuntimeError):
     """Generation, an environment or a reward function failed; raised where the trainer waits for a batch."""
 
@@ -91,8 +101,9 @@ class AsyncGenerator:
     """Produces batches of rollouts ``max_off_policy_steps`` (k) optimizer steps ahead, on a thread of the main process.
 
     Batch b is started only once the engine holds policy version >= b - k, so every rollout of batch b is at most
-    k versions behind the weights that train on it (k = 0 is synchronous). A batch is generated under one lock, and
-    ``hold_weights()`` takes the same lock, so a weight load never lands in the middle of a batch.
+    k versions behind the weights that train on it (k = 0 is synchronous, on the caller's thread). A batch is
+    generated under one lock, and ``hold_weights()`` takes the same lock, so a weight load never lands in the middle
+    of a batch.
     """
 
     def __init__(
@@ -139,7 +150,12 @@ class AsyncGenerator:
     # --- the trainer's side -------------------------------------------------------------------------------------
 
     def batch(self, index: int) -> list[Rollout]:
-        """Batch ``index``; waits at most ``timeout_s``; re-raises what went wrong in generation."""
+        """Batch ``index``; waits at most ``timeout_s``; re-raises what went wrong in generation.
+
+        With k = 0 there is nothing to run ahead: the batch is generated here, on the caller's thread.
+        """
+        if self.max_off_policy_steps == 0:
+            return self._generate_here(index)
         self.start()
         deadline = time.monotonic() + self.timeout_s
         with self._condition:
@@ -154,6 +170,25 @@ class AsyncGenerator:
                     )
                 self._condition.wait(timeout=min(remaining, 1.0))
             return self._ready.pop(index)
+
+    def _generate_here(self, index: int) -> list[Rollout]:
+        loop = asyncio.new_event_loop()
+        started = time.perf_counter()
+        try:
+            with self._batch_lock:
+                task = loop.create_task(asyncio.wait_for(self._generate(index), self.timeout_s))
+                rollouts = loop.run_until_complete(task)
+        except asyncio.TimeoutError:
+            raise GenerationTimeout(
+                f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
+                f"{self.engine.policy_version}); the engine or an environment is stuck."
+            ) from None
+        except Exception as error:
+            raise GenerationError(f"Generation failed: {type(error).__name__}: {error}") from error
+        finally:
+            _close_loop(loop)
+        self.generation_seconds[index] = time.perf_counter() - started
+        return rollouts
 
     def hold_weights(self):
         """Context manager for a weight load: waits for the batch in progress, blocks the next one."""
@@ -224,13 +259,7 @@ class AsyncGenerator:
                 self._condition.notify_all()
         finally:
             self._task = None
-            # Engines may leave helper tasks (a batching queue's drain) behind: end them before the loop closes.
-            leftovers = asyncio.all_tasks(self._loop)
-            for task in leftovers:
-                task.cancel()
-            if leftovers:
-                self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
-            self._loop.close()
+            _close_loop(self._loop)
 
     async def _generate(self, index: int) -> list[Rollout]:
         version = self.engine.policy_version

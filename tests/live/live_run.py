@@ -32,7 +32,8 @@ def run(model: str, k: int, steps: int, out: Path, env: str, env_args: dict, tim
     tokenizer = AutoTokenizer.from_pretrained(model)
     environment = load_environment(env, tokenizer=tokenizer, **env_args)
     # The engine lives on the main process only, with its own copy of the weights.
-    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=8)) if PartialState().is_main_process else None
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    engine = EmbeddedEngine(model, tokenizer, sampling, generate_in_loop_thread=k == 0) if PartialState().is_main_process else None
     trainer = RLTrainer(model, args, processing_class=tokenizer, environment=environment, engine=engine)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "reward" in entry]

@@ -33,4 +33,5 @@ def build_engine(config, model: str, tokenizer):
         )
     from .hf_engine import EmbeddedEngine
 
-    return EmbeddedEngine(model, tokenizer, sampling)
+    # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
+    return EmbeddedEngine(model, tokenizer, sampling, generate_in_loop_thread=config.max_off_policy_steps == 0)

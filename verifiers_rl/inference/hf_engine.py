@@ -69,6 +69,10 @@ class EmbeddedEngine:
         sampling: temperature / top_p / top_k / default ``max_new_tokens``.
         max_batch_size: most requests per ``generate`` call.
         dtype: when loading from a name/folder (default float32).
+        generate_in_loop_thread: run ``generate`` on the event loop's own thread (blocking the loop meanwhile)
+            instead of a worker thread. For synchronous generation (k = 0) on the trainer's thread: on CPU every
+            extra thread that runs torch ops gets its own OpenMP team, the teams oversubscribe the cores, and
+            decoding's many small ops then run ~1.7x slower (benchmarks/async_generation.py).
 
     Log-probs are those of the full softmax at the sampling temperature, from the raw logits (with temperature 0,
     greedy decoding, at temperature 1). ``generate`` keeps every step's logits until it returns:
@@ -82,6 +86,7 @@ class EmbeddedEngine:
         sampling: SamplingConfig | None = None,
         max_batch_size: int = 64,
         dtype: torch.dtype = torch.float32,
+        generate_in_loop_thread: bool = False,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -103,6 +108,7 @@ class EmbeddedEngine:
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
         self.max_batch_size = max_batch_size
+        self.generate_in_loop_thread = generate_in_loop_thread
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -187,10 +193,12 @@ class EmbeddedEngine:
                 batch = [r for r in batch if not r.future.done()]  # callers that gave up (cancelled)
                 if not batch:
                     continue
+                prompts, lengths = [r.prompt_ids for r in batch], [r.max_new_tokens for r in batch]
                 try:
-                    samples = await asyncio.to_thread(
-                        self._generate, [r.prompt_ids for r in batch], [r.max_new_tokens for r in batch]
-                    )
+                    if self.generate_in_loop_thread:
+                        samples = self._generate(prompts, lengths)
+                    else:
+                        samples = await asyncio.to_thread(self._generate, prompts, lengths)
                 except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
                     for request in batch:
                         if not request.future.done():
