@@ -29,7 +29,6 @@ from .generator import AsyncGenerator, ReplaySource, RolloutSource
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
 from . import progress
 from .policy import micro_batch_logprobs, splits_packed_rows, unwrap
-from .progress import sample_lines
 from .rollouts import write_rollouts
 from .weights import (
     GatherStats,
@@ -420,7 +419,7 @@ class RLTrainer(GRPOTrainer):
     def sample_completions(self) -> list:
         """A few completions of the newest batch, for the progress output (main process; empty elsewhere)."""
         count = self.args.num_completions_to_print or 3
-        return sample_lines(self._latest_rollouts, count) if self._latest_rollouts else []
+        return progress.sample_lines(self._latest_rollouts, count) if self._latest_rollouts else []
 
     def _next_rank_batch(self, model) -> RankBatch:
         """This rank's slice of the current batch; a new batch every ``num_iterations`` optimizer steps."""

@@ -2,6 +2,7 @@
 
     scripts/install_vllm.sh                                       # once: vLLM in its own venv (.venv-vllm)
     python -m verifiers_rl.inference.vllm_server --model DIR --port 8000
+    python -m verifiers_rl.inference.vllm_server --model DIR --then python examples/train.py --model DIR   # both
     python examples/train.py --model DIR --vllm_server_url http://127.0.0.1:8000 ...
 
 In Python (tests): ``with VLLMServer(model_dir) as server: VLLMEngine(server.url, model=model_dir)``.
@@ -359,6 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-logprobs", type=int, default=5)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--log", default="-", help="file for the server's output (default: this terminal)")
+    parser.add_argument("--then", action="store_true",
+                        help="everything after --then is a command to run once the server is up, with "
+                        "--vllm_server_url URL appended; the server stops when it ends, and its exit code is ours")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--then" in argv:
+        split = argv.index("--then")
+        argv, command = argv[:split], argv[split + 1 :]
+        if not command:
+            parser.error("--then needs a command after it")
     args, extra = parser.parse_known_args(argv)
     server = VLLMServer(
         args.model, port=args.port, host=args.host, served_model_name=args.served_model_name, venv=args.venv,
@@ -369,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a job runner's SIGTERM stops the server like Ctrl-C does
     try:
         server.start()
+        if command:
+            command = command + ["--vllm_server_url", server.url]
+            print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); running: "
+                  f"{' '.join(command)}", flush=True)
+            return subprocess.call(command)
         print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); Ctrl-C stops it.", flush=True)
         while server.process.poll() is None:
             time.sleep(1.0)
