@@ -18,26 +18,18 @@ and tokenizer are saved to ``--output_dir``.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 
 import torch
+from accelerate import PartialState
+from trl import TrlParser
 
-# Without a GPU the script must ask for the CPU itself: a MULTI_GPU / DEEPSPEED launch would otherwise start
-# processes that each train an independent copy (SPEC §7). The trainer also checks the world size.
-if not torch.cuda.is_available():
-    os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-
-from trl import TrlParser  # noqa: E402
-
-from accelerate import PartialState  # noqa: E402
-
-from verifiers_rl.config import RLConfig  # noqa: E402
-from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment  # noqa: E402
-from verifiers_rl.inference.factory import build_engine  # noqa: E402
-from verifiers_rl.models import load_tokenizer, resolve_model  # noqa: E402
-from verifiers_rl.trainer import RLTrainer  # noqa: E402
+from verifiers_rl.config import RLConfig
+from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
+from verifiers_rl.inference.factory import build_engine
+from verifiers_rl.models import load_tokenizer, resolve_model
+from verifiers_rl.trainer import RLTrainer
 
 
 # Defaults of this script (not of RLConfig), tuned for the CPU quickstart: 4 prompts x 4 samples per step, a
@@ -79,6 +71,9 @@ class ScriptArguments:
 def main(argv: list[str] | None = None) -> int:
     parser = TrlParser((ScriptArguments, RLConfig))
     parser.set_defaults(**QUICKSTART)  # a --config YAML and then the command line override these
+    # Without a GPU the script must ask for the CPU itself: a MULTI_GPU / DEEPSPEED launch would otherwise start
+    # processes that each train an independent copy (SPEC §7). The trainer also checks the world size.
+    parser.set_defaults(use_cpu=not torch.cuda.is_available())
     script_args, config = parser.parse_args_and_config(args=argv)
     try:
         env_args = json.loads(script_args.env_args)

@@ -126,8 +126,8 @@ def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, ti
     assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
 
     # A MULTI_GPU launch on a CPU-only machine whose script does not select the CPU would train two copies.
-    bad = launch(accelerate("ddp_cpu.yaml"), args[:-1] + [str(tmp_path / "bad")], tmp_path / "bad.log",
-                 env_extra={"ACCELERATE_USE_CPU": "false"})
+    bad = launch(accelerate("ddp_cpu.yaml"), args[:-1] + [str(tmp_path / "bad"), "--use_cpu", "false"],
+                 tmp_path / "bad.log", env_extra={"ACCELERATE_USE_CPU": "false"})
     log = (tmp_path / "bad.log").read_text()
     assert bad.returncode != 0
     assert "2 processes were launched but Accelerate sees 1" in log

@@ -160,6 +160,11 @@ class RLConfig(GRPOConfig):
 
     def __post_init__(self):
         _skip_deepspeed_cpu_shm_op()
+        if _env_flag("ACCELERATE_USE_CPU") and _env_flag("ACCELERATE_USE_DEEPSPEED"):
+            # The env flag gives the Trainer a plain CPU Accelerator that ignores the DeepSpeed plugin: the
+            # ZeRO-3-partitioned model would be wrapped in DDP and fail ("'weight' must be 2-D"). use_cpu keeps both.
+            os.environ.pop("ACCELERATE_USE_CPU")
+            self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
@@ -246,10 +251,14 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"vllm_max_retries must be >= 0, got {self.vllm_max_retries}.")
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
 def _skip_deepspeed_cpu_shm_op() -> None:
     """On CPU DeepSpeed compiles a shared-memory all-reduce op at every start (50-85 s on 2 cores). Only
     inference all-reduce uses it; training collectives go through gloo, so skip building it."""
-    if torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() != "true":
+    if torch.cuda.is_available() or not _env_flag("ACCELERATE_USE_DEEPSPEED"):
         return
     import deepspeed.comm.torch  # noqa: F401  (the attribute of that name is torch itself, hence sys.modules)
 

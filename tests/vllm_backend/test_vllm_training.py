@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from verifiers_rl.inference import VLLMEngine
@@ -19,9 +20,9 @@ RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"
 PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
 
 
-def ddp_command(model_dir: str, url: str, out: Path, max_steps: int) -> list[str]:
+def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str = "ddp_cpu.yaml") -> list[str]:
     return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp_cpu.yaml",
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
         "--main_process_port", str(free_port()), str(RUNNER),
         "--model", model_dir, "--env", "reverse_text", "--env_args", '{"num_examples": 64}',
         "--vllm_server_url", url, "--max_steps", str(max_steps),
@@ -33,7 +34,8 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int) -> list[str
 
 
 def launch_env() -> dict:
-    # ACCELERATE_USE_CPU: examples/train.py sets it too when no GPU is visible; explicit here (SPEC §7).
+    # ACCELERATE_USE_CPU (SPEC §7): examples/train.py selects the CPU itself (use_cpu) when no GPU is visible; the
+    # env flag is set too, as users do, and must not break the ZeRO-3 launch (RLConfig swaps it for use_cpu).
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
 
 
@@ -46,10 +48,12 @@ def hf_prompt_logprobs(folder, ids):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-def test_ddp_training_generates_through_vllm_and_syncs_weights(untied, tmp_path):
+@pytest.mark.parametrize("config", ["ddp_cpu.yaml", "zero3_cpu.yaml"])
+def test_two_process_training_generates_through_vllm_and_syncs_weights(untied, tmp_path, config):
+    # DDP, and DeepSpeed ZeRO-3 (each sync gathers the sharded weights bucket by bucket into the server's snapshot).
     untied.dirty = True  # the run leaves its trained weights in the server
-    result = subprocess.run(ddp_command(untied.model_dir, untied.url, tmp_path, 2), cwd=ROOT, env=launch_env(),
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(ddp_command(untied.model_dir, untied.url, tmp_path, 2, config), cwd=ROOT,
+                            env=launch_env(), capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
     steps = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")]
