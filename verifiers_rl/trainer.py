@@ -28,7 +28,7 @@ from .config import RLConfig
 from .generator import AsyncGenerator, ReplaySource, RolloutSource
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
 from . import progress
-from .policy import micro_batch_logprobs, splits_packed_rows, unwrap
+from .policy import micro_batch_logprobs, sequence_logprobs, splits_packed_rows, unwrap
 from .rollouts import write_rollouts
 from .weights import (
     GatherStats,
@@ -358,11 +358,9 @@ class RLTrainer(GRPOTrainer):
         was_training = model.training
         model.eval()  # no dropout: the engine's forward has none either
         try:
-            input_ids = torch.tensor([ids], device=self.accelerator.device)
-            output = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+            logps = sequence_logprobs(model, ids, self.accelerator.device)
         finally:
             model.train(was_training)
-        logps = torch.log_softmax(output.logits[0, :-1].float(), dim=-1).gather(-1, input_ids[0, 1:, None])[:, 0]
         return logps.cpu().tolist() if self.accelerator.is_main_process else None
 
     # --- data ---------------------------------------------------------------------------------------------------

@@ -20,10 +20,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .policy import unwrap
+from .policy import strip_wrappers, unwrap
 
-# Prefixes that wrappers (DDP / DeepSpeed ``module.``, torch.compile ``_orig_mod.``) put before parameter names.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 PEFT_PREFIX = "base_model.model."
 # The fixed text whose tokens make the post-sync probe (any text works; this one tokenizes into many pieces).
 PROBE_TEXT = (
@@ -51,9 +49,7 @@ class _Source:
 
 def hf_name(name: str) -> str:
     """The plain model's name of a parameter: no wrapper prefixes, no PEFT prefix or ``.base_layer``."""
-    while name.startswith(WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    name = name.removeprefix(PEFT_PREFIX)
+    name = strip_wrappers(name).removeprefix(PEFT_PREFIX)
     return name.replace(".base_layer.", ".")
 
 

@@ -17,11 +17,9 @@ from typing import Iterable
 
 import torch
 
-from ..policy import unwrap
+from ..policy import WRAPPER_PREFIXES, sequence_logprobs, unwrap
 from .engine import Sample, SamplingConfig
 
-# Prefixes that wrappers (DDP / DeepSpeed ``module.``, torch.compile ``_orig_mod.``) put before parameter names.
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
 # the loop busy forever).
 _MAX_SETTLE_ROUNDS = 64
@@ -309,7 +307,7 @@ class EmbeddedEngine:
         return targets
 
     def _resolve(self, name: str) -> str:
-        while name not in self._targets and name.startswith(_WRAPPER_PREFIXES):
+        while name not in self._targets and name.startswith(WRAPPER_PREFIXES):
             name = name.split(".", 1)[1]
         return name
 
@@ -345,7 +343,6 @@ class EmbeddedEngine:
                 target.copy_(tensor)
             self.policy_version = int(version)
 
-    @torch.no_grad()
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """``log p(token_t | tokens_<t)`` for t = 1 .. n-1 at temperature 1, under the engine's current weights.
 
@@ -361,10 +358,7 @@ class EmbeddedEngine:
         with self._lock:
             if self._closed:
                 raise EngineClosedError("The engine is closed.")
-            device = self.model.get_input_embeddings().weight.device
-            ids = torch.tensor([token_ids], device=device)
-            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-            logps = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+            logps = sequence_logprobs(self.model, token_ids, self.model.get_input_embeddings().weight.device)
         return logps.cpu().tolist()
 
     # --- state --------------------------------------------------------------------------------------------------

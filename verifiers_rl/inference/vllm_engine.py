@@ -26,6 +26,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..policy import strip_wrappers
 from .engine import Sample, SamplingConfig
 from .hf_engine import EngineClosedError
 from .vllm_server import WORKER_EXTENSION
@@ -37,7 +38,6 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 # Bumped with verifiers_rl/vllm_worker/vllm_weight_sync.py's PROTOCOL_VERSION; checked at connect time.
 _PROTOCOL_VERSION = 1
 # check() and health() bound their own requests: they ask "are you there", not "generate".
@@ -355,7 +355,7 @@ class VLLMEngine:
         try:
             entries, seen = [], set()
             for index, (name, tensor) in enumerate(named_tensors):
-                key = _strip_wrappers(name)
+                key = strip_wrappers(name)
                 if key in seen:
                     raise ValueError(f"Weight {key!r} was given twice.")
                 seen.add(key)
@@ -497,12 +497,6 @@ class VLLMEngine:
         )
         error.last = last
         return error
-
-
-def _strip_wrappers(name: str) -> str:
-    while name.startswith(_WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    return name
 
 
 def _same_model(expected: str, served: tuple[str | None, str | None]) -> bool:
