@@ -79,7 +79,8 @@ def test_failing_reward_is_recorded_and_failing_environment_stops_every_rank(tin
     assert time.monotonic() - start < 120
 
 
-def test_stuck_engine_times_out_with_a_clear_error_and_no_thread_left(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("k", [0, 1])  # k = 0 waits on the trainer's own thread, k = 1 on the generator thread
+def test_stuck_engine_times_out_with_a_clear_error_and_no_thread_left(tiny_model_dir, tmp_path, k):
     from transformers import AutoTokenizer
 
     from toy_env import load_environment as load_toy
@@ -101,6 +102,7 @@ def test_stuck_engine_times_out_with_a_clear_error_and_no_thread_left(tiny_model
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     args = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", max_steps=2,
                     rollouts_per_step=8, num_generations=4, max_seq_len=64, generation_timeout_s=2.0,
+                    max_off_policy_steps=k,
                     gradient_checkpointing=False, disable_tqdm=True)
     trainer = RLTrainer(tiny_model_dir, args, processing_class=tokenizer,
                         environment=load_toy(tokenizer), engine=StuckEngine())

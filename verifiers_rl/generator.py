@@ -164,10 +164,7 @@ class AsyncGenerator:
                     raise GenerationError(f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise GenerationTimeout(
-                        f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
-                        f"{self.engine.policy_version}); the engine or an environment is stuck."
-                    )
+                    raise self._timeout(index)
                 self._condition.wait(timeout=min(remaining, 1.0))
             return self._ready.pop(index)
 
@@ -179,16 +176,19 @@ class AsyncGenerator:
                 task = loop.create_task(asyncio.wait_for(self._generate(index), self.timeout_s))
                 rollouts = loop.run_until_complete(task)
         except asyncio.TimeoutError:
-            raise GenerationTimeout(
-                f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
-                f"{self.engine.policy_version}); the engine or an environment is stuck."
-            ) from None
+            raise self._timeout(index) from None
         except Exception as error:
             raise GenerationError(f"Generation failed: {type(error).__name__}: {error}") from error
         finally:
             _close_loop(loop)
         self.generation_seconds[index] = time.perf_counter() - started
         return rollouts
+
+    def _timeout(self, index: int) -> GenerationTimeout:
+        return GenerationTimeout(
+            f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
+            f"{self.engine.policy_version}); the engine or an environment is stuck."
+        )
 
     def hold_weights(self):
         """Context manager for a weight load: waits for the batch in progress, blocks the next one."""
