@@ -9,7 +9,6 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 

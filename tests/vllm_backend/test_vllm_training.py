@@ -20,12 +20,13 @@ RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"
 PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
 
 
-def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str = "ddp_cpu.yaml") -> list[str]:
+def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str = "ddp_cpu.yaml",
+                transfer: str = "files") -> list[str]:
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
         "--main_process_port", str(free_port()), str(RUNNER),
         "--model", model_dir, "--env", "reverse_text", "--env_args", '{"num_examples": 64}',
-        "--vllm_server_url", url, "--max_steps", str(max_steps),
+        "--vllm_server_url", url, "--vllm_weight_transfer", transfer, "--max_steps", str(max_steps),
         "--rollouts_per_step", "8", "--num_generations", "4", "--max_completion_length", "8", "--max_seq_len", "128",
         "--max_off_policy_steps", "0", "--learning_rate", "0.01", "--logging_steps", "1", "--print_samples_every", "0",
         "--save_rollouts_path", str(out / "rollouts.jsonl"), "--report_to", "none", "--save_strategy", "no",
@@ -48,11 +49,12 @@ def hf_prompt_logprobs(folder, ids):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("config", ["ddp_cpu.yaml", "zero3_cpu.yaml"])
-def test_two_process_training_generates_through_vllm_and_syncs_weights(untied, tmp_path, config):
-    # DDP, and DeepSpeed ZeRO-3 (each sync gathers the sharded weights bucket by bucket into the server's snapshot).
+@pytest.mark.parametrize("config, transfer", [("ddp_cpu.yaml", "files"), ("zero3_cpu.yaml", "gloo")])
+def test_two_process_training_generates_through_vllm_and_syncs_weights(untied, tmp_path, config, transfer):
+    # DDP with snapshots, and DeepSpeed ZeRO-3 with broadcasts through vLLM's weight-transfer engine (the NCCL
+    # path's protocol over gloo): each sync gathers the sharded weights bucket by bucket and streams them.
     untied.dirty = True  # the run leaves its trained weights in the server
-    result = subprocess.run(ddp_command(untied.model_dir, untied.url, tmp_path, 2, config), cwd=ROOT,
+    result = subprocess.run(ddp_command(untied.model_dir, untied.url, tmp_path, 2, config, transfer), cwd=ROOT,
                             env=launch_env(), capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -73,6 +75,7 @@ def test_two_process_training_generates_through_vllm_and_syncs_weights(untied, t
     # 2 batches of 8, each generated when the trainer asked for it (k = 0: nothing runs ahead).
     assert state["requests_served"] == 2 * 8
     assert state["last_load"]["tensors"] == len(_parameter_names(untied.model_dir))
+    assert state["last_load"].get("transfer", "files") == transfer
 
     # Synchronous generation (k = 0): batch 1 was sampled by version 1, i.e. after the first weight sync.
     rollouts = read_rollouts(tmp_path / "rollouts.jsonl")
@@ -97,14 +100,15 @@ def test_launcher_starts_the_server_runs_training_against_it_and_stops_it(untied
     # One command for both: the server comes up, the trainer gets --vllm_server_url, the server stops at the end.
     port = free_port()
     command = [sys.executable, "-m", "verifiers_rl.inference.vllm_server", "--model", untied.model_dir,
-               "--port", str(port), "--max-model-len", "512", "--log", str(tmp_path / "server.log"), "--then",
+               "--port", str(port), "--max-model-len", "512", "--log", str(tmp_path / "server.log"),
+               "--weight-transfer", "gloo", "--then",
                sys.executable, "examples/train.py", "--model", untied.model_dir, "--env", "reverse_text",
                "--env_args", '{"num_examples": 16}', "--max_steps", "1", "--rollouts_per_step", "8",
                "--num_generations", "4", "--max_completion_length", "8", "--print_samples_every", "0",
                "--output_dir", str(tmp_path / "model")]
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    assert f"--vllm_server_url http://127.0.0.1:{port}" in result.stdout
+    assert f"--vllm_server_url http://127.0.0.1:{port} --vllm_weight_transfer gloo" in result.stdout
     assert [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")] == ["step 1/1"]
     assert not _answers(port), "the server was stopped with the command"
 

