@@ -200,6 +200,15 @@ def test_streamed_weights_are_checked_before_they_are_sent(untied):
     torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(PROBE)), hf_prompt_logprobs(other, PROBE),
                                atol=ATOL, rtol=0)
     assert engine.policy_version == 6
+    # A second client opens its own group on the same server; the first notices and reopens (no hang in a
+    # broadcast that no worker listens to).
+    second = VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="gloo")
+    second.load_weights(untied.hf_model().named_parameters(), version=7)
+    torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(PROBE)), torch.tensor(before), atol=ATOL, rtol=0)
+    engine.load_weights(params.items(), version=8)
+    torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(PROBE)), hf_prompt_logprobs(other, PROBE),
+                               atol=ATOL, rtol=0)
+    second.close()
     engine.close()
     # NCCL needs a server started with vLLM's nccl backend: said at connect time, before anything can block.
     with pytest.raises(VLLMError, match="needs a server started with the 'nccl' weight-transfer backend"):

@@ -15,7 +15,7 @@ import pytest
 
 from test_vllm_training import ROOT, ddp_command, launch_env
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
-from verifiers_rl.inference.vllm_engine import VLLMUnavailableError
+from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.inference.vllm_server import free_port
 
 DDP_DEADLINE_S = 120
@@ -54,6 +54,32 @@ def test_killed_server_fails_sampling_clearly_and_quickly(untied):
         engine.load_weights(untied.hf_model().named_parameters(), version=1)
     assert engine.policy_version == 0
     engine.close()
+
+
+def test_server_killed_during_a_streamed_weight_load_is_a_clear_error(untied):
+    # gloo (the NCCL path's protocol): the server dies between two rounds of a load; the sender must not wait for
+    # receivers that are gone.
+    engine = VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="gloo",
+                        weight_transfer_bucket_mb=4 / 1024, max_retries=1, retry_backoff_s=0.1)
+    params = list(untied.hf_model("other").named_parameters())
+    untied.dirty = True
+    engine.load_weights(params, version=1)
+
+    def stream():
+        for index, pair in enumerate(params):
+            if index == 6:
+                untied.server.kill()
+            yield pair
+
+    started = time.monotonic()
+    with pytest.raises(VLLMError) as error:
+        engine.load_weights(stream(), version=2)
+    elapsed = time.monotonic() - started
+    assert untied.url in str(error.value), str(error.value)
+    assert elapsed < 30, f"the failed load took {elapsed:.1f} s"
+    assert engine.policy_version == 1
+    engine.close()
+    print(f"the streamed load failed {elapsed:.1f} s after it started: {error.value}")
 
 
 def test_ddp_run_stops_on_every_rank_when_the_server_dies(tied, tmp_path):

@@ -22,6 +22,7 @@ import ssl
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class VLLMEngine:
         self.weight_transfer_address = weight_transfer_address
         self.weight_transfer_bucket_bytes = int(weight_transfer_bucket_mb * 2**20)
         self._group: TransferGroup | None = None
+        self._owner_token = uuid.uuid4().hex  # names this client's transfer group on the server's workers
         self._workers = 1  # the server's worker processes (TP x DP), from check()
         self._checkpoint_shapes: dict[str, list[int]] | None = None
         # Runs the HTTP side of a transfer while this thread broadcasts (both must be under way at once).
@@ -543,22 +545,43 @@ class VLLMEngine:
         try:
             handles = [group.broadcast(tensor) for _, tensor in bucket]
             group.wait(handles, failed=lambda: _failure(answered))
-        except BaseException:
+        except BaseException as error:
             self._drop_group()  # a half-sent round leaves the group unusable
-            raise
+            if isinstance(error, (VLLMError, KeyboardInterrupt)):
+                raise
+            try:  # a dropped connection usually means the server died or refused the round: its answer says which
+                answered.result(timeout=5)
+            except VLLMError as answer:
+                raise answer from error
+            except Exception:  # noqa: BLE001 - no better explanation than the broadcast's own
+                pass
+            raise VLLMError(
+                f"Sending weights to the vLLM server at {self.base_url} over {self.weight_transfer} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
         answered.result()
 
     def _transfer_group(self) -> TransferGroup:
         """The trainer + workers group, opened on first use: the workers join from inside
-        ``/init_weight_transfer_engine`` while this process serves the rendezvous (rank 0)."""
+        ``/init_weight_transfer_engine`` while this process serves the rendezvous (rank 0).
+
+        Reopened when the workers are no longer in ours (a restarted server, or another client that opened its
+        own since): broadcasting into a group nobody listens to would wait out the timeout. One trainer per server.
+        """
         if self._group is not None:
-            return self._group
+            owners = self._rpc("verifiers_rl_transfer_owner", retries=0)
+            if all(owner == self._owner_token for owner in owners):
+                return self._group
+            logger.warning("The vLLM server at %s left this client's weight-transfer group (restarted, or another "
+                           "client joined it to its own); opening a new one.", self.base_url)
+            self._drop_group()
         host = httpx.URL(self.base_url).host
         address = self.weight_transfer_address or address_towards(host)
         port = free_port(address)
         world_size = 1 + self._workers
         init_info = {"master_address": address, "master_port": port, "rank_offset": 1, "world_size": world_size,
                      "packed": False}
+        self._rpc("verifiers_rl_transfer_owner", self._owner_token, retries=0)
         joined = self._pool().submit(
             self._request, "POST", "/init_weight_transfer_engine", {"init_info": init_info}, retries=0,
             retry_5xx=False,

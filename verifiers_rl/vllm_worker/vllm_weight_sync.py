@@ -107,6 +107,13 @@ class WeightSyncExtension:
             "weight_transfer_backend": getattr(self.vllm_config.weight_transfer_config, "backend", None),
         }
 
+    def verifiers_rl_transfer_owner(self, claim: str = "") -> str:
+        """The token of the client whose group the weight-transfer engine last joined ("" if none); a non-empty
+        ``claim`` records a new owner (the client claims just before ``/init_weight_transfer_engine``)."""
+        if claim:
+            self._verifiers_rl_owner = claim
+        return getattr(self, "_verifiers_rl_owner", "")
+
     def verifiers_rl_load_snapshot(self, manifest_path: str) -> dict:
         """Load every tensor the manifest lists (HF parameter names) into the model in place."""
         from safetensors import safe_open
