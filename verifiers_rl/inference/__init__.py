@@ -2,9 +2,10 @@
 
 from .engine import InferenceEngine, Sample, SamplingConfig
 from .hf_engine import EmbeddedEngine, EngineClosedError
-from .vllm_engine import VLLMEngine, VLLMError  # HTTP only: never imports vllm
+from .vllm_engine import ChatSample, VLLMEngine, VLLMError  # HTTP only: never imports vllm
 
 __all__ = [
+    "ChatSample",
     "EmbeddedEngine",
     "EngineClosedError",
     "InferenceEngine",

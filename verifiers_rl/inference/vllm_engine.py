@@ -3,7 +3,7 @@
 The server runs in its own venv (``scripts/install_vllm.sh``) and is started with
 ``python -m verifiers_rl.inference.vllm_server --model DIR --port P`` (see that module for the flags it needs:
 ``--logprobs-mode processed_logprobs``, ``VLLM_SERVER_DEV_MODE=1`` and the weight-sync worker extension).
-This module only speaks HTTP: it never imports vllm.
+This module only speaks HTTP: it never imports vllm (``weight_transfer="nccl"`` borrows vLLM's NCCL communicator).
 
 Weight sync (``weight_transfer``): ``"files"`` writes a safetensors snapshot to a folder the server can read (same
 path on both sides) and asks the server's worker extension (``verifiers_rl/vllm_worker/vllm_weight_sync.py``) to
@@ -258,7 +258,8 @@ class VLLMEngine:
         self._workers = max(len(results), 1)
         if not isinstance(info, dict) or info.get("protocol") != _PROTOCOL_VERSION:
             raise VLLMError(
-                f"The vLLM server at {self.base_url} runs weight-sync protocol {info!r}; this client speaks "
+                f"The vLLM server at {self.base_url} runs weight-sync protocol "
+                f"{info.get('protocol') if isinstance(info, dict) else info!r}; this client speaks "
                 f"{_PROTOCOL_VERSION}. Restart it with this checkout's verifiers_rl/vllm_worker."
             )
         return info
@@ -305,11 +306,7 @@ class VLLMEngine:
 
         Concurrent calls run as concurrent requests (at most ``max_concurrency``), which the server batches.
         """
-        if self._closed:
-            raise EngineClosedError("The engine is closed.")
-        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        max_new_tokens = self._new_tokens(max_new_tokens)
         prompt_ids = self._check_ids(prompt_ids)
         s = self.sampling
         payload = {
@@ -333,11 +330,7 @@ class VLLMEngine:
         Returns the prompt ids the server rendered beside the sample, so the result can be trained on exactly
         as sampled (no re-tokenization). Same sampling, log-probs and limits as ``sample``.
         """
-        if self._closed:
-            raise EngineClosedError("The engine is closed.")
-        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        max_new_tokens = self._new_tokens(max_new_tokens)
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
         s = self.sampling
@@ -362,6 +355,14 @@ class VLLMEngine:
                 f"vLLM >= 0.10 (return_token_ids). Answer: {json.dumps(data)[:500]}"
             )
         return ChatSample([int(t) for t in prompt_ids], self._to_sample(data, max_new_tokens, chat=True))
+
+    def _new_tokens(self, max_new_tokens: int | None) -> int:
+        if self._closed:
+            raise EngineClosedError("The engine is closed.")
+        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        return max_new_tokens
 
     def _to_sample(self, data: dict, max_new_tokens: int, chat: bool = False) -> Sample:
         try:
