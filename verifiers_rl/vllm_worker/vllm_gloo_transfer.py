@@ -42,11 +42,15 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
 
         options = BroadcastOptions()
         options.rootRank = 0
-        for name, dtype_name, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-            weight = torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
-            self.model_update_group.broadcast([weight], options).wait()
-            self.model.load_weights([(name, weight)])
-            del weight
+        weights = [
+            torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
+            for dtype_name, shape in zip(update_info.dtype_names, update_info.shapes)
+        ]
+        # All of the round's broadcasts in flight at once, then one load_weights call: the round's size (the
+        # client's weight_transfer_bucket_mb) bounds the memory this holds.
+        for work in [self.model_update_group.broadcast([weight], options) for weight in weights]:
+            work.wait()
+        self.model.load_weights(list(zip(update_info.names, weights)))
 
     def update_weights(self, update_info: dict) -> None:
         # The base class ends with torch.accelerator.synchronize(), which has no CPU device to wait for.
