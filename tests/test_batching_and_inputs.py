@@ -73,6 +73,20 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
         RLConfig(temperature=0.0, **common)
 
 
+def test_config_carries_checkpointing_over_without_a_deprecation_warning(tmp_path):
+    import warnings
+
+    common = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers 5 flags TRL's gradient_checkpointing default
+        default = RLConfig(**common)
+        off = RLConfig(gradient_checkpointing=False, **common)
+        new_name = RLConfig(activation_checkpointing=False, **common)
+    assert default.activation_checkpointing is True and default.gradient_checkpointing is True  # TRL's default
+    assert off.activation_checkpointing is False and off.gradient_checkpointing is False
+    assert new_name.activation_checkpointing is False and new_name.gradient_checkpointing is False
+
+
 def overlong_rollouts():
     return [
         Rollout([1, 2, 3], [4, 5, 6, 7, 8, 9], [1, 1, 1, 1, 1, 1], 1.0, "g", [-1.0] * 6),

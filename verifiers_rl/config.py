@@ -182,6 +182,12 @@ class RLConfig(GRPOConfig):
             self.use_cpu = True
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
+        for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
+                                    ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            # TRL defaults the old name (gradient_checkpointing=True), which transformers 5 then reports as a
+            # deprecated setting on every run; carry it over to the new name, as transformers itself would.
+            if getattr(self, current, "absent") is None and getattr(self, deprecated, None) is not None:
+                setattr(self, current, getattr(self, deprecated))
         self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
         requested_num_generations = self.num_generations
         # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
