@@ -151,6 +151,27 @@ def test_lora_is_merged_like_merge_and_unload_and_the_model_is_left_untouched(ti
     assert all(torch.equal(p, before[name]) for name, p in peft_model.named_parameters())
 
 
+def test_lora_modules_to_save_send_the_trained_copy(tiny_model_dir):
+    # modules_to_save: PEFT trains a copy of the module (the original stays beside it); the engine must get the
+    # active adapter's copy under the plain name, as merge_and_unload does, and never the stale original.
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(load(tiny_model_dir), LoraConfig(**LORA, modules_to_save=["norm"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".modules_to_save." in name:
+                param.add_(0.5)  # the trained copy now differs from the original
+    names = [name for name, _ in peft_model.named_parameters()]
+    assert any(".original_module." in n for n in names) and any(".modules_to_save.default." in n for n in names)
+    expected = dict(copy.deepcopy(peft_model).merge_and_unload().named_parameters())
+    pairs = stream(peft_model, 0)
+    assert [name for name, _ in pairs] == list(expected)
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in pairs)
+    checkpoint = dict(load(tiny_model_dir).named_parameters())
+    sent = dict(pairs)
+    assert torch.equal(sent["model.norm.weight"], checkpoint["model.norm.weight"] + 0.5)
+
+
 def test_non_lora_adapters_are_refused_before_anything_is_gathered(tiny_model_dir):
     from peft import IA3Config, get_peft_model
 
