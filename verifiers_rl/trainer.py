@@ -249,12 +249,6 @@ class RLTrainer(GRPOTrainer):
         is_main = self.accelerator.is_main_process
         return gathered_named_weights(model, bucket_bytes, is_main=is_main, zero3=self._zero3(), stats=stats)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Copies of the policy's full parameters (LoRA merged, names as in ``named_weights``) on the main process,
-        None elsewhere; every rank must call it. Holds the whole model at once: the weight sync streams instead."""
-        state = {name: tensor.clone() for name, tensor in self.named_weights()}
-        return state if self.accelerator.is_main_process else None
-
     def sync_weights(self) -> None:
         """Stream the current policy into the engine as version ``global_step``, then probe the engine.
 
