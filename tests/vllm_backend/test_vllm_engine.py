@@ -180,7 +180,7 @@ def test_rejected_weights_leave_the_server_as_it_was(untied):
     engine.close()
 
 
-def test_streamed_weights_are_checked_before_they_are_sent(untied):
+def test_streamed_weights_are_checked_before_they_are_sent(untied, monkeypatch):
     engine = VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="gloo")
     other = untied.hf_model("other")
     params = dict(other.named_parameters())
@@ -210,9 +210,21 @@ def test_streamed_weights_are_checked_before_they_are_sent(untied):
                                atol=ATOL, rtol=0)
     second.close()
     engine.close()
-    # NCCL needs a server started with vLLM's nccl backend: said at connect time, before anything can block.
-    with pytest.raises(VLLMError, match="needs a server started with the 'nccl' weight-transfer backend"):
-        VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="nccl")
+    # A server without the backend a transfer needs is refused when the client connects.
+    from verifiers_rl.inference import weight_transfer
+
+    monkeypatch.setitem(weight_transfer.SERVER_BACKENDS, "gloo", "some_other_backend")
+    with pytest.raises(VLLMError, match="needs a server started with the 'some_other_backend' weight-transfer backend; "
+                       f"the one at {untied.url} has 'verifiers_rl_gloo'"):
+        VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="gloo")
+    # NCCL needs a CUDA device and vLLM's communicator here, and a server started with vLLM's nccl backend: all
+    # said when the client is made, before anything can block.
+    if torch.cuda.is_available():
+        with pytest.raises((VLLMError, RuntimeError), match="nccl"):
+            VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="nccl")
+    else:  # this machine: no GPU
+        with pytest.raises(RuntimeError, match="'nccl' needs a CUDA device on the trainer"):
+            VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="nccl")
 
 
 def test_no_server_is_a_clear_and_fast_error():

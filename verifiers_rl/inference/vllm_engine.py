@@ -37,6 +37,7 @@ from .engine import Sample, SamplingConfig
 from .hf_engine import EngineClosedError
 from .vllm_server import WORKER_EXTENSION, free_port
 from .weight_transfer import SERVER_BACKENDS, TRANSFERS, TransferGroup, address_towards
+from .weight_transfer import require as require_transfer
 
 try:  # huggingface_hub (hence transformers) depends on httpx2; plain httpx has the same API.
     import httpx2 as httpx
@@ -135,6 +136,7 @@ class VLLMEngine:
             raise ValueError("max_retries and retry_backoff_s must be >= 0.")
         if weight_transfer not in TRANSFERS:
             raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}.")
+        require_transfer(weight_transfer)
         if weight_transfer_bucket_mb <= 0:
             raise ValueError(f"weight_transfer_bucket_mb must be > 0, got {weight_transfer_bucket_mb}.")
         url = str(base_url).rstrip("/")
@@ -589,8 +591,9 @@ class VLLMEngine:
         )
         # Opened on a thread of its own: if the server refuses, we say so now instead of waiting out the rendezvous.
         opener = ThreadPoolExecutor(1, thread_name_prefix="vllm-transfer-open")
+        cuda_device = torch.cuda.current_device() if self.weight_transfer == "nccl" else None  # required: CUDA
         opened = opener.submit(
-            TransferGroup.open, self.weight_transfer, address, port, world_size, self.request_timeout_s
+            TransferGroup.open, self.weight_transfer, address, port, world_size, self.request_timeout_s, cuda_device
         )
         opener.shutdown(wait=False)
         try:

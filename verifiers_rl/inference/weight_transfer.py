@@ -15,6 +15,7 @@ dtypes, shapes) answered by broadcasts of that bucket's tensors, and ``/finish_w
 
 from __future__ import annotations
 
+import importlib
 import ipaddress
 import socket
 import time
@@ -40,6 +41,21 @@ def address_towards(host: str) -> str:
         return probe.getsockname()[0]
 
 
+def require(transfer: str) -> None:
+    """Raise a clear error now if this process cannot take part in ``transfer`` (before any server waits on it)."""
+    if transfer != "nccl":
+        return
+    if not torch.cuda.is_available():
+        raise RuntimeError("weight_transfer='nccl' needs a CUDA device on the trainer; on CPU use 'gloo' or 'files'.")
+    try:
+        importlib.import_module("vllm.distributed.weight_transfer.nccl_common")
+    except ImportError as error:
+        raise RuntimeError(
+            "weight_transfer='nccl' uses vLLM's NCCL communicator, so vllm must be importable in the trainer's "
+            "environment (pip install the server's vllm version there), or use 'files'."
+        ) from error
+
+
 class TransferGroup:
     """Rank 0 of the trainer + server-workers group: ``broadcast`` enqueues, ``wait`` blocks until sent."""
 
@@ -48,22 +64,22 @@ class TransferGroup:
         self.group = group
 
     @classmethod
-    def open(cls, backend: str, address: str, port: int, world_size: int, timeout_s: float) -> "TransferGroup":
-        """Serve the rendezvous at ``address:port`` and wait for the other ``world_size - 1`` ranks to join."""
+    def open(cls, backend: str, address: str, port: int, world_size: int, timeout_s: float,
+             cuda_device: int | None = None) -> "TransferGroup":
+        """Serve the rendezvous at ``address:port`` and wait for the other ``world_size - 1`` ranks to join.
+
+        ``cuda_device`` (nccl): the caller's device; the current CUDA device is per thread, and this may run on
+        another thread than the broadcasts."""
         if backend == "gloo":
             from ..vllm_worker.vllm_weight_sync import gloo_group
 
             return cls(backend, gloo_group(address, port, 0, world_size, timeout_s))
         if backend == "nccl":
-            if not torch.cuda.is_available():
-                raise RuntimeError("weight_transfer='nccl' needs a CUDA device on the trainer; on CPU use 'gloo'.")
-            try:
-                from vllm.distributed.weight_transfer.nccl_common import trainer_init
-            except ImportError as error:
-                raise RuntimeError(
-                    "weight_transfer='nccl' uses vLLM's NCCL communicator, so vllm must be importable in the "
-                    "trainer's environment (pip install the server's vllm version there), or use 'files'."
-                ) from error
+            require(backend)
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
             group = trainer_init({"master_address": address, "master_port": port, "world_size": world_size})
             return cls(backend, group)
         raise ValueError(f"Unknown collective weight transfer {backend!r}; expected 'nccl' or 'gloo'.")
