@@ -172,6 +172,36 @@ def test_lora_modules_to_save_send_the_trained_copy(tiny_model_dir):
     assert torch.equal(sent["model.norm.weight"], checkpoint["model.norm.weight"] + 0.5)
 
 
+def test_16bit_probe_tolerance_covers_bf16_rounding_but_not_an_unloaded_tensor(smollm2_model_dir):
+    # The default tolerance when either side runs in bf16/fp16 must pass bf16 rounding on a real model (else every
+    # sync warns) and still flag a tensor the engine failed to load (left at zeros).
+    from verifiers_rl.policy import sequence_logprobs
+    from verifiers_rl.weights import PROBE_TOLERANCE_16BIT, default_probe_tolerance
+
+    ids = probe_token_ids(AutoTokenizer.from_pretrained(smollm2_model_dir), 32)
+    fp32 = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.bfloat16).eval()
+    exact = sequence_logprobs(fp32, ids, "cpu").tolist()
+    rounded = sequence_logprobs(bf16, ids, "cpu").float().tolist()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = sequence_logprobs(fp32, ids, "cpu").float().tolist()
+    tolerance = default_probe_tolerance("torch.float32", "torch.bfloat16")
+    assert tolerance == PROBE_TOLERANCE_16BIT and default_probe_tolerance("torch.float32", None) < 1e-2
+    rounding = [compare_logprobs(a, b).max_gap for a, b in ((exact, rounded), (exact, autocast), (rounded, autocast))]
+    assert max(rounding) > 0.05, "bf16 must round visibly for this check to mean anything"
+    assert 2 * max(rounding) < tolerance, rounding
+    for layer in (0, 15, 29):
+        for projection in ("mlp.down_proj", "self_attn.o_proj"):
+            weight = fp32.get_parameter(f"model.layers.{layer}.{projection}.weight")
+            saved = weight.detach().clone()
+            with torch.no_grad():
+                weight.zero_()
+            gap = compare_logprobs(exact, sequence_logprobs(fp32, ids, "cpu").tolist()).max_gap
+            with torch.no_grad():
+                weight.copy_(saved)
+            assert gap > tolerance, (layer, projection, gap)
+
+
 def test_non_lora_adapters_are_refused_before_anything_is_gathered(tiny_model_dir):
     from peft import IA3Config, get_peft_model
 
@@ -286,6 +316,18 @@ def test_sync_loads_the_trainers_weights_and_the_probe_passes(trainer, tiny_mode
     assert len(gaps) == 1 and gaps[0] < 1e-5
     assert not [w for w in recwarn if issubclass(w.category, WeightSyncWarning)]
     assert trainer._metrics["train"]["weight_sync_s"]
+
+
+def test_a_bf16_engine_gets_the_16bit_tolerance_under_a_float32_trainer(trainer, tiny_model_dir, recwarn):
+    # A float32 trainer syncing into a bf16 engine (a GPU server's usual dtype) must not warn about rounding.
+    trainer.engine = EmbeddedEngine(tiny_model_dir, dtype=torch.bfloat16)
+    assert not trainer.args.bf16 and trainer.engine.dtype == "torch.bfloat16"
+    trainer.state.global_step = 4
+    trainer._metrics["train"].clear()
+    trainer.sync_weights()
+    gap = trainer._metrics["train"]["weight_sync_probe_gap"][-1]
+    assert 1e-3 < gap < 0.5, gap  # above the float32 tolerance: only the engine's dtype lets it pass
+    assert not [w for w in recwarn if issubclass(w.category, WeightSyncWarning)]
 
 
 def test_probe_warns_loudly_when_the_engine_skipped_a_layer(trainer, tiny_model_dir, caplog):

@@ -126,7 +126,8 @@ class RLConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Largest |engine - trainer| log-prob gap on the probe before the warning. Default: 1e-3 when "
-            "training in float32, 0.1 with bf16/fp16 (the two sides round differently)."
+            "the trainer and the engine both compute in float32, 0.5 when either uses bf16/fp16 (bf16 rounding alone "
+            "moves a log-prob by up to ~0.2; a tensor left unloaded moves one by more)."
         },
     )
 

@@ -35,6 +35,7 @@ from .weights import (
     WeightSyncError,
     WeightSyncWarning,
     compare_logprobs,
+    default_probe_tolerance,
     gathered_named_weights,
     probe_token_ids,
     probe_warning,
@@ -300,9 +301,13 @@ class RLTrainer(GRPOTrainer):
         return stats
 
     def _probe_tolerance(self) -> float:
+        """The configured tolerance, else one that fits the precision of both sides (the engine's on the main
+        process: a bf16 server under a float32 trainer rounds as much as a bf16 trainer)."""
         if self.args.weight_sync_probe_tolerance is not None:
             return float(self.args.weight_sync_probe_tolerance)
-        return 0.1 if (self.args.bf16 or self.args.fp16) else 1e-3
+        return default_probe_tolerance(
+            "bf16" if self.args.bf16 else None, "fp16" if self.args.fp16 else None, getattr(self.engine, "dtype", None)
+        )
 
     def _probe_engine(self, version: int) -> None:
         """Compare the engine's log-probs of a fixed sequence with the trainer's; warn loudly on a gap."""

@@ -56,6 +56,7 @@ def test_samples_carry_ids_and_logprobs_at_the_sampling_temperature(served):
     model = served.hf_model()
     samples = run(sample_many(engine, 24, 48))
     assert engine.vocab_size == model.config.vocab_size and engine.tie_word_embeddings is served.tied
+    assert engine.dtype == "torch.float32"  # what the server computes in (sets the probe tolerance)
     eos = model.config.eos_token_id
     gap_t1 = 0.0
     for sample in samples:

@@ -363,6 +363,11 @@ class EmbeddedEngine:
 
     # --- state --------------------------------------------------------------------------------------------------
 
+    @property
+    def dtype(self) -> str:
+        """What the engine computes in (the post-sync probe's tolerance depends on it)."""
+        return str(next(self.model.parameters()).dtype)
+
     def health(self) -> dict:
         with self._queues_lock:
             pending = sum(len(q.pending) for q in self._queues.values())

@@ -164,6 +164,7 @@ class VLLMEngine:
         self._transfer_pool: ThreadPoolExecutor | None = None
         self._cleanup = None
         self.vocab_size: int | None = None
+        self.dtype: str | None = None  # the server's compute dtype, e.g. "torch.bfloat16" (from check())
         self.tie_word_embeddings: bool | None = None
         self.policy_version = 0
         self.requests_served = 0
@@ -227,6 +228,7 @@ class VLLMEngine:
             info = self._protocol()
             self.vocab_size = int(info["vocab_size"])
             self.tie_word_embeddings = bool(info["tie_word_embeddings"])
+            self.dtype = info.get("dtype")
             self._checkpoint_shapes = info.get("checkpoint_shapes")
             wanted = SERVER_BACKENDS.get(self.weight_transfer)
             if wanted is not None and info.get("weight_transfer_backend") != wanted:

@@ -101,6 +101,7 @@ class WeightSyncExtension:
             "protocol": PROTOCOL_VERSION,
             "tie_word_embeddings": self._verifiers_rl_tied(),
             "vocab_size": int(self.model_runner.model_config.get_vocab_size()),
+            "dtype": str(self.model_runner.model_config.dtype),  # what it computes in (sets the probe's tolerance)
             "num_checkpoint_tensors": None if expected is None else len(expected),
             # name -> shape, so a client streaming tensors (no snapshot to check here) can check them first
             "checkpoint_shapes": expected,
