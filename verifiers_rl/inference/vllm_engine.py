@@ -732,7 +732,7 @@ class VLLMEngine:
         )
 
     def _unavailable(self, method, path, attempts, seconds, last) -> VLLMUnavailableError:
-        hint = "" if last.startswith("HTTP") else f" Is it running? To {_START_HINT}."
+        hint = "" if last.startswith("HTTP") else f" Is it running? If not, {_START_HINT}."
         error = VLLMUnavailableError(
             f"The vLLM server at {self.base_url} failed {method} {path} {attempts} time(s) over {seconds:.1f} s "
             f"(last: {last}).{hint}"
