@@ -607,13 +607,14 @@ class VLLMEngine:
                         f"group at {address}:{port}: {error}"
                     ) from error
                 time.sleep(0.01)
-            self._group = opened.result()
+            group = opened.result()
             joined.result()
         except BaseException:
             if opened.done() and opened.exception() is None:
                 opened.result().close()
             raise
-        return self._group
+        self._group = group  # only once both sides joined: a failed open leaves no closed group behind to reuse
+        return group
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._transfer_pool is None:
