@@ -23,9 +23,11 @@ from typing import Callable
 
 import torch
 
+from ..vllm_worker.vllm_weight_sync import GLOO_BACKEND, gloo_broadcast, gloo_group
+
 TRANSFERS = ("files", "nccl", "gloo")
 # What the server's --weight-transfer-config backend must be for each client-side transfer.
-SERVER_BACKENDS = {"nccl": "nccl", "gloo": "verifiers_rl_gloo"}
+SERVER_BACKENDS = {"nccl": "nccl", "gloo": GLOO_BACKEND}
 
 
 def address_towards(host: str) -> str:
@@ -71,8 +73,6 @@ class TransferGroup:
         ``cuda_device`` (nccl): the caller's device; the current CUDA device is per thread, and this may run on
         another thread than the broadcasts."""
         if backend == "gloo":
-            from ..vllm_worker.vllm_weight_sync import gloo_group
-
             return cls(backend, gloo_group(address, port, 0, world_size, timeout_s))
         if backend == "nccl":
             require(backend)
@@ -91,11 +91,7 @@ class TransferGroup:
 
     def broadcast(self, tensor: torch.Tensor):
         if self.backend == "gloo":
-            from torch.distributed import BroadcastOptions
-
-            options = BroadcastOptions()
-            options.rootRank = 0
-            return self.group.broadcast([tensor], options)
+            return gloo_broadcast(self.group, tensor)
         self.group.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
         return None
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine, NCCLWeightTransferUpdateInfo
-from vllm_weight_sync import GLOO_BACKEND, gloo_group, refresh_tied_lm_head
+from vllm_weight_sync import GLOO_BACKEND, gloo_broadcast, gloo_group, refresh_tied_lm_head
 
 
 class GlooWeightTransferEngine(NCCLWeightTransferEngine):
-    """Receives each tensor of an update by a gloo broadcast from rank 0, then loads it (vLLM's layerwise reload)."""
+    """Receives a round's tensors by gloo broadcasts from rank 0, then loads them (vLLM's layerwise reload)."""
 
     def init_transfer_engine(self, init_info: NCCLWeightTransferInitInfo) -> None:
         if init_info.packed:
@@ -38,17 +38,13 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     def receive_weights(self, update_info: NCCLWeightTransferUpdateInfo) -> None:
         if self.model_update_group is None:
             raise RuntimeError(f"The {GLOO_BACKEND} weight transfer is not initialized: call init_weight_transfer_engine.")
-        from torch.distributed import BroadcastOptions
-
-        options = BroadcastOptions()
-        options.rootRank = 0
         weights = [
             torch.empty(shape, dtype=getattr(torch, dtype_name), device="cpu")
             for dtype_name, shape in zip(update_info.dtype_names, update_info.shapes)
         ]
         # All of the round's broadcasts in flight at once, then one load_weights call: the round's size (the
         # client's weight_transfer_bucket_mb) bounds the memory this holds.
-        for work in [self.model_update_group.broadcast([weight], options) for weight in weights]:
+        for work in [gloo_broadcast(self.model_update_group, weight) for weight in weights]:
             work.wait()
         self.model.load_weights(list(zip(update_info.names, weights)))
 

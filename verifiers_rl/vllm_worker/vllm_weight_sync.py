@@ -69,6 +69,15 @@ def gloo_group(address: str, port: int, rank: int, world_size: int, timeout_s: f
     return ProcessGroupGloo(PrefixStore("verifiers_rl_weights", store), rank, world_size, options)
 
 
+def gloo_broadcast(group, tensor):
+    """Start a broadcast of ``tensor`` from rank 0 (the trainer) over a ``gloo_group``; returns its work handle."""
+    from torch.distributed import BroadcastOptions
+
+    options = BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
 def tied_embeddings(model_config) -> bool:
     config = model_config.hf_config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
