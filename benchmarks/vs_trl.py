@@ -7,10 +7,17 @@ What it measures: these trainers, run one after the other in this one process, o
 - ``verifiers_rl k=0``: ``RLTrainer`` from the ``reverse_text`` environment through the embedded HF engine (its own
   copy of the weights, refreshed after every step), synchronous;
 - ``verifiers_rl k=1``: the same, generating one step ahead on the generator thread (the weight load and the
-  post-sync probe run under the generator's batch lock, between two batches).
+  post-sync probe run under the generator's batch lock, between two batches);
+- ``verifiers_rl k=0 unshared``: k = 0 with ``share_prompt="off"`` (every completion's row carries its own copy of
+  the prompt, as TRL's do); the other two run with the default ``share_prompt="auto"``.
 
-Same for all of them: the model (a random Llama from ``verifiers_rl.models.build_tiny_model``, hidden 256, 4 layers,
-loaded from the same folder), the prompts (the ``reverse_text`` dataset, system prompt included, in the order our
+Workloads (``--workload``): ``tiny`` (default) is described below; ``quickstart`` is the README's quickstart run:
+SmolLM2-135M-Instruct (``verifiers_rl.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
+``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, the rest as below. Any of its settings can be overridden
+by the flags.
+
+Same for all of them: the model (``tiny``: a random Llama from ``verifiers_rl.models.build_tiny_model``, hidden
+256, 4 layers, loaded from the same folder), the prompts (the ``reverse_text`` dataset, system prompt included, in the order our
 generator draws them; TRL gets them as a dataset of chat prompts with ``shuffle_dataset=False``), the reward
 (``reversal_similarity``, partial credit by edit distance), the batch (4 prompts x 8 generations = 32 rollouts per
 optimizer step, trained as one micro-batch of 32 rows: TRL ``per_device_train_batch_size=32``,
@@ -29,12 +36,20 @@ Each trainer runs ``--warmup`` + ``--steps`` optimizer steps; the wall time is t
 on the same task, not a learning-speed comparison). ``cores busy`` is this process's CPU seconds per wall second over
 the timed steps: about 2 when it has both cores to itself and uses them, lower when other work takes them.
 
+A second table splits the timed steps (medians): ``gen s`` is the time a batch took to generate (TRL: its
+``_generate_and_score_completions``, which also scores; ours: the generator's time for the batch, scoring
+included, which at k = 1 overlaps training), ``train s`` the training forward/backward and optimizer step (TRL:
+the step minus generation; ours: ``training_step`` minus the wait for the batch), and the tokens each step's
+training forwards (padding included) against the step's unique tokens (each group's common prefix counted once;
+TRL's rows all repeat the prompt and pad to the longest prompt and completion of the batch).
+
 Run (about 1.5 minutes on 2 idle cores, longer on a busy machine; ``--quick``: 4 timed steps, 1 thread setting,
 about 30 s):
 
     PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py
     PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --quick
     PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --threads 2 --trainers trl k0 k1
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --workload quickstart   # about 8 minutes on 2 idle cores
 
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
 """
@@ -45,6 +60,7 @@ import argparse
 import logging
 import os
 import statistics
+from collections import defaultdict
 import sys
 import tempfile
 import time
@@ -67,9 +83,69 @@ from verifiers_rl.envs.builtin.reverse_text import reversal_similarity  # noqa: 
 from verifiers_rl.envs.parsers import Parser  # noqa: E402
 from verifiers_rl.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
-from verifiers_rl.models import build_tiny_model  # noqa: E402
+from verifiers_rl.models import build_tiny_model, smollm2_dir  # noqa: E402
 from verifiers_rl.trainer import RLTrainer  # noqa: E402
 from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
+
+
+WORKLOADS = {
+    "tiny": dict(model="tiny", hidden=256, layers=4, prompts=4, num_generations=8, max_completion_length=48,
+                 max_seq_len=160, learning_rate=1e-3, threads=[1, 2]),
+    "quickstart": dict(model="smollm2", prompts=4, num_generations=4, max_completion_length=16, max_seq_len=128,
+                       learning_rate=2e-5, threads=[2]),
+}
+LOGGED = ("generation_time", "wait_time", "step_time", "tokens_forwarded", "tokens_unique")
+
+
+class SplitRecorder(StepRecorder):
+    """Also keeps, per step, our trainer's logged timings and token counts, or TRL's generation time and the tokens
+    its loss forwards (filled in by ``watch_trl``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.logged: dict[str, list[float]] = defaultdict(list)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=logs, **kwargs)
+        for key in LOGGED:
+            if logs and key in logs:
+                self.logged[key].append(float(logs[key]))
+
+    def split(self, skip: int) -> dict[str, float]:
+        """Medians over the steps after ``skip``: generation, training, forwarded and unique tokens per step."""
+        logged = {key: values[skip:] for key, values in self.logged.items()}
+        if "step_time" in logged:  # ours
+            train = [step - wait for step, wait in zip(logged["step_time"], logged["wait_time"])]
+        else:  # TRL: the step interval minus its generation
+            train = [step - gen for step, gen in zip(self.intervals()[skip:], logged["generation_time"])]
+        values = {"gen": logged["generation_time"], "train": train, "forwarded": logged["tokens_forwarded"],
+                  "unique": logged["tokens_unique"]}
+        return {key: statistics.median(v) if v else float("nan") for key, v in values.items()}
+
+
+def watch_trl(trainer: GRPOTrainer, recorder: SplitRecorder, num_generations: int) -> None:
+    """Time TRL's generation (and scoring) per step and count the tokens its loss forwards (rows x width of the
+    prompt and completion tensors) and the step's unique tokens (a group's prompt once plus its completions)."""
+    generate = trainer._generate_and_score_completions
+    compute_loss = trainer.compute_loss
+
+    def timed_generate(*args, **kwargs):
+        started = time.perf_counter()
+        out = generate(*args, **kwargs)
+        recorder.logged["generation_time"].append(time.perf_counter() - started)
+        prompt_lengths = out["prompt_mask"].sum(1).tolist()
+        completion_lengths = out["completion_mask"].sum(1).tolist()
+        unique = sum(prompt_lengths[::num_generations]) + sum(completion_lengths)
+        recorder.logged["tokens_unique"].append(float(unique))
+        recorder.logged["tokens_forwarded"].append(0.0)
+        return out
+
+    def counted_compute_loss(model, inputs, *args, **kwargs):
+        recorder.logged["tokens_forwarded"][-1] += inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer._generate_and_score_completions = timed_generate
+    trainer.compute_loss = counted_compute_loss
 
 
 def trl_reward(completions, answer, **kwargs) -> list[float]:
@@ -111,24 +187,26 @@ def common(args, out: str) -> dict:
     )
 
 
-def run_trl(args, model_dir, tokenizer, rows, out) -> StepRecorder:
+def run_trl(args, model_dir, tokenizer, rows, out) -> SplitRecorder:
     config = GRPOConfig(**common(args, out), steps_per_generation=1, use_vllm=False, shuffle_dataset=False,
                         log_completions=False, mask_truncated_completions=False)
     dataset = Dataset.from_list([{"prompt": row.prompt, "answer": row.answer} for row in rows])
-    recorder = StepRecorder()
+    recorder = SplitRecorder()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=trl_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[recorder])
     trainer.remove_callback(PrinterCallback)  # its per-step dicts would bury the table
     assert trainer.args.generation_batch_size == args.prompts * args.num_generations
+    watch_trl(trainer, recorder, args.num_generations)
     trainer.train()
     return recorder
 
 
-def run_ours(args, model_dir, tokenizer, environment, k, out) -> StepRecorder:
+def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt="auto") -> SplitRecorder:
     config = RLConfig(**common(args, out), rollouts_per_step=args.prompts * args.num_generations,
-                      max_seq_len=args.max_seq_len, max_off_policy_steps=k, micro_batching="padded")
+                      max_seq_len=args.max_seq_len, max_off_policy_steps=k, micro_batching="padded",
+                      share_prompt=share_prompt)
     engine = build_engine(config, model_dir, tokenizer)
-    recorder = StepRecorder()
+    recorder = SplitRecorder()
     trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine,
                         callbacks=[recorder])
     trainer.train()
@@ -140,25 +218,32 @@ NAMES = {
     "trl": "TRL GRPOTrainer (HF generate)",
     "k0": "verifiers_rl RLTrainer k=0",
     "k1": "verifiers_rl RLTrainer k=1",
+    "k0_unshared": "verifiers_rl RLTrainer k=0, share_prompt off",
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per optimizer step")
-    parser.add_argument("--num_generations", type=int, default=8)
-    parser.add_argument("--max_completion_length", type=int, default=48)
-    parser.add_argument("--max_seq_len", type=int, default=160)
-    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny",
+                        help="preset of the settings below (tiny: a random Llama; quickstart: SmolLM2, 4 x 4, 16 tokens)")
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default=None)
+    parser.add_argument("--hidden", type=int, default=None, help="tiny model only")
+    parser.add_argument("--layers", type=int, default=None, help="tiny model only")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per optimizer step")
+    parser.add_argument("--num_generations", type=int, default=None)
+    parser.add_argument("--max_completion_length", type=int, default=None)
+    parser.add_argument("--max_seq_len", type=int, default=None)
+    parser.add_argument("--learning_rate", type=float, default=None)
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each trainer's run")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch intra-op thread counts (torch.set_num_threads); every trainer runs at each")
     parser.add_argument("--trainers", nargs="+", default=list(NAMES), choices=list(NAMES))
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    for key, value in WORKLOADS[args.workload].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     if args.quick:
         args.steps, args.warmup, args.threads = 4, 1, args.threads[:1]
 
@@ -167,8 +252,11 @@ def main() -> None:
     started = time.perf_counter()
     log(f"load average at start: {load()}")
     work = tempfile.mkdtemp(prefix="bench_vs_trl_")
-    model_dir = os.path.join(work, "model")
-    build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers)
+    if args.model == "smollm2":
+        model_dir = str(smollm2_dir())
+    else:
+        model_dir = os.path.join(work, "model")
+        build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def environment():
@@ -182,6 +270,7 @@ def main() -> None:
     rows = [env.dataset[i] for b in range(args.warmup + args.steps) for _, i in order._rows_of(b)]
 
     results = {}
+    splits = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.trainers:
@@ -190,17 +279,20 @@ def main() -> None:
             if name == "trl":
                 recorder = run_trl(args, model_dir, tokenizer, rows, out)
             else:
-                recorder = run_ours(args, model_dir, tokenizer, environment(), int(name[1]), out)
+                share = "off" if name.endswith("unshared") else "auto"
+                recorder = run_ours(args, model_dir, tokenizer, environment(), int(name[1]), out, share)
             timed = recorder.intervals()[args.warmup :]
             results[threads, name] = (timed, recorder.rewards, recorder.cores(args.warmup))
+            splits[threads, name] = recorder.split(args.warmup)
             log(f"[threads={threads}] [{name}] {sum(timed):.1f} s for {len(timed)} steps "
                 f"({', '.join(f'{s:.2f}' for s in timed)}); load {load()}; "
                 f"rewards {', '.join(f'{r:.3f}' for r in recorder.rewards)}")
     elapsed = time.perf_counter() - started
     log(f"load average at end: {load()}")
 
+    model_name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"random Llama hidden {args.hidden} x {args.layers} layers"
     print(
-        f"\nreverse_text, random Llama hidden {args.hidden} x {args.layers} layers, {args.prompts} prompts x "
+        f"\nreverse_text ({args.workload} workload), {model_name}, {args.prompts} prompts x "
         f"{args.num_generations} generations per step (one micro-batch), max_completion_length "
         f"{args.max_completion_length}, temperature 1.0, loss grpo, beta 0, lr {args.learning_rate:g}, "
         f"{args.steps} timed steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores). "
@@ -221,6 +313,13 @@ def main() -> None:
             f"{f'{rate / same:.2f}x' if same else 'n/a'} | {f'{rate / best_trl:.2f}x' if best_trl else 'n/a'} | "
             f"{statistics.median(timed):.2f} | {reward:.3f} | {cores:.2f} |"
         )
+    print("\n| torch threads | trainer | median s/step | gen s | train s | tokens forwarded/step | unique tokens/step "
+          "| forwarded / unique |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for (threads, name), (timed, _, _) in results.items():
+        split = splits[threads, name]
+        print(f"| {threads} | {NAMES[name]} | {statistics.median(timed):.2f} | {split['gen']:.2f} | {split['train']:.2f} | "
+              f"{split['forwarded']:.0f} | {split['unique']:.0f} | {split['forwarded'] / split['unique']:.2f}x |")
 
 
 if __name__ == "__main__":

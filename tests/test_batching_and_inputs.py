@@ -15,6 +15,7 @@ from verifiers_rl.batching import (
 from verifiers_rl.config import RLConfig
 from verifiers_rl.generator import split_into_batches
 from verifiers_rl.loss import importance_weights
+from verifiers_rl.prefix import best_part_size, common_prefix_length
 from verifiers_rl.rollouts import Rollout, RolloutFormatError, read_rollouts, write_rollouts
 from verifiers_rl.synthetic import random_rollouts
 
@@ -177,3 +178,88 @@ def test_sequence_level_correction_uses_the_mean_not_the_sum():
     assert torch.allclose(truncated[0, 1:], torch.tensor(2.0))
     masked, _ = importance_weights(proximal, proximal - 3.0, mask, seq_index, "token_mask", cap=2.0)
     assert torch.all(masked[0, 1:] == 0)
+
+
+def parts_of(rank_batches):
+    """(rank, micro-batch, batch positions of each shared-row segment) for every segment of every micro-batch."""
+    found = []
+    for rank, rank_batch in enumerate(rank_batches):
+        for k, mb in enumerate(rank_batch.micro_batches):
+            if mb.shared is None:
+                found += [(rank, k, [p]) for p in mb.batch_positions]
+                continue
+            block = mb.shared.block.view(-1)
+            block_of = [int(block[mb.shared.source[mb.seq_index == j][0]]) for j in range(mb.num_sequences)]
+            for segment in sorted(set(block_of)):
+                found.append((rank, k, [mb.batch_positions[j] for j in range(mb.num_sequences) if block_of[j] == segment]))
+    return found
+
+
+def test_shared_prompts_keep_groups_together_within_the_limits():
+    rollouts = random_rollouts(6, 4, vocab_size=50, seed=12, completion_len=(1, 30))
+    groups = [r.group_id for r in rollouts]
+    for config in [BatchingConfig(mode="padded", rows_per_micro_batch=4, max_seq_len=64, share_prompt="on"),
+                   BatchingConfig(mode="padded", rows_per_micro_batch=3, max_seq_len=64, share_prompt="on"),
+                   BatchingConfig(mode="packed", max_tokens_per_microbatch=64, max_seq_len=64, share_prompt="on"),
+                   BatchingConfig(mode="packed", max_tokens_per_microbatch=512, max_seq_len=64, share_prompt="on",
+                                  world_size=3)]:
+        rank_batches = plan_batch(rollouts, config)
+        parts = parts_of(rank_batches)
+        assert sorted(p for _, _, members in parts for p in members) == list(range(len(rollouts)))
+        for _, _, members in parts:
+            assert len({groups[p] for p in members}) == 1, "a shared row holds one group's sequences"
+        for rank_batch in rank_batches:
+            for mb in rank_batch.micro_batches:
+                if config.mode == "padded":
+                    assert mb.num_sequences <= config.rows_per_micro_batch
+                else:
+                    assert mb.computed_tokens <= config.max_tokens_per_microbatch
+        sizes = sorted(len(members) for _, _, members in parts)
+        if config.mode == "padded" and config.rows_per_micro_batch == 4:
+            assert sizes == [4] * 6  # whole groups, one row each
+        if config.mode == "padded" and config.rows_per_micro_batch == 3:
+            assert sizes == [1] * 6 + [3] * 6  # a group of 4 is split, its prompt forwarded once per part
+        assert rank_batches[0].stats.computed_tokens < sum(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
+
+
+def test_a_group_is_split_so_that_every_rank_has_work():
+    rollouts = random_rollouts(1, 6, vocab_size=50, seed=3)
+    rank_batches = plan_batch(rollouts, BatchingConfig(world_size=4, mode="padded", rows_per_micro_batch=8,
+                                                       max_seq_len=64, share_prompt="on"))
+    assert all(rb.micro_batches[0].num_sequences > 0 for rb in rank_batches)
+    assert sum(rb.micro_batches[0].num_sequences for rb in rank_batches) == 6
+
+
+def test_auto_shares_short_completions_and_not_long_ones():
+    """The modelled cost of a row is tokens + attention_cost * tokens^2: one row per group when the prompt
+    dominates, one row per sequence when a shared row's dense attention would cost more than the prompt saves."""
+    cost = 3.3e-4  # SmolLM2-135M's ratio (policy.attention_cost)
+    assert best_part_size(40, [16] * 4, cost) == 4
+    assert best_part_size(100, [1000] * 8, cost) == 1
+    assert 1 < best_part_size(40, [200] * 8, cost) < 8
+    short = [Rollout([5] * 40, [10 + i] * 16, [1] * 16, float(i % 2), "short") for i in range(4)]
+    long = [Rollout([7] * 100, [10 + i] * 1000, [1] * 1000, float(i % 2), "long") for i in range(4)]
+    config = dict(mode="padded", rows_per_micro_batch=4, max_seq_len=2048, attention_cost=cost, share_prompt="auto")
+    (short_batch,) = plan_batch(short, BatchingConfig(**config))
+    (long_batch,) = plan_batch(long, BatchingConfig(**config))
+    assert short_batch.micro_batches[0].shared is not None and short_batch.stats.computed_tokens == 40 + 4 * 16
+    assert long_batch.micro_batches[0].shared is None and long_batch.stats.computed_tokens == 4 * 1100
+
+
+def test_shared_prefix_is_compared_not_assumed():
+    """A group whose prompts differ (a replay file may say so) shares only the tokens that agree; a group whose
+    completions all start with the same turn shares it too."""
+    rollouts = [Rollout([1, 2, 3, 4], [9, 9], [1, 1], 1.0, "a"), Rollout([1, 2, 5, 4], [9, 8], [1, 1], 0.0, "a"),
+                Rollout([1, 2], [7, 7, 6], [1, 0, 1], 1.0, "b"), Rollout([1, 2], [7, 7, 5, 5], [1, 0, 1, 1], 0.0, "b")]
+    (rank_batch,) = plan_batch(rollouts, BatchingConfig(mode="packed", max_seq_len=16, max_tokens_per_microbatch=64,
+                                                        share_prompt="on"))
+    (mb,) = rank_batch.micro_batches
+    assert mb.computed_tokens == rank_batch.stats.unique_tokens == (2 + 4 + 4) + (4 + 1 + 2)
+    assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 3 and common_prefix_length([[1], [2]]) == 0
+
+
+def test_share_prompt_must_be_a_known_mode():
+    with pytest.raises(ValueError, match="share_prompt"):
+        BatchingConfig(share_prompt="yes")
+    with pytest.raises(ValueError, match="share_prompt"):
+        RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", share_prompt="always")

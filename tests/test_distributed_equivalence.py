@@ -23,7 +23,7 @@ from verifiers_rl.synthetic import random_rollouts
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "tests" / "distributed" / "equivalence_run.py"
 sys.path.insert(0, str(RUNNER.parent))
-from equivalence_run import CONFIGS  # noqa: E402
+from equivalence_run import CONFIGS, SHARED_TWINS  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 LAUNCH_TIMEOUT_S = 600
@@ -51,7 +51,8 @@ def accelerate(config: str) -> list[str]:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("equivalence")
-    write_rollouts(work / "main.jsonl", random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15))
+    write_rollouts(work / "main.jsonl", random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15,
+                                                        shared_turn_fraction=0.5))
     write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
     common = ["--model", tiny_model_dir, "--rollouts", str(work / "main.jsonl"),
               "--small_rollouts", str(work / "small.jsonl")]
@@ -113,6 +114,24 @@ def test_two_process_step_equals_single_process_step(runs, initial_parameters, b
     for key, values in single["metrics"].items():
         for got, want in zip(record["metrics"][key], values):
             assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (key, got, want)
+
+
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero3"])
+@pytest.mark.parametrize("name", list(SHARED_TWINS))
+def test_prompt_sharing_gives_the_unshared_update(runs, backend, name):
+    """Forwarding each group's prompt once (shared-prefix rows, tree attention) changes neither the parameters after
+    the step(s) nor the logged loss and metrics, on one process, DDP and ZeRO-3; and it forwarded fewer tokens."""
+    shared_params, shared = load(runs, backend, name)
+    plain_params, plain = load(runs, backend, SHARED_TWINS[name])
+    for key, reference in plain_params.items():
+        assert float((shared_params[key] - reference).abs().max() / reference.abs().max()) < 1e-5, key
+    for got, want in zip(shared["losses"], plain["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (got, want)
+    for key, values in plain["metrics"].items():
+        for got, want in zip(shared["metrics"][key], values, strict=True):
+            assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (key, got, want)
+    assert all(s < p for s, p in zip(shared["tokens"]["tokens_forwarded"], plain["tokens"]["tokens_forwarded"]))
+    assert shared["tokens"]["tokens_unique"] == plain["tokens"]["tokens_unique"]
 
 
 def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, tiny_model_dir, tmp_path):

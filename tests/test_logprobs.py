@@ -52,7 +52,8 @@ def tiny_model(tiny_model_dir):
 def single_sequence_logprobs(model, input_ids, temperature):
     """Reference: one sequence alone, no mask at all, full logits."""
     with torch.no_grad():
-        logits = model(torch.tensor([input_ids])).logits[0].float() / temperature
+        logits = model(torch.tensor([input_ids])).logits[0]
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(input_ids[1:])[:, None]).squeeze(-1)
 
 
@@ -102,3 +103,95 @@ def test_attention_mask_ignores_loss_mask_and_pad_equal_to_eos(tiny_model, tiny_
         broken = tiny_model(torch.tensor([prompt + completion]), attention_mask=torch.tensor([[1] * len(prompt) + mask])).logits[0]
         broken = torch.log_softmax(broken.float(), -1)[:-1].gather(-1, torch.tensor(prompt + completion)[1:, None]).squeeze(-1)
         assert (broken[trained] - reference[trained]).abs().max() > 1e-4
+
+
+def shared_prefix_rollouts():
+    """Groups whose completions share a multi-turn-like first turn (some or all of them), plus a group with a
+    duplicated sequence and a completion that is a prefix of another (an empty branch)."""
+    rollouts = random_rollouts(4, 4, vocab_size=390, seed=7, fully_masked_fraction=0.1, env_token_fraction=0.3,
+                               shared_turn_fraction=1.0, shared_turn_len=(3, 6))
+    edge = [Rollout([9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 1.0, "edge", [-1.0] * 4),
+            Rollout([9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 0.0, "edge", [-2.0] * 4),
+            Rollout([9, 10, 11], [20, 21], [1, 1], 0.5, "edge", [-1.0] * 2)]
+    return rollouts + edge
+
+
+@pytest.fixture
+def fp64_model(tiny_model, monkeypatch):
+    """The tiny model in float64 throughout: Llama's RMSNorm computes in float32 whatever the input (its backward
+    would round the shared prefix's summed gradient to float32), so it is made to keep float64 here."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    def rms_norm(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", rms_norm)
+    yield tiny_model.double()
+    tiny_model.float()
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("padded", dict(rows_per_micro_batch=4)),  # one group per row
+    ("padded", dict(rows_per_micro_batch=3)),  # groups of 4 split over micro-batches, prompt repeated per part
+    ("packed", dict(max_tokens_per_microbatch=90)),  # several groups per row, some split by the budget
+])
+def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, extra):
+    """Values and gradients: a forward in which each group's common prefix appears once equals, to fp64 rounding,
+    the unshared micro-batches and the single-sequence reference; every sequence is covered once."""
+    model = fp64_model
+    rollouts = shared_prefix_rollouts()
+    results = {}
+    for share in ("off", "on"):
+        config = BatchingConfig(mode=mode, max_seq_len=40, share_prompt=share, **extra)
+        (rank_batch,) = plan_batch(rollouts, config)
+        model.zero_grad(set_to_none=True)
+        found = {}
+        for mb in rank_batch.micro_batches:
+            out = micro_batch_logprobs(model, mb, temperature=0.8, chunk_size=16)
+            weights = mb.loss_mask.double() * (1.0 + mb.advantages.double())
+            (out.logps * weights).sum().backward()
+            for local, position in enumerate(mb.batch_positions):
+                where = mb.seq_index == local
+                found[position] = (out.logps[where].detach(), mb.loss_mask[where], mb.input_ids[where])
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results[share] = (found, grads, rank_batch)
+    (plain, plain_grads, plain_batch), (shared, shared_grads, shared_batch) = results["off"], results["on"]
+    assert any(mb.shared is not None for mb in shared_batch.micro_batches), "no micro-batch shared a prefix"
+    assert shared_batch.stats.computed_tokens < plain_batch.stats.computed_tokens
+    assert sorted(shared) == list(range(len(rollouts)))
+    for position, (logps, mask, ids) in plain.items():
+        reference = single_sequence_logprobs(model, ids.tolist(), 0.8)
+        trained = mask[1:] > 0
+        torch.testing.assert_close(shared[position][0], logps, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(shared[position][0][1:][trained], reference[trained], rtol=1e-10, atol=1e-12)
+        assert torch.all(shared[position][0][mask == 0] == 0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-9, atol=1e-12)
+    assert max(float(g.abs().max()) for g in plain_grads.values()) > 1e-3  # the gradients are not trivially 0
+
+
+def test_shared_rows_forward_each_group_prefix_once(tiny_model):
+    """Packed with room for everything: the forwarded tokens are exactly the unique tokens (each group's common
+    prefix once); the shared prefix is the common prefix of token ids (past the prompt where every sequence of the
+    group starts with the same turn); a branch never sees another branch (letting it changes the log-probs)."""
+    rollouts = shared_prefix_rollouts()
+    (rank_batch,) = plan_batch(rollouts, BatchingConfig(mode="packed", max_seq_len=40, max_tokens_per_microbatch=4096,
+                                                        share_prompt="on"))
+    (mb,) = rank_batch.micro_batches
+    assert mb.computed_tokens == rank_batch.stats.unique_tokens < rank_batch.stats.real_tokens
+    block, branch = mb.shared.block[0], mb.shared.branch[0]
+    block_of = [int(block[mb.shared.source[mb.seq_index == j][0]]) for j in range(mb.num_sequences)]
+    for k in range(int(block.max()) + 1):
+        members = [mb.batch_positions[j] for j in range(mb.num_sequences) if block_of[j] == k]
+        ids = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in members]
+        expected = next(t for t in range(min(map(len, ids)) + 1)
+                        if t == min(map(len, ids)) or len({tuple(x[: t + 1]) for x in ids}) > 1)
+        assert int(((block == k) & (branch < 0)).sum()) == expected
+        if rollouts[members[0]].group_id == "edge":
+            assert expected == 5 > len(rollouts[members[0]].prompt_ids)  # the prompt and the common first turn
+    with torch.no_grad():
+        good = micro_batch_logprobs(tiny_model, mb, temperature=1.0, chunk_size=64).logps
+        mb.shared.branch[mb.shared.branch >= 0] = 0  # every branch sees every earlier branch of its group
+        broken = micro_batch_logprobs(tiny_model, mb, temperature=1.0, chunk_size=64).logps
+    assert (good - broken).abs().max() > 1e-4

@@ -1,6 +1,8 @@
 """fp64, no processes: summed partial losses and their gradients equal the one-pass global loss and gradients,
 for every loss type, IS level, correction mode, KL on/off, and random partitions into D ranks x A micro-batches
-x padded/packed rows (ragged lengths, fully masked sequences, ranks with fewer tokens, empty micro-batches).
+x padded/packed rows (ragged lengths, fully masked sequences, ranks with fewer tokens, empty micro-batches), with
+and without shared prompts (groups kept in shared-prefix rows, split over micro-batches and ranks; multi-turn-like
+prefixes shared past the prompt). The model forward of shared rows is checked in tests/test_logprobs.py.
 
 The reference below is written per sequence straight from SPEC §3, independent of the partitioned code path.
 """
@@ -107,7 +109,8 @@ CASES = list(
 @pytest.mark.parametrize("loss_type,level,correction,beta", CASES)
 def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction, beta):
     rng = random.Random(hash((loss_type, level, correction, beta)) % 10_000)
-    rollouts = random_rollouts(5, 3, vocab_size=50, seed=rng.randrange(1000), fully_masked_fraction=0.2)
+    rollouts = random_rollouts(5, 3, vocab_size=50, seed=rng.randrange(1000), fully_masked_fraction=0.2,
+                               shared_turn_fraction=0.6)
     rollouts[0].completion_mask = [0] * len(rollouts[0].completion_mask)  # always one fully masked sequence
     max_seq_len = 40
     advantages = compute_advantages([r.reward for r in rollouts], [r.group_id for r in rollouts])
@@ -134,11 +137,18 @@ def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction
         dict(world_size=2, mode="packed", max_tokens_per_microbatch=97),
         dict(world_size=16, mode="padded", rows_per_micro_batch=1),  # a rank with nothing: only empty passes
         dict(world_size=rng.randint(1, 5), mode="packed", max_tokens_per_microbatch=rng.randint(40, 200)),
+        dict(world_size=1, mode="padded", rows_per_micro_batch=15, share_prompt="on"),  # one row per group
+        dict(world_size=2, mode="padded", rows_per_micro_batch=2, share_prompt="on"),  # groups of 3 split in 2 + 1
+        dict(world_size=3, mode="packed", max_tokens_per_microbatch=40, share_prompt="on"),
+        dict(world_size=8, mode="packed", max_tokens_per_microbatch=97, share_prompt="on"),  # groups split for ranks
+        dict(world_size=2, mode="padded", rows_per_micro_batch=4, share_prompt="auto", attention_cost=0.01),
     ]
     for partition in partitions:
         config = BatchingConfig(max_seq_len=max_seq_len, horizon=horizon, overlong="truncate", **partition)
         rank_batches = plan_batch(rollouts, config)
         assert len({len(rb.micro_batches) for rb in rank_batches}) == 1, "every rank runs the same number of passes"
+        if config.share_prompt != "off":
+            assert any(mb.shared is not None for rb in rank_batches for mb in rb.micro_batches), partition
         total = torch.zeros(())
         for rank_batch in rank_batches:
             for mb in rank_batch.micro_batches:

@@ -1,8 +1,9 @@
 """Rollouts -> per-rank micro-batches (SPEC §3, §4).
 
 Order of work, all on the whole batch before anything is split:
-advantages per group -> truncation to ``max_seq_len`` -> global counts -> ranks balanced by tokens ->
-micro-batches (padded rows or packed rows) -> equal micro-batch counts on every rank.
+advantages per group -> truncation to ``max_seq_len`` -> global counts -> parts (one sequence each, or a group's
+sequences sharing their prompt, ``prefix.py``) -> ranks balanced by forwarded tokens -> micro-batches (padded rows
+or packed rows) -> equal micro-batch counts on every rank.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .loss import GlobalCounts
+from .prefix import Part, SharedPrefixRows, best_part_size, common_prefix_length, shared_prefix_rows, split_for_ranks, split_group
 from .rollouts import Rollout
 
 SCALE_REWARDS = ("group", "batch", "none")
 OVERLONG_POLICIES = ("error", "truncate")
 MICRO_BATCHING_MODES = ("padded", "packed")
+SHARE_PROMPT_MODES = ("auto", "on", "off")
 ADVANTAGE_EPS = 1e-4
 
 
@@ -65,6 +68,7 @@ class TrainSequence:
     advantage: float
     truncated: bool
     policy_version: int | None = None
+    group_id: str | int | None = None
 
     @property
     def loss_tokens(self) -> int:
@@ -116,6 +120,7 @@ def prepare_sequences(
                 advantage=float(advantage),
                 truncated=truncated,
                 policy_version=rollout.policy_version,
+                group_id=rollout.group_id,
             )
         )
     return sequences
@@ -142,10 +147,23 @@ def assign_to_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
     return ranks
 
 
-def group_padded(indices: list[int], lengths: list[int], rows_per_micro_batch: int) -> list[list[int]]:
-    """Fixed rows per micro-batch; sequences sorted by length so each micro-batch pads little."""
-    ordered = sorted(indices, key=lambda i: (-lengths[i], i))
-    return [ordered[start : start + rows_per_micro_batch] for start in range(0, len(ordered), rows_per_micro_batch)]
+def group_padded(indices: list[int], lengths: list[int], rows_per_micro_batch: int,
+                 sizes: list[int] | None = None) -> list[list[int]]:
+    """At most ``rows_per_micro_batch`` sequences per micro-batch; units (``sizes[i]`` sequences of ``lengths[i]``
+    forwarded tokens; one sequence each by default) sorted by length, first fit, so each micro-batch pads little."""
+    sizes = sizes or [1] * len(lengths)
+    bins: list[list[int]] = []
+    counts: list[int] = []
+    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, count in enumerate(counts):
+            if count + sizes[index] <= rows_per_micro_batch:
+                bins[b].append(index)
+                counts[b] += sizes[index]
+                break
+        else:
+            bins.append([index])
+            counts.append(sizes[index])
+    return bins
 
 
 def group_packed(indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -168,6 +186,41 @@ def group_packed(indices: list[int], lengths: list[int], token_budget: int) -> l
     return bins
 
 
+def groups_of(sequences: list[TrainSequence]) -> list[list[int]]:
+    """Indices of each group's sequences, groups in order of first appearance."""
+    groups: OrderedDict = OrderedDict()
+    for index, sequence in enumerate(sequences):
+        groups.setdefault(sequence.group_id, []).append(index)
+    return list(groups.values())
+
+
+def unique_tokens(sequences: list[TrainSequence]) -> int:
+    """Tokens of the batch with each group's common prefix counted once (the least a forward per group needs)."""
+    total = 0
+    for members in groups_of(sequences):
+        prefix = common_prefix_length([sequences[i].input_ids for i in members])
+        total += prefix + sum(len(sequences[i]) - prefix for i in members)
+    return total
+
+
+def plan_parts(sequences: list[TrainSequence], config: "BatchingConfig") -> list[Part]:
+    """The units ranks and micro-batches are made of: one sequence each (``share_prompt`` off), or parts of groups
+    that forward their common prefix once (``on``: as large as a micro-batch allows; ``auto``: the size with the
+    lowest modelled cost, ``prefix.best_part_size``)."""
+    token_lists = [s.input_ids for s in sequences]
+    if config.share_prompt == "off":
+        return [Part([i], len(s), len(s)) for i, s in enumerate(sequences)]
+    parts = []
+    for members in groups_of(sequences):
+        prefix = common_prefix_length([token_lists[i] for i in members])
+        size = len(members) if config.mode == "packed" else min(len(members), config.rows_per_micro_batch)
+        if config.share_prompt == "auto":
+            branches = [len(token_lists[i]) - prefix for i in members]
+            size = min(size, best_part_size(prefix, branches, config.attention_cost))
+        parts += split_group(members, token_lists, prefix, size, config.max_tokens_per_microbatch)
+    return split_for_ranks(parts, config.world_size, token_lists)
+
+
 @dataclass
 class MicroBatch:
     """Tensors of one forward/backward pass, rows x positions.
@@ -175,6 +228,10 @@ class MicroBatch:
     Padded: one sequence per row, right padding, ``attention_mask`` 1 on real tokens. Packed: one row holding
     several sequences, ``position_ids`` restarting at each, ``seq_index`` telling them apart (attention is
     confined to a sequence by the trainer). ``seq_index`` is -1 on padding.
+
+    With ``shared`` set, these tensors are still one slot per (sequence, token), as the loss sees them, but the
+    model forwards ``shared`` instead: rows in which sequences of a group hold their common prefix once
+    (``prefix.SharedPrefixRows``).
     """
 
     input_ids: torch.Tensor
@@ -190,6 +247,7 @@ class MicroBatch:
     batch_positions: list[int]  # index in the batch of each sequence of this micro-batch (by seq_index)
     proximal_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    shared: SharedPrefixRows | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -197,16 +255,22 @@ class MicroBatch:
 
     @property
     def real_tokens(self) -> int:
+        """Tokens of this micro-batch's sequences (a shared prefix counted once per sequence)."""
         return int((self.seq_index >= 0).sum())
 
     @property
     def computed_tokens(self) -> int:
-        return int(self.input_ids.numel())
+        """Tokens the forward runs over, padding included."""
+        return self.shared.tokens if self.shared is not None else int(self.input_ids.numel())
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.shared.padding if self.shared is not None else int((self.seq_index < 0).sum())
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {}
         for name, value in self.__dict__.items():
-            moved[name] = value.to(device) if isinstance(value, torch.Tensor) else value
+            moved[name] = value.to(device) if isinstance(value, (torch.Tensor, SharedPrefixRows)) else value
         return MicroBatch(**moved)
 
 
@@ -216,9 +280,13 @@ def collate(
     packed: bool,
     pad_token_id: int,
     batch_positions: list[int] | None = None,
+    parts: list[tuple[int, int]] | None = None,
 ) -> MicroBatch:
     """Build one micro-batch. An empty list gives a zero-weight micro-batch of one 2-token padding row, so a
-    rank with nothing left still runs the forward/backward every other rank runs."""
+    rank with nothing left still runs the forward/backward every other rank runs.
+
+    ``parts``: (size, shared prefix length) of consecutive runs of ``sequences``; when one holds several
+    sequences, the micro-batch forwards shared-prefix rows (``prefix.shared_prefix_rows``)."""
     has_logprobs = any(s.sampler_logprobs is not None for s in sequences)
     if has_logprobs and not all(s.sampler_logprobs is not None for s in sequences):
         raise ValueError("Either every rollout of a batch carries completion_logprobs or none does.")
@@ -254,6 +322,9 @@ def collate(
             if sampler is not None:
                 sampler[r, span] = torch.tensor(s.sampler_logprobs, dtype=torch.float32)
             offset += n
+    shared = None
+    if parts and any(size > 1 for size, _ in parts):
+        shared = shared_prefix_rows([s.input_ids for s in sequences], parts, packed, pad_token_id, seq_index)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -266,6 +337,7 @@ def collate(
         counts=counts,
         packed=packed,
         batch_positions=list(batch_positions) if batch_positions is not None else list(range(len(sequences))),
+        shared=shared,
     )
 
 
@@ -274,11 +346,13 @@ class BatchStats:
     """Global facts of one batch for logging (identical on every rank)."""
 
     num_sequences: int
-    real_tokens: int
-    computed_tokens: int
+    real_tokens: int  # tokens of the sequences
+    computed_tokens: int  # tokens forwarded, padding included
     reward_mean: float
     reward_std: float
     truncated_fraction: float
+    unique_tokens: int = 0  # tokens with each group's common prefix counted once
+    padding_tokens: int = 0  # forwarded padding
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -304,10 +378,14 @@ class BatchingConfig:
     mask_truncated_completions: bool = False
     scale_rewards: str = "group"
     pad_token_id: int = 0
+    share_prompt: str = "off"
+    attention_cost: float = 0.0  # one attention cell's cost in token units (``prefix.modelled_cost``), for auto
 
     def __post_init__(self):
         if self.mode not in MICRO_BATCHING_MODES:
             raise ValueError(f"Unknown micro-batching mode {self.mode!r}; expected padded or packed.")
+        if self.share_prompt not in SHARE_PROMPT_MODES:
+            raise ValueError(f"Unknown share_prompt {self.share_prompt!r}; expected one of {', '.join(SHARE_PROMPT_MODES)}.")
         if self.world_size < 1 or self.rows_per_micro_batch < 1:
             raise ValueError("world_size and rows_per_micro_batch must be >= 1.")
         if self.mode == "packed" and self.max_tokens_per_microbatch < self.max_seq_len:
@@ -328,11 +406,14 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
     )
     counts = global_counts(sequences, config.horizon or config.max_seq_len)
     lengths = [len(s) for s in sequences]
-    per_rank = assign_to_ranks(lengths, config.world_size)
+    parts = plan_parts(sequences, config)
+    costs = [part.tokens for part in parts]
+    sizes = [len(part.members) for part in parts]
+    per_rank = assign_to_ranks(costs, config.world_size)
     grouped = [
-        group_packed(indices, lengths, config.max_tokens_per_microbatch)
+        group_packed(indices, costs, config.max_tokens_per_microbatch)
         if config.mode == "packed"
-        else group_padded(indices, lengths, config.rows_per_micro_batch)
+        else group_padded(indices, costs, config.rows_per_micro_batch, sizes)
         for indices in per_rank
     ]
     # Collectives need the same number of passes on every rank; the short ranks get zero-weight passes.
@@ -341,10 +422,14 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
     micro_batches_all = []
     for groups in grouped:
         groups = groups + [[] for _ in range(num_micro_batches - len(groups))]
-        micro_batches = [
-            collate([sequences[i] for i in group], counts, config.mode == "packed", config.pad_token_id, group)
-            for group in groups
-        ]
+        micro_batches = []
+        for group in groups:
+            members = [i for p in group for i in parts[p].members]
+            shape = [(len(parts[p].members), parts[p].prefix_len) for p in group]
+            micro_batches.append(
+                collate([sequences[i] for i in members], counts, config.mode == "packed", config.pad_token_id,
+                        members, shape)
+            )
         micro_batches_all.extend(micro_batches)
         rank_batches.append(micro_batches)
     reward_std = float(torch.tensor(rewards, dtype=torch.float64).std()) if len(rewards) > 1 else 0.0
@@ -355,5 +440,7 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
         reward_mean=sum(rewards) / len(rewards),
         reward_std=0.0 if math.isnan(reward_std) else reward_std,
         truncated_fraction=sum(s.truncated for s in sequences) / len(sequences),
+        unique_tokens=unique_tokens(sequences),
+        padding_tokens=sum(mb.padding_tokens for mb in micro_batches_all),
     )
     return [RankBatch(mbs, counts, stats, batch_index) for mbs in rank_batches]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from trl import GRPOConfig
 
-from .batching import MICRO_BATCHING_MODES, OVERLONG_POLICIES, SCALE_REWARDS
+from .batching import MICRO_BATCHING_MODES, OVERLONG_POLICIES, SCALE_REWARDS, SHARE_PROMPT_MODES
 from .loss import CORRECTION_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 
@@ -173,6 +174,16 @@ class RLConfig(GRPOConfig):
             "that routes to the server)."
         },
     )
+    share_prompt: Literal["auto", "on", "off"] = field(
+        default="auto",
+        metadata={
+            "help": "Forward each group's common token prefix (its prompt) once per micro-batch row, shared by its "
+            "completions (exact: same log-probs and update). on: whole groups per row as far as "
+            "per_device_train_batch_size (padded) and max_tokens_per_microbatch allow; auto: rows sized by a cost "
+            "model (long completions attend densely over a shared row, so they share less), off with a flash/varlen "
+            "attention kernel (it cannot take the tree mask); off: one row per sequence."
+        },
+    )
 
     def __post_init__(self):
         _skip_deepspeed_cpu_shm_op()
@@ -218,6 +229,7 @@ class RLConfig(GRPOConfig):
             "overlong": OVERLONG_POLICIES,
             "micro_batching": MICRO_BATCHING_MODES + ("auto",),
             "scale_rewards": SCALE_REWARDS,
+            "share_prompt": SHARE_PROMPT_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -19,16 +19,29 @@ def random_rollouts(
     env_token_fraction: float = 0.1,
     fully_masked_fraction: float = 0.1,
     first_token_id: int = 4,
+    shared_turn_fraction: float = 0.0,
+    shared_turn_len: tuple[int, int] = (1, 8),
 ) -> list[Rollout]:
     """Groups of rollouts with random ids, ragged lengths, some environment tokens (mask 0) inside
-    completions and some fully masked completions; sampler log-probs drawn near a plausible range."""
+    completions and some fully masked completions; sampler log-probs drawn near a plausible range. Every rollout of
+    a group has the group's prompt.
+
+    ``shared_turn_fraction``: the fraction of groups with a multi-turn-like first turn (``shared_turn_len`` tokens,
+    trained and environment tokens) that each of their completions starts with at probability 1/2, so a group's
+    common token prefix runs past the prompt for some of its sequences (or for all of them)."""
     rng = random.Random(seed)
     rollouts = []
     for group in range(num_groups):
         prompt = [rng.randrange(first_token_id, vocab_size) for _ in range(rng.randint(*prompt_len))]
+        turn: list[int] = []
+        if shared_turn_fraction and rng.random() < shared_turn_fraction:
+            turn = [rng.randrange(first_token_id, vocab_size) for _ in range(rng.randint(*shared_turn_len))]
         for _ in range(group_size):
             n = rng.randint(*completion_len)
             completion = [rng.randrange(first_token_id, vocab_size) for _ in range(n)]
+            if turn and rng.random() < 0.5:
+                completion = (turn + completion)[: max(n, len(turn))]
+                n = len(completion)
             if rng.random() < fully_masked_fraction:
                 mask = [0] * n
             else:

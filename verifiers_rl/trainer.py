@@ -28,7 +28,7 @@ from .config import RLConfig
 from .generator import AsyncGenerator, ReplaySource, RolloutSource
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
 from . import progress
-from .policy import micro_batch_logprobs, sequence_logprobs, splits_packed_rows, unwrap
+from .policy import attention_cost, micro_batch_logprobs, sequence_logprobs, splits_packed_rows, unwrap
 from .rollouts import write_rollouts
 from .weights import (
     GatherStats,
@@ -381,6 +381,9 @@ class RLTrainer(GRPOTrainer):
             mask_truncated_completions=args.mask_truncated_completions,
             scale_rewards=args.scale_rewards,
             pad_token_id=self.pad_token_id,
+            # A flash/varlen kernel cannot take the shared rows' tree mask; "on" then fails with the flag's name.
+            share_prompt="off" if args.share_prompt == "auto" and splits_packed_rows(self.model) else args.share_prompt,
+            attention_cost=attention_cost(self.model),
         )
 
     def micro_batching_mode(self) -> str:
@@ -550,7 +553,9 @@ class RLTrainer(GRPOTrainer):
         train["reward"].append(stats.reward_mean)
         train["reward_std"].append(stats.reward_std)
         train["truncated_fraction"].append(stats.truncated_fraction)
-        train["real_token_fraction"].append(stats.real_tokens / max(stats.computed_tokens, 1))
+        train["real_token_fraction"].append(1 - stats.padding_tokens / max(stats.computed_tokens, 1))
+        train["tokens_forwarded"].append(float(stats.computed_tokens))
+        train["tokens_unique"].append(float(stats.unique_tokens))
         train["micro_batches_per_rank"].append(float(len(rank_batch.micro_batches)))
         train["loss_tokens"].append(float(rank_batch.counts.loss_tokens))
         train["step_time"].append(seconds)

@@ -32,6 +32,22 @@ CONFIGS = {
     "custom_loss_packed64": dict(loss_type="seq_mean_token_sum", micro_batching="packed", max_tokens_per_microbatch=64, loss_fn="reinforce"),
     "custom_partial_padded2": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=2, loss_fn="reinforce_partial"),
     "grpo_uneven_ranks_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1, rollouts_per_step=3, rollouts="small"),
+    # Prompt once per group (share_prompt; the configurations above run with it off).
+    "grpo_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, share_prompt="on"),
+    "dr_grpo_shared_split_padded3": dict(loss_type="dr_grpo", micro_batching="padded", per_device_train_batch_size=3, share_prompt="on"),
+    "grpo_kl_mask_shared_padded4": dict(loss_type="grpo", beta=0.1, max_steps=2, importance_correction="token_mask", importance_cap_min=0.5, micro_batching="padded", per_device_train_batch_size=4, share_prompt="on"),
+    "dr_grpo_two_iterations_shared_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64, share_prompt="on"),
+    "token_mean_shared_auto_packed256": dict(loss_type="token_mean", micro_batching="packed", max_tokens_per_microbatch=256, share_prompt="auto"),
+    "grpo_uneven_ranks_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, rollouts_per_step=3, rollouts="small", share_prompt="on"),
+}
+# Each prompt-sharing configuration and the unshared one whose update it must equal (micro-batching never changes it).
+SHARED_TWINS = {
+    "grpo_shared_padded4": "grpo_token_padded1",
+    "dr_grpo_shared_split_padded3": "dr_grpo_token_padded3",
+    "grpo_kl_mask_shared_padded4": "grpo_kl_mask_padded4",
+    "dr_grpo_two_iterations_shared_packed64": "dr_grpo_two_iterations_packed64",
+    "token_mean_shared_auto_packed256": "token_mean_packed256",
+    "grpo_uneven_ranks_shared_padded4": "grpo_uneven_ranks_padded1",
 }
 
 
@@ -101,6 +117,7 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
         rollouts_path=rollouts_file,
         seed=0,
         disable_tqdm=True,
+        share_prompt="off",
     )
     settings.update(overrides)
     settings.setdefault("max_steps", settings.get("num_iterations", 1))
@@ -111,11 +128,13 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     losses = [entry["loss"] for entry in logged]
     metrics = {key: [entry[key] for entry in logged] for key in TOKEN_METRICS if all(key in e for e in logged)}
+    tokens = {key: [entry[key] for entry in logged] for key in ("tokens_forwarded", "tokens_unique")}
     if trainer.accelerator.is_main_process:
         torch.save(params, out / f"{name}.pt")
         record = {
             "losses": losses,
             "metrics": metrics,
+            "tokens": tokens,
             # ZeRO-3 steps its inner optimizer once per parameter sub-group; the engine counts real steps.
             "optimizer_steps": trainer.model_wrapped.global_steps if trainer.is_deepspeed_enabled else counter.optimizer_steps,
             "scheduler_steps": counter.scheduler_steps(),
