@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 import warnings
@@ -175,6 +176,8 @@ class RLTrainer(GRPOTrainer):
             num_batches = len(rollout_source)
         if args.max_steps is None or args.max_steps <= 0:
             args.max_steps = int(num_batches * args.num_iterations * max(args.num_train_epochs, 1))
+        if self.generator is not None:
+            self.generator.total_batches = math.ceil(args.max_steps / args.num_iterations)
         placeholder = Dataset.from_dict({"prompt": ["(rollouts come from the rollout source)"]})
         super().__init__(
             model=model,
@@ -218,6 +221,7 @@ class RLTrainer(GRPOTrainer):
             max_off_policy_steps=args.max_off_policy_steps,
             timeout_s=args.generation_timeout_s,
             seed=args.seed,
+            steps_per_batch=args.num_iterations,
         )
         self._replay = self.generator
         return self.generator
@@ -259,6 +263,8 @@ class RLTrainer(GRPOTrainer):
         version = self.state.global_step
         start = time.perf_counter()
         generating = self.accelerator.is_main_process and self.engine is not None and self.generator is not None
+        # The exact schedule: batches of older versions are generated first (an error there stops every rank).
+        _main_process_outcome(lambda: self.generator.wait_for_older_batches(version) if generating else None)
         # The batch lock, held through the load AND the probe: no batch mixes two versions, and the probe is not
         # queued behind the next batch's generation (which would serialise k >= 1 into generate-then-train).
         with self.generator.hold_weights() if generating else contextlib.nullcontext():

@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 
 from ..policy import WRAPPER_PREFIXES, sequence_logprobs, unwrap
-from .engine import Sample, SamplingConfig
+from .engine import Sample, SamplingConfig, rollout_sampling
 
 # A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
 # the loop busy forever).
@@ -48,6 +48,37 @@ class _Request:
     prompt_ids: list[int]
     max_new_tokens: int
     future: asyncio.Future
+    temperature: float
+    seed: int | None
+
+
+class RowSampler:
+    """A logits processor that samples every row of a batch on its own: the scores it returns have their argmax
+    at argmax_v(logits_v / T + g_v), g_v ~ Gumbel(0, 1), after top-k / top-p filtering, so greedy decoding over
+    them draws exactly from softmax(logits / T) restricted as top-k / top-p say (the Gumbel-max trick). A row
+    with a seed draws its noise from its own generator: its tokens do not depend on the rows it is batched with
+    or on global random state. Rows with temperature 0 keep their logits (greedy).
+    """
+
+    def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float):
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperatures = torch.tensor(temperatures, dtype=torch.float32)
+        self.generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+        self.filters = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sampled = (self.temperatures > 0).to(scores.device)
+        if not bool(sampled.any()):
+            return scores
+        temperature = torch.where(sampled, self.temperatures.to(scores.device), 1.0)
+        filtered = scores.float() / temperature[:, None]
+        for keep in self.filters:
+            filtered = keep(input_ids, filtered)
+        vocab = scores.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=generator) for generator in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+        return torch.where(sampled[:, None], filtered + gumbel.to(scores.device), scores.float())
 
 
 class _LoopQueue:
@@ -165,10 +196,16 @@ class EmbeddedEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+        # The calling rollout's seed and temperature (RolloutSampling), taken now, in the rollout's own task.
+        sampling = rollout_sampling()
+        seed = sampling.next_seed() if sampling is not None else None
+        temperature = self.sampling.temperature
+        if sampling is not None and sampling.temperature is not None:
+            temperature = float(sampling.temperature)
         loop = asyncio.get_running_loop()
         queue = self._queue_for(loop)
         future = loop.create_future()
-        queue.pending.append(_Request(prompt_ids, max_new_tokens, future))
+        queue.pending.append(_Request(prompt_ids, max_new_tokens, future, temperature, seed))
         if queue.task is None or queue.task.done():
             queue.task = loop.create_task(self._drain(queue))
         return await future
@@ -191,12 +228,11 @@ class EmbeddedEngine:
                 batch = [r for r in batch if not r.future.done()]  # callers that gave up (cancelled)
                 if not batch:
                     continue
-                prompts, lengths = [r.prompt_ids for r in batch], [r.max_new_tokens for r in batch]
                 try:
                     if self.generate_in_loop_thread:
-                        samples = self._generate(prompts, lengths)
+                        samples = self._generate(batch)
                     else:
-                        samples = await asyncio.to_thread(self._generate, prompts, lengths)
+                        samples = await asyncio.to_thread(self._generate, batch)
                 except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
                     for request in batch:
                         if not request.future.done():
@@ -231,23 +267,24 @@ class EmbeddedEngine:
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
 
-        s = self.sampling
-        options = dict(
+        # Greedy over the scores RowSampler returns: their argmax IS the sample (Gumbel-max), row by row.
+        return GenerationConfig(
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
+            do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
         )
-        if s.temperature == 0:
-            options.update(do_sample=False)
-        else:
-            options.update(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        return GenerationConfig(**options)
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        """One left-padded ``generate`` for a batch of prompts (worker thread)."""
+    def _generate(self, requests: list[_Request]) -> list[Sample]:
+        """One left-padded ``generate`` for a batch of requests (worker thread)."""
+        from transformers import LogitsProcessorList
+
+        prompts, max_new_tokens = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
+        temperatures = [r.temperature for r in requests]
+        sampler = RowSampler(temperatures, [r.seed for r in requests], self.sampling.top_k, self.sampling.top_p)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("The engine was closed while requests were waiting.")
@@ -264,15 +301,17 @@ class EmbeddedEngine:
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
                 generation_config=self._generation_config(max(max_new_tokens)),
+                logits_processor=LogitsProcessorList([sampler]),
                 # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
                 synced_gpus=False,
             )
             tokens = output.sequences[:, width:].cpu()
-            temperature = self.sampling.temperature or 1.0
+            # Greedy rows report log-probs at temperature 1.
+            temperature = torch.tensor([t or 1.0 for t in temperatures], dtype=torch.float32)[:, None]
             # One step at a time: never a [batch, steps, vocab] copy of the logits.
             logprobs = torch.stack(
                 [
-                    torch.log_softmax(step.float() / temperature, dim=-1)
+                    torch.log_softmax(step.float() / temperature.to(step.device), dim=-1)
                     .gather(-1, tokens[:, t, None].to(step.device))[:, 0]
                     .cpu()
                     for t, step in enumerate(output.logits)
