@@ -41,7 +41,7 @@ from .checkpoint import (
     save_run_state,
 )
 from .config import RLConfig
-from .generator import AsyncGenerator, ReplaySource, RolloutSource
+from .generator import AsyncGenerator, ReplaySource, RolloutSource, drop_zero_variance_groups
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
 from . import progress
 from .policy import micro_batch_logprobs, sequence_logprobs, splits_packed_rows, unwrap
@@ -245,6 +245,8 @@ class RLTrainer(GRPOTrainer):
             timeout_s=args.generation_timeout_s,
             seed=args.seed,
             steps_per_batch=args.num_iterations,
+            filter_groups=args.filter_groups == "zero_variance",
+            max_refill_batches=args.max_refill_batches,
         )
         self._replay = self.generator
         return self.generator
@@ -563,6 +565,15 @@ class RLTrainer(GRPOTrainer):
         waited = time.perf_counter()
         rollouts = self._replay.batch(batch_index)
         waited = time.perf_counter() - waited
+        extra = {"reward_errors": float(sum(r.metrics.get("reward_errors", 0.0) for r in rollouts))}
+        if self.generator is not None:
+            extra.update(self.generator.filter_stats.pop(batch_index, {}))
+        elif self.args.filter_groups == "zero_variance":  # replay: filter only
+            kept, dropped = drop_zero_variance_groups(rollouts)
+            extra.update(groups_kept=float(len({r.group_id for r in kept})), groups_dropped=float(dropped))
+            if not kept:
+                logger.warning("Batch %d: no group has reward variance; training on it unfiltered.", batch_index)
+            rollouts = kept or rollouts
         self._latest_rollouts = rollouts
         if self.args.save_rollouts_path:
             append_rollouts(self.args.save_rollouts_path, rollouts)
@@ -575,7 +586,6 @@ class RLTrainer(GRPOTrainer):
                 rank_batch.stats.extra.update(
                     staleness_max=float(max(staleness)), staleness_mean=sum(staleness) / len(staleness)
                 )
-        extra = {"reward_errors": float(sum(r.metrics.get("reward_errors", 0.0) for r in rollouts))}
         if self.generator is not None:
             # Time the trainer sat waiting for rollouts (0 when generation ran ahead), and the batch's generation.
             extra.update(wait_time=waited, generation_time=self.generator.generation_seconds.pop(batch_index, 0.0))
