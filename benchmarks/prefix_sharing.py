@@ -1,4 +1,4 @@
-"""Prompt once per group: the training forward + backward with shared-prefix rows (``share_prompt`` on / auto) against
+"""Prompt once per group: the training forward + backward with shared-prefix rows (``share_prompt_training`` on / auto) against
 one row per sequence (off), over prompt and completion lengths from the quickstart's to long completions.
 
 What it measures: for each workload (G completions per prompt; prompt length P; completion lengths uniform in
@@ -119,7 +119,7 @@ def main() -> None:
         plans = {}
         for mode in MODES:
             config = BatchingConfig(mode="padded", rows_per_micro_batch=args.rows, max_seq_len=8192,
-                                    max_tokens_per_microbatch=65536, share_prompt=mode, attention_cost=cost)
+                                    max_tokens_per_microbatch=65536, share_prompt_training=mode, attention_cost=cost)
             (rank_batch,) = plan_batch(rollouts, config)
             plans[mode] = rank_batch
             one_step(model, rank_batch.micro_batches)  # warm-up
@@ -142,7 +142,7 @@ def main() -> None:
                   f"random Llama shaped like SmolLM2 (hidden 576, 9 heads, 3 kv heads, MLP 1536), {args.layers} layers")
     print(f"\n{model_name}; padded micro-batches of {args.rows} sequences; fp32 CPU, {args.threads} threads; median of "
           f"{repeats} after 1 warm-up; total {time.perf_counter() - started:.0f} s, load average at end {load()}.\n")
-    print("| workload | P | C | G x groups | share_prompt | tokens forwarded | / unique | attention cells (M) | "
+    print("| workload | P | C | G x groups | share_prompt_training | tokens forwarded | / unique | attention cells (M) | "
           "modelled cost | fwd+bwd s | vs off | rows x width |")
     print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:

@@ -8,8 +8,8 @@ What it measures: these trainers, run one after the other in this one process, o
   copy of the weights, refreshed after every step), synchronous;
 - ``verifiers_rl k=1``: the same, generating one step ahead on the generator thread (the weight load and the
   post-sync probe run under the generator's batch lock, between two batches);
-- ``verifiers_rl k=0 unshared``: k = 0 with ``share_prompt="off"`` (every completion's row carries its own copy of
-  the prompt, as TRL's do); the other two run with the default ``share_prompt="auto"``.
+- ``verifiers_rl k=0 unshared``: k = 0 with ``share_prompt_training="off"`` (every completion's row carries its own copy of
+  the prompt, as TRL's do); the other two run with the default ``share_prompt_training="auto"``.
 
 Workloads (``--workload``): ``tiny`` (default) is described below; ``quickstart`` is the README's quickstart run:
 SmolLM2-135M-Instruct (``verifiers_rl.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
@@ -201,10 +201,10 @@ def run_trl(args, model_dir, tokenizer, rows, out) -> SplitRecorder:
     return recorder
 
 
-def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt="auto") -> SplitRecorder:
+def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt_training="auto") -> SplitRecorder:
     config = RLConfig(**common(args, out), rollouts_per_step=args.prompts * args.num_generations,
                       max_seq_len=args.max_seq_len, max_off_policy_steps=k, micro_batching="padded",
-                      share_prompt=share_prompt)
+                      share_prompt_training=share_prompt_training)
     engine = build_engine(config, model_dir, tokenizer)
     recorder = SplitRecorder()
     trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine,
@@ -218,7 +218,7 @@ NAMES = {
     "trl": "TRL GRPOTrainer (HF generate)",
     "k0": "verifiers_rl RLTrainer k=0",
     "k1": "verifiers_rl RLTrainer k=1",
-    "k0_unshared": "verifiers_rl RLTrainer k=0, share_prompt off",
+    "k0_unshared": "verifiers_rl RLTrainer k=0, share_prompt_training off",
 }
 
 

@@ -198,10 +198,10 @@ def parts_of(rank_batches):
 def test_shared_prompts_keep_groups_together_within_the_limits():
     rollouts = random_rollouts(6, 4, vocab_size=50, seed=12, completion_len=(1, 30))
     groups = [r.group_id for r in rollouts]
-    for config in [BatchingConfig(mode="padded", rows_per_micro_batch=4, max_seq_len=64, share_prompt="on"),
-                   BatchingConfig(mode="padded", rows_per_micro_batch=3, max_seq_len=64, share_prompt="on"),
-                   BatchingConfig(mode="packed", max_tokens_per_microbatch=64, max_seq_len=64, share_prompt="on"),
-                   BatchingConfig(mode="packed", max_tokens_per_microbatch=512, max_seq_len=64, share_prompt="on",
+    for config in [BatchingConfig(mode="padded", rows_per_micro_batch=4, max_seq_len=64, share_prompt_training="on"),
+                   BatchingConfig(mode="padded", rows_per_micro_batch=3, max_seq_len=64, share_prompt_training="on"),
+                   BatchingConfig(mode="packed", max_tokens_per_microbatch=64, max_seq_len=64, share_prompt_training="on"),
+                   BatchingConfig(mode="packed", max_tokens_per_microbatch=512, max_seq_len=64, share_prompt_training="on",
                                   world_size=3)]:
         rank_batches = plan_batch(rollouts, config)
         parts = parts_of(rank_batches)
@@ -225,7 +225,7 @@ def test_shared_prompts_keep_groups_together_within_the_limits():
 def test_a_group_is_split_so_that_every_rank_has_work():
     rollouts = random_rollouts(1, 6, vocab_size=50, seed=3)
     rank_batches = plan_batch(rollouts, BatchingConfig(world_size=4, mode="padded", rows_per_micro_batch=8,
-                                                       max_seq_len=64, share_prompt="on"))
+                                                       max_seq_len=64, share_prompt_training="on"))
     assert all(rb.micro_batches[0].num_sequences > 0 for rb in rank_batches)
     assert sum(rb.micro_batches[0].num_sequences for rb in rank_batches) == 6
 
@@ -239,7 +239,7 @@ def test_auto_shares_short_completions_and_not_long_ones():
     assert 1 < best_part_size(40, [200] * 8, cost) < 8
     short = [Rollout([5] * 40, [10 + i] * 16, [1] * 16, float(i % 2), "short") for i in range(4)]
     long = [Rollout([7] * 100, [10 + i] * 1000, [1] * 1000, float(i % 2), "long") for i in range(4)]
-    config = dict(mode="padded", rows_per_micro_batch=4, max_seq_len=2048, attention_cost=cost, share_prompt="auto")
+    config = dict(mode="padded", rows_per_micro_batch=4, max_seq_len=2048, attention_cost=cost, share_prompt_training="auto")
     (short_batch,) = plan_batch(short, BatchingConfig(**config))
     (long_batch,) = plan_batch(long, BatchingConfig(**config))
     assert short_batch.micro_batches[0].shared is not None and short_batch.stats.computed_tokens == 40 + 4 * 16
@@ -252,14 +252,14 @@ def test_shared_prefix_is_compared_not_assumed():
     rollouts = [Rollout([1, 2, 3, 4], [9, 9], [1, 1], 1.0, "a"), Rollout([1, 2, 5, 4], [9, 8], [1, 1], 0.0, "a"),
                 Rollout([1, 2], [7, 7, 6], [1, 0, 1], 1.0, "b"), Rollout([1, 2], [7, 7, 5, 5], [1, 0, 1, 1], 0.0, "b")]
     (rank_batch,) = plan_batch(rollouts, BatchingConfig(mode="packed", max_seq_len=16, max_tokens_per_microbatch=64,
-                                                        share_prompt="on"))
+                                                        share_prompt_training="on"))
     (mb,) = rank_batch.micro_batches
     assert mb.computed_tokens == rank_batch.stats.unique_tokens == (2 + 4 + 4) + (4 + 1 + 2)
     assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 3 and common_prefix_length([[1], [2]]) == 0
 
 
 def test_share_prompt_must_be_a_known_mode():
-    with pytest.raises(ValueError, match="share_prompt"):
-        BatchingConfig(share_prompt="yes")
-    with pytest.raises(ValueError, match="share_prompt"):
-        RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", share_prompt="always")
+    with pytest.raises(ValueError, match="share_prompt_training"):
+        BatchingConfig(share_prompt_training="yes")
+    with pytest.raises(ValueError, match="share_prompt_training"):
+        RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", share_prompt_training="always")

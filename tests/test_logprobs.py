@@ -143,7 +143,7 @@ def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, ext
     rollouts = shared_prefix_rollouts()
     results = {}
     for share in ("off", "on"):
-        config = BatchingConfig(mode=mode, max_seq_len=40, share_prompt=share, **extra)
+        config = BatchingConfig(mode=mode, max_seq_len=40, share_prompt_training=share, **extra)
         (rank_batch,) = plan_batch(rollouts, config)
         model.zero_grad(set_to_none=True)
         found = {}
@@ -177,7 +177,7 @@ def test_shared_rows_forward_each_group_prefix_once(tiny_model):
     group starts with the same turn); a branch never sees another branch (letting it changes the log-probs)."""
     rollouts = shared_prefix_rollouts()
     (rank_batch,) = plan_batch(rollouts, BatchingConfig(mode="packed", max_seq_len=40, max_tokens_per_microbatch=4096,
-                                                        share_prompt="on"))
+                                                        share_prompt_training="on"))
     (mb,) = rank_batch.micro_batches
     assert mb.computed_tokens == rank_batch.stats.unique_tokens < rank_batch.stats.real_tokens
     block, branch = mb.shared.block[0], mb.shared.branch[0]

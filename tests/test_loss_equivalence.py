@@ -137,17 +137,17 @@ def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction
         dict(world_size=2, mode="packed", max_tokens_per_microbatch=97),
         dict(world_size=16, mode="padded", rows_per_micro_batch=1),  # a rank with nothing: only empty passes
         dict(world_size=rng.randint(1, 5), mode="packed", max_tokens_per_microbatch=rng.randint(40, 200)),
-        dict(world_size=1, mode="padded", rows_per_micro_batch=15, share_prompt="on"),  # one row per group
-        dict(world_size=2, mode="padded", rows_per_micro_batch=2, share_prompt="on"),  # groups of 3 split in 2 + 1
-        dict(world_size=3, mode="packed", max_tokens_per_microbatch=40, share_prompt="on"),
-        dict(world_size=8, mode="packed", max_tokens_per_microbatch=97, share_prompt="on"),  # groups split for ranks
-        dict(world_size=2, mode="padded", rows_per_micro_batch=4, share_prompt="auto", attention_cost=0.01),
+        dict(world_size=1, mode="padded", rows_per_micro_batch=15, share_prompt_training="on"),  # one row per group
+        dict(world_size=2, mode="padded", rows_per_micro_batch=2, share_prompt_training="on"),  # groups of 3 split in 2 + 1
+        dict(world_size=3, mode="packed", max_tokens_per_microbatch=40, share_prompt_training="on"),
+        dict(world_size=8, mode="packed", max_tokens_per_microbatch=97, share_prompt_training="on"),  # groups split for ranks
+        dict(world_size=2, mode="padded", rows_per_micro_batch=4, share_prompt_training="auto", attention_cost=0.01),
     ]
     for partition in partitions:
         config = BatchingConfig(max_seq_len=max_seq_len, horizon=horizon, overlong="truncate", **partition)
         rank_batches = plan_batch(rollouts, config)
         assert len({len(rb.micro_batches) for rb in rank_batches}) == 1, "every rank runs the same number of passes"
-        if config.share_prompt != "off":
+        if config.share_prompt_training != "off":
             assert any(mb.shared is not None for rb in rank_batches for mb in rb.micro_batches), partition
         total = torch.zeros(())
         for rank_batch in rank_batches:

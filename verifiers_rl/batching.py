@@ -204,17 +204,17 @@ def unique_tokens(sequences: list[TrainSequence]) -> int:
 
 
 def plan_parts(sequences: list[TrainSequence], config: "BatchingConfig") -> list[Part]:
-    """The units ranks and micro-batches are made of: one sequence each (``share_prompt`` off), or parts of groups
+    """The units ranks and micro-batches are made of: one sequence each (``share_prompt_training`` off), or parts of groups
     that forward their common prefix once (``on``: as large as a micro-batch allows; ``auto``: the size with the
     lowest modelled cost, ``prefix.best_part_size``)."""
     token_lists = [s.input_ids for s in sequences]
-    if config.share_prompt == "off":
+    if config.share_prompt_training == "off":
         return [Part([i], len(s), len(s)) for i, s in enumerate(sequences)]
     parts = []
     for members in groups_of(sequences):
         prefix = common_prefix_length([token_lists[i] for i in members])
         size = len(members) if config.mode == "packed" else min(len(members), config.rows_per_micro_batch)
-        if config.share_prompt == "auto":
+        if config.share_prompt_training == "auto":
             branches = [len(token_lists[i]) - prefix for i in members]
             size = min(size, best_part_size(prefix, branches, config.attention_cost))
         parts += split_group(members, token_lists, prefix, size, config.max_tokens_per_microbatch)
@@ -378,14 +378,14 @@ class BatchingConfig:
     mask_truncated_completions: bool = False
     scale_rewards: str = "group"
     pad_token_id: int = 0
-    share_prompt: str = "off"
+    share_prompt_training: str = "off"
     attention_cost: float = 0.0  # one attention cell's cost in token units (``prefix.modelled_cost``), for auto
 
     def __post_init__(self):
         if self.mode not in MICRO_BATCHING_MODES:
             raise ValueError(f"Unknown micro-batching mode {self.mode!r}; expected padded or packed.")
-        if self.share_prompt not in SHARE_PROMPT_MODES:
-            raise ValueError(f"Unknown share_prompt {self.share_prompt!r}; expected one of {', '.join(SHARE_PROMPT_MODES)}.")
+        if self.share_prompt_training not in SHARE_PROMPT_MODES:
+            raise ValueError(f"Unknown share_prompt_training {self.share_prompt_training!r}; expected one of {', '.join(SHARE_PROMPT_MODES)}.")
         if self.world_size < 1 or self.rows_per_micro_batch < 1:
             raise ValueError("world_size and rows_per_micro_batch must be >= 1.")
         if self.mode == "packed" and self.max_tokens_per_microbatch < self.max_seq_len:

@@ -174,14 +174,31 @@ class RLConfig(GRPOConfig):
             "that routes to the server)."
         },
     )
-    share_prompt: Literal["auto", "on", "off"] = field(
+    filter_groups: str = field(
+        default="none",
+        metadata={
+            "help": "Dynamic sampling (DAPO): 'zero_variance' drops every group whose rewards are all equal (no "
+            "advantage, only cost) before batching; live generation then generates more groups until the batch is "
+            "full (at most max_refill_batches more rounds), replay only filters. 'none' keeps every group.",
+            "choices": ["none", "zero_variance"],
+        },
+    )
+    max_refill_batches: int = field(
+        default=3,
+        metadata={
+            "help": "With filter_groups: at most this many extra rounds of generation (each as many prompts as a "
+            "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
+        },
+    )
+    share_prompt_training: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
-            "help": "Forward each group's common token prefix (its prompt) once per micro-batch row, shared by its "
-            "completions (exact: same log-probs and update). on: whole groups per row as far as "
-            "per_device_train_batch_size (padded) and max_tokens_per_microbatch allow; auto: rows sized by a cost "
-            "model (long completions attend densely over a shared row, so they share less), off with a flash/varlen "
-            "attention kernel (it cannot take the tree mask); off: one row per sequence."
+            "help": "Training forward (not generation; see share_prompt_prefill for the engine): forward each group's "
+            "common token prefix (its prompt) once per micro-batch row, shared by its completions (exact: same "
+            "log-probs and update). on: whole groups per row as far as per_device_train_batch_size (padded) and "
+            "max_tokens_per_microbatch allow; auto: rows sized by a cost model (long completions attend densely over "
+            "a shared row, so they share less), off with a flash/varlen attention kernel (it cannot take the tree "
+            "mask); off: one row per sequence, the prompt forwarded with every completion."
         },
     )
 
@@ -229,7 +246,7 @@ class RLConfig(GRPOConfig):
             "overlong": OVERLONG_POLICIES,
             "micro_batching": MICRO_BATCHING_MODES + ("auto",),
             "scale_rewards": SCALE_REWARDS,
-            "share_prompt": SHARE_PROMPT_MODES,
+            "share_prompt_training": SHARE_PROMPT_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -254,6 +271,10 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
         if self.max_off_policy_steps < 0:
             raise ValueError(f"max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}.")
+        if self.filter_groups not in ("none", "zero_variance"):
+            raise ValueError(f"Unknown filter_groups {self.filter_groups!r}; expected one of none, zero_variance.")
+        if self.max_refill_batches < 0:
+            raise ValueError(f"max_refill_batches must be >= 0, got {self.max_refill_batches}.")
         if self.print_samples_every < 0:
             raise ValueError(f"print_samples_every must be >= 0, got {self.print_samples_every}.")
         if self.generation_timeout_s <= 0:

@@ -142,7 +142,7 @@ def micro_batch_logprobs(
     if shared is not None:
         if splits_packed_rows(model):
             raise ValueError("Shared-prefix rows need a dense attention mask, which flash/varlen kernels do not take: "
-                             "pass --share_prompt off (or an sdpa/eager attn_implementation).")
+                             "pass --share_prompt_training off (or an sdpa/eager attn_implementation).")
         sources = shared.source[:, :-1][select]
         kwargs = {"input_ids": shared.input_ids, "position_ids": shared.position_ids, "use_cache": False,
                   "attention_mask": tree_attention_mask(shared.block, shared.branch, unwrap(model).dtype)}

@@ -31,14 +31,15 @@ CONFIGS = {
     "dr_grpo_two_iterations_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64),
     "custom_loss_packed64": dict(loss_type="seq_mean_token_sum", micro_batching="packed", max_tokens_per_microbatch=64, loss_fn="reinforce"),
     "custom_partial_padded2": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=2, loss_fn="reinforce_partial"),
+    "grpo_filter_zero_variance_padded2": dict(loss_type="grpo", filter_groups="zero_variance", micro_batching="padded", per_device_train_batch_size=2),
     "grpo_uneven_ranks_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1, rollouts_per_step=3, rollouts="small"),
-    # Prompt once per group (share_prompt; the configurations above run with it off).
-    "grpo_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, share_prompt="on"),
-    "dr_grpo_shared_split_padded3": dict(loss_type="dr_grpo", micro_batching="padded", per_device_train_batch_size=3, share_prompt="on"),
-    "grpo_kl_mask_shared_padded4": dict(loss_type="grpo", beta=0.1, max_steps=2, importance_correction="token_mask", importance_cap_min=0.5, micro_batching="padded", per_device_train_batch_size=4, share_prompt="on"),
-    "dr_grpo_two_iterations_shared_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64, share_prompt="on"),
-    "token_mean_shared_auto_packed256": dict(loss_type="token_mean", micro_batching="packed", max_tokens_per_microbatch=256, share_prompt="auto"),
-    "grpo_uneven_ranks_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, rollouts_per_step=3, rollouts="small", share_prompt="on"),
+    # Prompt once per group (share_prompt_training; the configurations above run with it off).
+    "grpo_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, share_prompt_training="on"),
+    "dr_grpo_shared_split_padded3": dict(loss_type="dr_grpo", micro_batching="padded", per_device_train_batch_size=3, share_prompt_training="on"),
+    "grpo_kl_mask_shared_padded4": dict(loss_type="grpo", beta=0.1, max_steps=2, importance_correction="token_mask", importance_cap_min=0.5, micro_batching="padded", per_device_train_batch_size=4, share_prompt_training="on"),
+    "dr_grpo_two_iterations_shared_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64, share_prompt_training="on"),
+    "token_mean_shared_auto_packed256": dict(loss_type="token_mean", micro_batching="packed", max_tokens_per_microbatch=256, share_prompt_training="auto"),
+    "grpo_uneven_ranks_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, rollouts_per_step=3, rollouts="small", share_prompt_training="on"),
 }
 # Each prompt-sharing configuration and the unshared one whose update it must equal (micro-batching never changes it).
 SHARED_TWINS = {
@@ -117,7 +118,7 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
         rollouts_path=rollouts_file,
         seed=0,
         disable_tqdm=True,
-        share_prompt="off",
+        share_prompt_training="off",
     )
     settings.update(overrides)
     settings.setdefault("max_steps", settings.get("num_iterations", 1))
