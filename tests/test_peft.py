@@ -1,5 +1,6 @@
-"""LoRA training through RLTrainer: only the adapters move, the KL reference is the adapter-free base model, and
-the engine receives the merged weights."""
+"""LoRA training through RLTrainer: only the adapters move, the KL reference is the adapter-free base model, the
+engine receives the merged weights, and forwarding each group's prompt once (shared-prefix rows) gives the same
+adapters as one row per sequence."""
 
 import pytest
 import torch
@@ -13,19 +14,29 @@ from verifiers_rl.synthetic import random_rollouts
 from verifiers_rl.trainer import RLTrainer
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, tiny_model_dir):
-    work = tmp_path_factory.mktemp("lora")
-    write_rollouts(work / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=11))
-    args = RLConfig(output_dir=str(work / "out"), use_cpu=True, report_to="none", save_strategy="no", max_steps=2,
-                    rollouts_path=str(work / "r.jsonl"), rollouts_per_step=8, max_seq_len=64, learning_rate=5e-2,
-                    beta=0.1, logging_steps=1, gradient_checkpointing=False, disable_tqdm=True)
+def train_lora(work, tiny_model_dir, share_prompt_training):
+    args = RLConfig(output_dir=str(work / f"out_{share_prompt_training}"), use_cpu=True, report_to="none",
+                    save_strategy="no", max_steps=2, rollouts_path=str(work / "r.jsonl"), rollouts_per_step=8,
+                    max_seq_len=64, learning_rate=5e-2, beta=0.1, logging_steps=1, gradient_checkpointing=False,
+                    disable_tqdm=True, share_prompt_training=share_prompt_training)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     trainer = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
                         peft_config=lora)
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     return trainer, before
+
+
+@pytest.fixture(scope="module")
+def lora_work(tmp_path_factory):
+    work = tmp_path_factory.mktemp("lora")
+    write_rollouts(work / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=11, shared_turn_fraction=0.5))
+    return work
+
+
+@pytest.fixture(scope="module")
+def lora_run(lora_work, tiny_model_dir):
+    return train_lora(lora_work, tiny_model_dir, "on")
 
 
 def test_only_the_adapters_train_and_the_kl_reference_is_the_base_model(lora_run):
@@ -56,3 +67,24 @@ def test_the_engine_gets_the_merged_weights(lora_run, tiny_model_dir):
     peft_name = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
     assert torch.equal(dict(trainer.model.named_parameters())[peft_name], before[peft_name])
     assert torch.equal(before[peft_name], base)
+
+
+def test_shared_prompts_give_the_unshared_adapters(lora_run, lora_work, tiny_model_dir):
+    """Two LoRA steps with KL (the reference forward runs with the adapters disabled) over shared-prefix rows equal
+    the same steps with one row per sequence: adapters, losses and KL."""
+    shared, _ = lora_run
+    plain, _ = train_lora(lora_work, tiny_model_dir, "off")
+    forwarded = {name: [e["tokens_forwarded"] for e in t.state.log_history if "tokens_forwarded" in e]
+                 for name, t in (("shared", shared), ("plain", plain))}
+    assert all(s < p for s, p in zip(forwarded["shared"], forwarded["plain"], strict=True)), forwarded
+    plain_params = dict(plain.model.named_parameters())
+    for name, param in shared.model.named_parameters():
+        if "lora_" in name:
+            param, reference = param.detach(), plain_params[name].detach()
+            assert float((param - reference).abs().max() / reference.abs().max()) < 1e-5, name
+    for key in ("loss", "kl"):
+        got = [e[key] for e in shared.state.log_history if key in e]
+        want = [e[key] for e in plain.state.log_history if key in e]
+        assert len(got) == len(want) == 2
+        for g, w in zip(got, want):
+            assert abs(g - w) <= 1e-5 * max(abs(w), 1e-3), (key, got, want)
