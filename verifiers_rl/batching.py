@@ -147,43 +147,37 @@ def assign_to_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
     return ranks
 
 
+def first_fit_decreasing(indices: list[int], lengths: list[int], weights: list[int], capacity: int) -> list[list[int]]:
+    """Bins of at most ``capacity`` total weight; items sorted by decreasing length, each into the first bin with room."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if load + weights[index] <= capacity:
+                bins[b].append(index)
+                loads[b] += weights[index]
+                break
+        else:
+            bins.append([index])
+            loads.append(weights[index])
+    return bins
+
+
 def group_padded(indices: list[int], lengths: list[int], rows_per_micro_batch: int,
                  sizes: list[int] | None = None) -> list[list[int]]:
     """At most ``rows_per_micro_batch`` sequences per micro-batch; units (``sizes[i]`` sequences of ``lengths[i]``
     forwarded tokens; one sequence each by default) sorted by length, first fit, so each micro-batch pads little."""
-    sizes = sizes or [1] * len(lengths)
-    bins: list[list[int]] = []
-    counts: list[int] = []
-    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
-        for b, count in enumerate(counts):
-            if count + sizes[index] <= rows_per_micro_batch:
-                bins[b].append(index)
-                counts[b] += sizes[index]
-                break
-        else:
-            bins.append([index])
-            counts.append(sizes[index])
-    return bins
+    return first_fit_decreasing(indices, lengths, sizes or [1] * len(lengths), rows_per_micro_batch)
 
 
 def group_packed(indices: list[int], lengths: list[int], token_budget: int) -> list[list[int]]:
     """First-fit decreasing: each micro-batch is one packed row of at most ``token_budget`` tokens."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+    for index in indices:
         if lengths[index] > token_budget:
             raise SequenceTooLongError(
                 f"A sequence of {lengths[index]} tokens does not fit max_tokens_per_microbatch={token_budget}."
             )
-        for b, load in enumerate(loads):
-            if load + lengths[index] <= token_budget:
-                bins[b].append(index)
-                loads[b] += lengths[index]
-                break
-        else:
-            bins.append([index])
-            loads.append(lengths[index])
-    return bins
+    return first_fit_decreasing(indices, lengths, lengths, token_budget)
 
 
 def groups_of(sequences: list[TrainSequence]) -> list[list[int]]:
