@@ -84,6 +84,7 @@ from verifiers_rl.envs.parsers import Parser  # noqa: E402
 from verifiers_rl.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.models import build_tiny_model, smollm2_dir  # noqa: E402
+from verifiers_rl.prefix import unique_tokens  # noqa: E402
 from verifiers_rl.trainer import RLTrainer  # noqa: E402
 from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
 
@@ -125,7 +126,8 @@ class SplitRecorder(StepRecorder):
 
 def watch_trl(trainer: GRPOTrainer, recorder: SplitRecorder, num_generations: int) -> None:
     """Time TRL's generation (and scoring) per step and count the tokens its loss forwards (rows x width of the
-    prompt and completion tensors) and the step's unique tokens (a group's prompt once plus its completions)."""
+    prompt and completion tensors) and the step's unique tokens (as ours: a group's common token prefix once, plus
+    the rest of each sequence; TRL's groups are ``num_generations`` consecutive rows)."""
     generate = trainer._generate_and_score_completions
     compute_loss = trainer.compute_loss
 
@@ -133,9 +135,10 @@ def watch_trl(trainer: GRPOTrainer, recorder: SplitRecorder, num_generations: in
         started = time.perf_counter()
         out = generate(*args, **kwargs)
         recorder.logged["generation_time"].append(time.perf_counter() - started)
-        prompt_lengths = out["prompt_mask"].sum(1).tolist()
-        completion_lengths = out["completion_mask"].sum(1).tolist()
-        unique = sum(prompt_lengths[::num_generations]) + sum(completion_lengths)
+        sequences = [p[pm.bool()].tolist() + c[cm.bool()].tolist() for p, pm, c, cm in
+                     zip(out["prompt_ids"], out["prompt_mask"], out["completion_ids"], out["completion_mask"])]
+        groups = [sequences[start : start + num_generations] for start in range(0, len(sequences), num_generations)]
+        unique = sum(unique_tokens(g) for g in groups)
         recorder.logged["tokens_unique"].append(float(unique))
         recorder.logged["tokens_forwarded"].append(0.0)
         return out

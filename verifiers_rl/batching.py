@@ -15,7 +15,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .loss import GlobalCounts
-from .prefix import Part, SharedPrefixRows, best_part_size, common_prefix_length, shared_prefix_rows, split_for_ranks, split_group
+from .prefix import (
+    Part,
+    SharedPrefixRows,
+    best_part_size,
+    common_prefix_length,
+    shared_prefix_rows,
+    split_for_ranks,
+    split_group,
+)
+from .prefix import unique_tokens as group_unique_tokens
 from .rollouts import Rollout
 
 SCALE_REWARDS = ("group", "batch", "none")
@@ -189,12 +198,8 @@ def groups_of(sequences: list[TrainSequence]) -> list[list[int]]:
 
 
 def unique_tokens(sequences: list[TrainSequence]) -> int:
-    """Tokens of the batch with each group's common prefix counted once (the least a forward per group needs)."""
-    total = 0
-    for members in groups_of(sequences):
-        prefix = common_prefix_length([sequences[i].input_ids for i in members])
-        total += prefix + sum(len(sequences[i]) - prefix for i in members)
-    return total
+    """Tokens of the batch with each group's common prefix counted once (what one shared row per group forwards)."""
+    return sum(group_unique_tokens([sequences[i].input_ids for i in members]) for members in groups_of(sequences))
 
 
 def plan_parts(sequences: list[TrainSequence], config: "BatchingConfig") -> list[Part]:

@@ -41,6 +41,12 @@ def common_prefix_length(token_lists: list[list[int]]) -> int:
     return int(differs[0]) if len(differs) else shortest
 
 
+
+def unique_tokens(token_lists: list[list[int]]) -> int:
+    """Tokens of one group with its common prefix counted once: what one shared row forwards."""
+    prefix = common_prefix_length(token_lists)
+    return prefix + sum(len(tokens) - prefix for tokens in token_lists)
+
 @dataclass
 class Part:
     """Sequences forwarded as one shared-prefix row segment: ``members`` (batch indices) share ``prefix_len`` tokens."""
