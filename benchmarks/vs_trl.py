@@ -115,7 +115,7 @@ class SplitRecorder(StepRecorder):
     def split(self, skip: int) -> dict[str, float]:
         """Medians over the steps after ``skip``: generation, training, forwarded and unique tokens per step."""
         logged = {key: values[skip:] for key, values in self.logged.items()}
-        if "step_time" in logged:  # ours
+        if "wait_time" in logged:  # ours (TRL logs a step_time of its own, but no wait)
             train = [step - wait for step, wait in zip(logged["step_time"], logged["wait_time"])]
         else:  # TRL: the step interval minus its generation
             train = [step - gen for step, gen in zip(self.intervals()[skip:], logged["generation_time"])]
