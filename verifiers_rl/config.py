@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 from trl import GRPOConfig
@@ -181,6 +182,8 @@ class RLConfig(GRPOConfig):
             # ZeRO-3-partitioned model would be wrapped in DDP and fail ("'weight' must be 2-D"). use_cpu keeps both.
             os.environ.pop("ACCELERATE_USE_CPU")
             self.use_cpu = True
+        if self.use_cpu or _env_flag("ACCELERATE_USE_CPU"):
+            _init_cpu_process_group(self.ddp_backend, self.ddp_timeout)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
@@ -246,6 +249,12 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"print_samples_every must be >= 0, got {self.print_samples_every}.")
         if self.generation_timeout_s <= 0:
             raise ValueError("generation_timeout_s must be > 0.")
+        if self.ddp_timeout <= self.generation_timeout_s:
+            # The other ranks wait for the main process's batch inside a collective, which gives up at ddp_timeout.
+            raise ValueError(
+                f"ddp_timeout ({self.ddp_timeout} s) must exceed generation_timeout_s ({self.generation_timeout_s:g} s): "
+                "the other processes wait for each batch in a collective that fails after ddp_timeout."
+            )
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
@@ -279,6 +288,21 @@ class RLConfig(GRPOConfig):
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _init_cpu_process_group(backend: str | None, timeout_s: int) -> None:
+    """Start a launched CPU run's process group with ``ddp_timeout``, before transformers starts it without one.
+
+    transformers passes ``ddp_timeout`` to the GPU and DeepSpeed process groups but not to a ``use_cpu`` one, whose
+    gloo collectives then wait torch's default 30 minutes: a peer that stops answering without closing its sockets
+    (a machine lost from the network, a stopped process) would hold every other rank that long. The Trainer reuses
+    the group started here.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:
