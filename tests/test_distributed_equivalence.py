@@ -50,7 +50,11 @@ def accelerate(config: str) -> list[str]:
 
 def runner_inputs(work: Path, model_dir: str) -> list[str]:
     """The runner's model and rollouts arguments; writes the two rollouts files into ``work``."""
-    write_rollouts(work / "main.jsonl", random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15))
+    main = random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15)
+    for rollout in main:  # a group without reward variance (zero advantages; dropped by --filter_groups)
+        if rollout.group_id == "g1":
+            rollout.reward = 0.25
+    write_rollouts(work / "main.jsonl", main)
     write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
     return ["--model", model_dir, "--rollouts", str(work / "main.jsonl"), "--small_rollouts", str(work / "small.jsonl")]
 

@@ -9,7 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verifiers_rl.batching import collate, global_counts, prepare_sequences
+from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, EngineClosedError, InferenceEngine, Sample, SamplingConfig
+from verifiers_rl.inference.hf_engine import RowSampler
 from verifiers_rl.models import build_tiny_model
 from verifiers_rl.policy import micro_batch_logprobs
 from verifiers_rl.rollouts import Rollout
@@ -65,6 +67,26 @@ def assert_parity(trainer_model, prompts, samples, temperature):
         assert (ratios - 1).abs().max().item() < 1e-4, (packed, ratios)
 
 
+def sample_seeded(engine, prompts, seeds, max_new_tokens=16, temperature=None):
+    """Each prompt sampled in its own task under ``RolloutSampling(seed, temperature)``, as an environment's rollout."""
+
+    async def one(prompt, seed):
+        with sampling_for_rollout(RolloutSampling(seed, temperature)):
+            return await engine.sample(prompt, max_new_tokens)
+
+    async def run():
+        return await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds)))
+
+    return asyncio.run(run())
+
+
+def gumbel_noise(seed, steps, vocab):
+    """The noise RowSampler draws for a request whose rollout seed is ``seed`` (first model call)."""
+    generator = torch.Generator().manual_seed(derive_seed(seed, 0))
+    uniform = torch.stack([torch.rand(vocab, generator=generator) for _ in range(steps)])
+    return -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampler_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature):
     trainer_model, tokenizer = load(tiny_model_dir)
@@ -84,16 +106,97 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature):
         return outputs[-1]
 
     engine.model.generate = spy
-    torch.manual_seed(0)
     prompts = prompts_of(tokenizer)
-    samples = sample_all(engine, prompts, max_new_tokens=24)
+    seeds = [11, 12, 13, 14, 15]
+    samples = sample_seeded(engine, prompts, seeds, max_new_tokens=24)
     assert len(outputs) == 1
-    for scores, logits in zip(outputs[0].scores, outputs[0].logits):
-        # Only the temperature touched the logits: no top-k/top-p/penalty/min-length processors.
-        torch.testing.assert_close(scores, logits / temperature, rtol=0, atol=1e-6)
+    scores, logits = torch.stack(outputs[0].scores, 1), torch.stack(outputs[0].logits, 1)  # [rows, steps, vocab]
+    for row, seed in enumerate(seeds):
+        # Only the temperature and the row's own Gumbel noise touched the logits: no top-k/top-p/penalty/min-length
+        # processors, so the argmax greedy decoding takes is a draw from softmax(logits / T).
+        expected = logits[row] / temperature + gumbel_noise(seed, scores.shape[1], scores.shape[2])
+        torch.testing.assert_close(scores[row], expected, rtol=0, atol=1e-5)
     for s in samples:
         assert len(s.token_ids) == len(s.logprobs) > 0 and all(lp <= 0 for lp in s.logprobs)
     assert_parity(trainer_model, prompts, samples, temperature)
+
+
+def test_row_sampler_draws_from_the_filtered_softmax():
+    """Gumbel-max per row samples exactly softmax(logits / T) restricted by top-k / top-p: frequencies over 40k
+    rows match the distribution (5 standard errors), and filtered-out tokens never appear."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    rows = 40_000
+    for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)):
+        sampler = RowSampler([temperature] * rows, list(range(rows)), top_k, top_p)
+        drawn = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1).clone()).argmax(-1)
+        probs = torch.softmax(logits / temperature, -1)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if top_k:
+            keep[probs.argsort(descending=True)[top_k:]] = False
+        if top_p < 1:
+            order = probs.argsort(descending=True)
+            outside = (probs[order].cumsum(0) - probs[order]) >= top_p  # tokens after the nucleus is full
+            keep[order[outside]] = False
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum()
+        counts = torch.bincount(drawn, minlength=len(logits)).double() / rows
+        stderr = (probs * (1 - probs) / rows).sqrt()
+        assert ((counts - probs).abs() <= 5 * stderr + 1e-12).all(), (temperature, top_k, top_p, counts, probs)
+        assert (counts[~keep] == 0).all()
+
+
+def test_seeded_sampling_is_reproducible_independent_of_batching_and_leaves_global_rng_alone(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64)
+    prompts = prompts_of(tokenizer)
+    state = torch.random.get_rng_state()
+    together = sample_seeded(engine, prompts, [1, 2, 3, 4, 5])
+    assert torch.equal(torch.random.get_rng_state(), state)  # a seeded sample draws nothing from torch's RNG
+    again = sample_seeded(engine, prompts[::-1], [5, 4, 3, 2, 1])  # other order, other rows beside each
+    alone = [sample_seeded(engine, [p], [seed])[0] for p, seed in zip(prompts, [1, 2, 3, 4, 5])]
+    assert [s.token_ids for s in together] == [s.token_ids for s in again[::-1]] == [s.token_ids for s in alone]
+    for a, b in zip(together, alone):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    other = sample_seeded(engine, prompts, [6, 7, 8, 9, 10])
+    assert [s.token_ids for s in other] != [s.token_ids for s in together]
+
+
+def test_a_groups_prompt_is_prefilled_once_and_sampling_is_unchanged(tiny_model_dir):
+    """Requests sharing a prompt (a group) reuse one prefill's keys/values: the same tokens and log-probs (to float
+    rounding) as when every request prefills its own copy, prompts of other lengths (left padding) beside them."""
+    model, tokenizer = load(tiny_model_dir)
+    prompts = [p for p in prompts_of(tokenizer) for _ in range(4)]  # 5 groups of 4 samples
+    seeds = list(range(100, 100 + len(prompts)))
+    shared = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64)
+    alone = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64, share_prompt_prefill=False)
+    prefilled = []  # the input shape of every forward (a hook: replacing forward would change generate's behaviour)
+    shared.model.register_forward_pre_hook(lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    with_sharing = sample_seeded(shared, prompts, seeds, 12)
+    without = sample_seeded(alone, prompts, seeds, 12)
+    assert shared.health()["prefills_shared"] == 15 and alone.health()["prefills_shared"] == 0
+    width = max(len(p) for p in prompts)
+    # The first forward is the shared prefill: 5 distinct prompts, all but the last position.
+    assert prefilled[0] == (5, width - 1)
+    assert [s.token_ids for s in with_sharing] == [s.token_ids for s in without]
+    for a, b in zip(with_sharing, without):
+        assert a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert_parity(model, prompts, with_sharing, 1.0)
+
+
+def test_rollout_temperature_overrides_the_engines(tiny_model_dir):
+    """Evaluation samples greedily (temperature 0) through an engine that trains at temperature 1."""
+    model, tokenizer = load(tiny_model_dir)
+    greedy_engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.0))
+    engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0))
+    prompts = prompts_of(tokenizer)
+    greedy = sample_all(greedy_engine, prompts, 12)
+    overridden = sample_seeded(engine, prompts, [None] * len(prompts), 12, temperature=0.0)
+    assert [s.token_ids for s in overridden] == [s.token_ids for s in greedy]
+    mixed = sample_seeded(engine, prompts, [3] * len(prompts), 12, temperature=0.0)  # a seed changes nothing greedy
+    assert [s.token_ids for s in mixed] == [s.token_ids for s in greedy]
+    assert_parity(model, prompts, overridden, 1.0)  # greedy rows report log-probs at temperature 1
 
 
 def test_finish_reasons_eos_and_per_request_lengths(tiny_model_dir):

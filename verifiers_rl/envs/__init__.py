@@ -7,7 +7,7 @@ from .math_check import MathChecker, correct_answer
 from .multiturn import MultiTurnEnv, TemplateError
 from .parsers import Parser, ThinkParser, XMLParser, extract_boxed_answer
 from .rubric import Rubric, Score
-from .sampler import Sample, Sampler
+from .sampler import RolloutSampling, Sample, Sampler, derive_seed, rollout_sampling, sampling_for_rollout
 from .singleturn import SingleTurnEnv
 from .tools import ToolEnv, parse_tool_calls
 
@@ -20,6 +20,7 @@ __all__ = [
     "Parser",
     "RolloutError",
     "Row",
+    "RolloutSampling",
     "Rubric",
     "Sample",
     "Sampler",
@@ -31,7 +32,10 @@ __all__ = [
     "Trajectory",
     "XMLParser",
     "correct_answer",
+    "derive_seed",
     "extract_boxed_answer",
     "load_environment",
     "parse_tool_calls",
+    "rollout_sampling",
+    "sampling_for_rollout",
 ]

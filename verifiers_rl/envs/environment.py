@@ -11,7 +11,7 @@ from typing import Any
 from ..rollouts import Rollout
 from .messages import Messages, check_messages
 from .rubric import Rubric
-from .sampler import Sampler
+from .sampler import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
 
 
 class RolloutError(RuntimeError):
@@ -47,7 +47,8 @@ class Environment(ABC):
     ``dataset`` is a list of dict rows (or a ``datasets.Dataset``) with ``prompt`` (chat messages) or ``question``
     (a string, sent as a user message), and optional ``answer`` and ``info`` (a dict). ``system_prompt``, when
     given, is put before every prompt that does not start with a system message. ``max_new_tokens`` bounds each
-    model turn and ``max_seq_len`` the whole sequence (prompt + completion).
+    model turn and ``max_seq_len`` the whole sequence (prompt + completion). ``eval_dataset`` (same row format,
+    optional) is the held-out split evaluation uses: rows the training run never trains on.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class Environment(ABC):
         max_new_tokens: int = 256,
         max_seq_len: int = 1024,
         name: str | None = None,
+        eval_dataset: Iterable[Mapping[str, Any]] | None = None,
     ):
         self.name = name or type(self).__name__
         if max_new_tokens < 1 or max_seq_len < 2:
@@ -73,6 +75,7 @@ class Environment(ABC):
         self.dataset = [self._row(index, record, system_prompt) for index, record in enumerate(dataset)]
         if not self.dataset:
             raise ValueError(f"{self.name}: the dataset is empty; an environment needs at least one row.")
+        self.eval_dataset = [self._row(index, record, system_prompt) for index, record in enumerate(eval_dataset or ())]
 
     def _row(self, index: int, record: Any, system_prompt: str | None) -> Row:
         where = f"{self.name}: dataset row {index}"
@@ -137,8 +140,30 @@ class Environment(ABC):
             completion=trajectory.completion,
         )
 
-    async def rollout_group(self, sampler: Sampler, row: Row, group_id: str | int, n: int) -> list[Rollout]:
-        """``n`` concurrent rollouts of ``row`` sharing ``group_id``."""
+    async def rollout_group(
+        self,
+        sampler: Sampler,
+        row: Row,
+        group_id: str | int,
+        n: int,
+        *,
+        seed: int | None = None,
+        temperature: float | None = None,
+    ) -> list[Rollout]:
+        """``n`` concurrent rollouts of ``row`` sharing ``group_id``.
+
+        With ``seed``, rollout i samples its model calls with seeds derived from ``(seed, i)`` (``RolloutSampling``):
+        the group's tokens are then a function of the seed and the weights alone. ``temperature`` overrides the
+        engine's (evaluation).
+        """
         if n < 1:
             raise ValueError(f"{self.name}: a group needs at least one rollout, got n={n}.")
-        return list(await asyncio.gather(*(self.rollout(sampler, row, group_id) for _ in range(n))))
+        samplings = [
+            RolloutSampling(None if seed is None else derive_seed(seed, i), temperature) for i in range(n)
+        ]
+        return list(await asyncio.gather(*(self._rollout_under(s, sampler, row, group_id) for s in samplings)))
+
+    async def _rollout_under(self, sampling: RolloutSampling, sampler: Sampler, row: Row, group_id) -> Rollout:
+        # Inside the rollout's own task (gather made one), so the setting is this rollout's alone.
+        with sampling_for_rollout(sampling):
+            return await self.rollout(sampler, row, group_id)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,3 +45,57 @@ class Sampler(Protocol):
     async def sample(self, prompt_ids: list[int], max_new_tokens: int) -> Sample:
         """Sample a completion of ``prompt_ids`` of at most ``max_new_tokens`` tokens."""
         ...
+
+
+# --- how the model calls of one rollout sample ---------------------------------------------------------------------
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from ``parts`` (ints and strings), the same in every process and Python version (``hash`` is
+    salted per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass
+class RolloutSampling:
+    """How the model calls of one rollout sample; set around the rollout by whoever runs it (the trainer's
+    generator, evaluation) and read by the engine inside ``sample``.
+
+    ``seed``: the rollout's base seed; its k-th model call samples with ``derive_seed(seed, k)``, so a rollout's
+    tokens do not depend on which other requests an engine batches it with, or on any global random state (a
+    resumed run regenerates exactly what the uninterrupted run generated). ``None`` samples from the engine's
+    global random state. ``temperature``: overrides the engine's sampling temperature (0 = greedy), e.g. for
+    evaluation; ``None`` keeps the engine's.
+    """
+
+    seed: int | None = None
+    temperature: float | None = None
+    calls: int = 0
+
+    def next_seed(self) -> int | None:
+        if self.seed is None:
+            return None
+        self.calls += 1
+        return derive_seed(self.seed, self.calls - 1)
+
+
+_ROLLOUT_SAMPLING: contextvars.ContextVar[RolloutSampling | None] = contextvars.ContextVar(
+    "verifiers_rl_rollout_sampling", default=None
+)
+
+
+def rollout_sampling() -> RolloutSampling | None:
+    """The sampling settings of the rollout the calling task belongs to (engines call this inside ``sample``)."""
+    return _ROLLOUT_SAMPLING.get()
+
+
+@contextlib.contextmanager
+def sampling_for_rollout(sampling: RolloutSampling | None):
+    """Run a rollout's model calls under ``sampling``. asyncio tasks copy the context when they are created, so
+    set it inside the rollout's own task (as ``Environment.rollout_group`` does), before any ``sample`` call."""
+    token = _ROLLOUT_SAMPLING.set(sampling)
+    try:
+        yield sampling
+    finally:
+        _ROLLOUT_SAMPLING.reset(token)

@@ -15,7 +15,7 @@ import torch
 # The record environments consume lives beside them (envs know nothing of engines); re-exported from here.
 # Engines fill ``logprobs[t]`` with log softmax(logits_t / temperature)[token_ids[t]], the quantity the trainer
 # computes for the policy at the sampling temperature; the eos that ends a "stop" sample is in ``token_ids``.
-from ..envs.sampler import FINISH_REASONS, Sample  # noqa: F401
+from ..envs.sampler import FINISH_REASONS, RolloutSampling, Sample, rollout_sampling  # noqa: F401
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 
 from ..policy import WRAPPER_PREFIXES, sequence_logprobs, unwrap
-from .engine import Sample, SamplingConfig
+from .engine import Sample, SamplingConfig, rollout_sampling
 
 # A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
 # the loop busy forever).
@@ -48,6 +48,37 @@ class _Request:
     prompt_ids: list[int]
     max_new_tokens: int
     future: asyncio.Future
+    temperature: float
+    seed: int | None
+
+
+class RowSampler:
+    """A logits processor that samples every row of a batch on its own: the scores it returns have their argmax
+    at argmax_v(logits_v / T + g_v), g_v ~ Gumbel(0, 1), after top-k / top-p filtering, so greedy decoding over
+    them draws exactly from softmax(logits / T) restricted as top-k / top-p say (the Gumbel-max trick). A row
+    with a seed draws its noise from its own generator: its tokens do not depend on the rows it is batched with
+    or on global random state. Rows with temperature 0 keep their logits (greedy).
+    """
+
+    def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float):
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperatures = torch.tensor(temperatures, dtype=torch.float32)
+        self.generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+        self.filters = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sampled = (self.temperatures > 0).to(scores.device)
+        if not bool(sampled.any()):
+            return scores
+        temperature = torch.where(sampled, self.temperatures.to(scores.device), 1.0)
+        filtered = scores.float() / temperature[:, None]
+        for keep in self.filters:
+            filtered = keep(input_ids, filtered)
+        vocab = scores.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=generator) for generator in self.generators])
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+        return torch.where(sampled[:, None], filtered + gumbel.to(scores.device), scores.float())
 
 
 class _LoopQueue:
@@ -71,6 +102,8 @@ class EmbeddedEngine:
             instead of a worker thread. For synchronous generation (k = 0) on the trainer's thread: on CPU every
             extra thread that runs torch ops gets its own OpenMP team, the teams oversubscribe the cores, and
             decoding's many small ops then run ~1.7x slower (benchmarks/async_generation.py).
+        share_prompt_prefill: requests of one ``generate`` call that share a prompt (a group) prefill it once and
+            decode from copies of its keys/values.
 
     Log-probs are those of the full softmax at the sampling temperature, from the raw logits (with temperature 0,
     greedy decoding, at temperature 1). ``generate`` keeps every step's logits until it returns:
@@ -85,6 +118,7 @@ class EmbeddedEngine:
         max_batch_size: int = 64,
         dtype: torch.dtype = torch.float32,
         generate_in_loop_thread: bool = False,
+        share_prompt_prefill: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -107,6 +141,8 @@ class EmbeddedEngine:
         self.sampling = sampling or SamplingConfig()
         self.max_batch_size = max_batch_size
         self.generate_in_loop_thread = generate_in_loop_thread
+        self.share_prompt_prefill = share_prompt_prefill
+        self.prefills_shared = 0  # prompt prefills saved by sharing (requests that reused another's keys/values)
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -165,10 +201,16 @@ class EmbeddedEngine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+        # The calling rollout's seed and temperature (RolloutSampling), taken now, in the rollout's own task.
+        sampling = rollout_sampling()
+        seed = sampling.next_seed() if sampling is not None else None
+        temperature = self.sampling.temperature
+        if sampling is not None and sampling.temperature is not None:
+            temperature = float(sampling.temperature)
         loop = asyncio.get_running_loop()
         queue = self._queue_for(loop)
         future = loop.create_future()
-        queue.pending.append(_Request(prompt_ids, max_new_tokens, future))
+        queue.pending.append(_Request(prompt_ids, max_new_tokens, future, temperature, seed))
         if queue.task is None or queue.task.done():
             queue.task = loop.create_task(self._drain(queue))
         return await future
@@ -191,12 +233,11 @@ class EmbeddedEngine:
                 batch = [r for r in batch if not r.future.done()]  # callers that gave up (cancelled)
                 if not batch:
                     continue
-                prompts, lengths = [r.prompt_ids for r in batch], [r.max_new_tokens for r in batch]
                 try:
                     if self.generate_in_loop_thread:
-                        samples = self._generate(prompts, lengths)
+                        samples = self._generate(batch)
                     else:
-                        samples = await asyncio.to_thread(self._generate, prompts, lengths)
+                        samples = await asyncio.to_thread(self._generate, batch)
                 except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
                     for request in batch:
                         if not request.future.done():
@@ -231,23 +272,24 @@ class EmbeddedEngine:
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
 
-        s = self.sampling
-        options = dict(
+        # Greedy over the scores RowSampler returns: their argmax IS the sample (Gumbel-max), row by row.
+        return GenerationConfig(
             max_new_tokens=max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
+            do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
         )
-        if s.temperature == 0:
-            options.update(do_sample=False)
-        else:
-            options.update(do_sample=True, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-        return GenerationConfig(**options)
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]], max_new_tokens: list[int]) -> list[Sample]:
-        """One left-padded ``generate`` for a batch of prompts (worker thread)."""
+    def _generate(self, requests: list[_Request]) -> list[Sample]:
+        """One left-padded ``generate`` for a batch of requests (worker thread)."""
+        from transformers import LogitsProcessorList
+
+        prompts, max_new_tokens = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
+        temperatures = [r.temperature for r in requests]
+        sampler = RowSampler(temperatures, [r.seed for r in requests], self.sampling.top_k, self.sampling.top_p)
         with self._lock:
             if self._closed:
                 raise EngineClosedError("The engine was closed while requests were waiting.")
@@ -260,19 +302,23 @@ class EmbeddedEngine:
             for row, prompt in enumerate(prompts):
                 input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
                 attention_mask[row, width - len(prompt) :] = 1  # from real tokens, never from ids != pad
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             output = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=self._shared_prefill(input_ids, attention_mask, prompts),
                 generation_config=self._generation_config(max(max_new_tokens)),
+                logits_processor=LogitsProcessorList([sampler]),
                 # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
                 synced_gpus=False,
             )
             tokens = output.sequences[:, width:].cpu()
-            temperature = self.sampling.temperature or 1.0
+            # Greedy rows report log-probs at temperature 1.
+            temperature = torch.tensor([t or 1.0 for t in temperatures], dtype=torch.float32)[:, None]
             # One step at a time: never a [batch, steps, vocab] copy of the logits.
             logprobs = torch.stack(
                 [
-                    torch.log_softmax(step.float() / temperature, dim=-1)
+                    torch.log_softmax(step.float() / temperature.to(step.device), dim=-1)
                     .gather(-1, tokens[:, t, None].to(step.device))[:, 0]
                     .cpu()
                     for t, step in enumerate(output.logits)
@@ -289,6 +335,31 @@ class EmbeddedEngine:
                 ids = ids[: end + 1]
             samples.append(Sample(ids, logprobs[row, : len(ids)].tolist(), "stop" if end is not None else "length"))
         return samples
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]]):
+        """When requests share a prompt (a group's samples), run each distinct prompt once (all but its last
+        position) and give every request a copy of its keys/values; ``generate`` then computes only the rest. The
+        logits are those of the unshared computation (to float rounding), so sampling is unchanged. ``None`` when
+        no prompt repeats (or ``share_prompt_prefill`` is off)."""
+        from transformers import DynamicCache
+
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+        if not self.share_prompt_prefill or len(distinct) == len(prompts) or input_ids.shape[1] < 2:
+            return None
+        first = [rows.index(row) for row in range(len(distinct))]  # one request of each distinct prompt
+        mask = attention_mask[first, :-1]
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=input_ids[first, :-1],
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # as generate numbers a left-padded row
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.reorder_cache(torch.tensor(rows, device=input_ids.device))  # each request gets its prompt's copy
+        self.prefills_shared += len(prompts) - len(distinct)
+        return cache
 
     # --- weights ------------------------------------------------------------------------------------------------
 
@@ -378,6 +449,7 @@ class EmbeddedEngine:
             "ok": not self._closed,
             "generate_calls": self.generate_calls,
             "requests_served": self.requests_served,
+            "prefills_shared": self.prefills_shared,
             "pending": pending,
         }
 
