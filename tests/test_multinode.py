@@ -3,10 +3,11 @@
 accelerate_configs/multinode_*_cpu.yaml templates.
 
 Replay (DDP and ZeRO-3): a few configurations of tests/distributed/equivalence_run.py take the single-process step,
-and each process is where a node's only process must be. Live (DDP): the engine and generator live on the global
-main process only and the other node trains its share. Failures: an environment failing on node 0, node 1's process
-killed, node 1's process stopped (a peer that vanishes without closing its sockets): both nodes, or the survivor,
-exit non-zero with a clear error within a bound, and no process is left behind.
+and each process is where a node's only process must be. Live (DDP and ZeRO-3): the engine and generator live on the
+global main process only, the other node trains its share, and each node writes its own part of a checkpoint.
+Failures: an environment failing on node 0, node 1's process killed, node 1's process stopped (a peer that vanishes
+without closing its sockets): both nodes, or the survivor, exit non-zero with a clear error within a bound, and no
+process is left behind.
 """
 
 from __future__ import annotations
@@ -194,12 +195,13 @@ def test_two_nodes_of_one_process_each_and_both_train(replay_runs, backend):
 # --- live ---------------------------------------------------------------------------------------------------------
 
 
-def test_live_two_nodes_generate_on_the_global_main_process_only(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_live_two_nodes_generate_on_the_global_main_process_only(tiny_model_dir, tmp_path, backend):
     """Each node gets its own --out (two machines without a shared filesystem): what lands where is what each
     node wrote."""
     steps = 3
     outs = [tmp_path / "node0", tmp_path / "node1"]
-    run = run_two_nodes("multinode_ddp_cpu.yaml",
+    run = run_two_nodes(f"multinode_{backend}_cpu.yaml",
                         lambda rank: [str(LIVE_RUNNER), "--model", tiny_model_dir, "--out", str(outs[rank]),
                                       "--k", "1", "--steps", str(steps), "--save"],
                         tmp_path / "live")
@@ -215,13 +217,18 @@ def test_live_two_nodes_generate_on_the_global_main_process_only(tiny_model_dir,
     assert max(record["staleness_max"]) == 1
     assert f"step {steps}/{steps}" in run.logs[0] and "step 1/" not in run.logs[1]  # progress: global main only
 
-    # Saves: the model, tokenizer, optimizer and trainer state on the main node only; node 1 writes its RNG state.
+    # Saves: the model, tokenizer, trainer and run state on the main node only; every node writes its RNG state and,
+    # under ZeRO-3, its own optimizer and parameter shards (so a resume needs one folder that every node sees).
     checkpoint = f"trainer_k1/checkpoint-{steps}"
-    for name in ("model.safetensors", "tokenizer.json", "optimizer.pt", "trainer_state.json", "rng_state_0.pth"):
+    shards = {rank: {f"{checkpoint}/global_step{steps}/zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt"
+                     for kind in ("model", "optim")} if backend == "zero3" else set() for rank in (0, 1)}
+    for name in ("model.safetensors", "tokenizer.json", "trainer_state.json", "verifiers_rl_state.json",
+                 "rng_state_0.pth", *(["optimizer.pt"] if backend == "ddp" else [])):
         assert (outs[0] / checkpoint / name).is_file(), name
+    assert all((outs[0] / shard).is_file() for shard in shards[0]), shards[0]
     assert (outs[0] / "final_k1" / "model.safetensors").is_file()
     node1_files = {str(path.relative_to(outs[1])) for path in outs[1].rglob("*") if path.is_file()}
-    assert node1_files == {f"{checkpoint}/rng_state_1.pth", "k1.rank1.json"}
+    assert node1_files == {f"{checkpoint}/rng_state_1.pth", "k1.rank1.json", *shards[1]}
 
 
 # --- failures -----------------------------------------------------------------------------------------------------
