@@ -72,6 +72,9 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
         RLConfig(micro_batching="packed", max_seq_len=512, max_tokens_per_microbatch=100, **common)
     with pytest.raises(ValueError, match="temperature"):
         RLConfig(temperature=0.0, **common)
+    # The other ranks wait for a batch inside a collective that gives up at ddp_timeout.
+    with pytest.raises(ValueError, match=r"ddp_timeout \(600 s\) must exceed generation_timeout_s \(900 s\)"):
+        RLConfig(ddp_timeout=600, generation_timeout_s=900, **common)
 
 
 def test_config_carries_checkpointing_over_without_a_deprecation_warning(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -190,6 +191,35 @@ class RLConfig(GRPOConfig):
             "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
         },
     )
+    eval_num_examples: int | None = field(
+        default=None,
+        metadata={"help": "Prompts of the held-out split each evaluation rolls out (the split's first N rows, the same "
+                  "every time); default: the whole split."},
+    )
+    eval_samples_per_prompt: int = field(
+        default=1, metadata={"help": "Samples per evaluation prompt (k of pass@k)."}
+    )
+    eval_temperature: float | None = field(
+        default=None, metadata={"help": "Sampling temperature of evaluation (0 = greedy); default: --temperature."}
+    )
+    eval_pass_threshold: float = field(
+        default=1.0, metadata={"help": "An evaluation sample passes (pass@k) when its reward is >= this."}
+    )
+    eval_holdout: int = field(
+        default=0,
+        metadata={
+            "help": "Move N rows of the training environment's dataset (a shuffle seeded by --seed) into its held-out "
+            "split, whether or not evaluation runs: for environments without an eval split. 0 = off."
+        },
+    )
+    log_completions_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Every N steps, send a table of the batch's prompts, completions and rewards to every --report_to "
+            "backend (tensorboard: text; wandb, trackio: a table). 0 = never; --log_completions means every "
+            "--logging_steps."
+        },
+    )
     share_prompt_training: Literal["auto", "on", "off"] = field(
         default="auto",
         metadata={
@@ -209,6 +239,8 @@ class RLConfig(GRPOConfig):
             # ZeRO-3-partitioned model would be wrapped in DDP and fail ("'weight' must be 2-D"). use_cpu keeps both.
             os.environ.pop("ACCELERATE_USE_CPU")
             self.use_cpu = True
+        if self.use_cpu or _env_flag("ACCELERATE_USE_CPU"):
+            _init_cpu_process_group(self.ddp_backend, self.ddp_timeout)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
@@ -217,16 +249,27 @@ class RLConfig(GRPOConfig):
             # deprecated setting on every run; carry it over to the new name, as transformers itself would.
             if getattr(self, current, "absent") is None and getattr(self, deprecated, None) is not None:
                 setattr(self, current, getattr(self, deprecated))
+        if isinstance(self.report_to, str) and "," in self.report_to:
+            self.report_to = [name.strip() for name in self.report_to.split(",")]  # the command line's one string
+        if self.eval_steps and self.eval_strategy == "no":
+            self.eval_strategy = "steps"  # --eval_steps N alone asks for evaluation every N steps
+        if self.log_completions:
+            # TRL's completion logging reads buffers only its own generation fills; ours logs the batch instead.
+            self.log_completions_steps = self.log_completions_steps or max(int(self.logging_steps), 1)
+            self.log_completions = False
         self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
         requested_num_generations = self.num_generations
+        requested_num_generations_eval = self.num_generations_eval
         # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
         # not ours, so give it values that pass, then restore.
         self.gradient_accumulation_steps = 1
         self.steps_per_generation = 2
         self.generation_batch_size = None
         self.num_generations = 2
+        self.num_generations_eval = 1  # nor is its evaluation batch (evaluation.py samples per prompt itself)
         super().__post_init__()
         self.num_generations = requested_num_generations
+        self.num_generations_eval = requested_num_generations_eval
         self.steps_per_generation = 1
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
@@ -279,6 +322,12 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"print_samples_every must be >= 0, got {self.print_samples_every}.")
         if self.generation_timeout_s <= 0:
             raise ValueError("generation_timeout_s must be > 0.")
+        if self.ddp_timeout <= self.generation_timeout_s:
+            # The other ranks wait for the main process's batch inside a collective, which gives up at ddp_timeout.
+            raise ValueError(
+                f"ddp_timeout ({self.ddp_timeout} s) must exceed generation_timeout_s ({self.generation_timeout_s:g} s): "
+                "the other processes wait for each batch in a collective that fails after ddp_timeout."
+            )
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
@@ -308,10 +357,32 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"vllm_weight_transfer must be one of {TRANSFERS}, got {self.vllm_weight_transfer!r}.")
         if self.vllm_max_retries < 0:
             raise ValueError(f"vllm_max_retries must be >= 0, got {self.vllm_max_retries}.")
+        from .evaluation import EvalSettings
+
+        EvalSettings.from_config(self)  # raises naming the bad eval_* knob
+        if self.eval_holdout < 0:
+            raise ValueError(f"eval_holdout must be >= 0, got {self.eval_holdout}.")
+        if self.log_completions_steps < 0:
+            raise ValueError(f"log_completions_steps must be >= 0 (0 = never), got {self.log_completions_steps}.")
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _init_cpu_process_group(backend: str | None, timeout_s: int) -> None:
+    """Start a launched CPU run's process group with ``ddp_timeout``, before transformers starts it without one.
+
+    transformers passes ``ddp_timeout`` to the GPU and DeepSpeed process groups but not to a ``use_cpu`` one, whose
+    gloo collectives then wait torch's default 30 minutes: a peer that stops answering without closing its sockets
+    (a machine lost from the network, a stopped process) would hold every other rank that long. The Trainer reuses
+    the group started here.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:
