@@ -13,8 +13,9 @@ What it measures: these trainers, run one after the other in this one process, o
 
 Workloads (``--workload``): ``tiny`` (default) is described below; ``quickstart`` is the README's quickstart run:
 SmolLM2-135M-Instruct (``verifiers_rl.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
-``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, the rest as below. Any of its settings can be overridden
-by the flags.
+``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, and our micro-batch packed (one row holding every
+group's shared prompt once and its completions: no padding between groups of different lengths, which padded
+shared rows have, ~1.2x the unique tokens), the rest as below. Any of its settings can be overridden by the flags.
 
 Same for all of them: the model (``tiny``: a random Llama from ``verifiers_rl.models.build_tiny_model``, hidden
 256, 4 layers, loaded from the same folder), the prompts (the ``reverse_text`` dataset, system prompt included, in the order our
@@ -91,9 +92,9 @@ from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
 
 WORKLOADS = {
     "tiny": dict(model="tiny", hidden=256, layers=4, prompts=4, num_generations=8, max_completion_length=48,
-                 max_seq_len=160, learning_rate=1e-3, threads=[1, 2]),
+                 max_seq_len=160, learning_rate=1e-3, threads=[1, 2], micro_batching="padded"),
     "quickstart": dict(model="smollm2", prompts=4, num_generations=4, max_completion_length=16, max_seq_len=128,
-                       learning_rate=2e-5, threads=[2]),
+                       learning_rate=2e-5, threads=[2], micro_batching="packed"),
 }
 LOGGED = ("generation_time", "wait_time", "step_time", "tokens_forwarded", "tokens_unique")
 
@@ -206,7 +207,7 @@ def run_trl(args, model_dir, tokenizer, rows, out) -> SplitRecorder:
 
 def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt_training="auto") -> SplitRecorder:
     config = RLConfig(**common(args, out), rollouts_per_step=args.prompts * args.num_generations,
-                      max_seq_len=args.max_seq_len, max_off_policy_steps=k, micro_batching="padded",
+                      max_seq_len=args.max_seq_len, max_off_policy_steps=k, micro_batching=args.micro_batching,
                       share_prompt_training=share_prompt_training)
     engine = build_engine(config, model_dir, tokenizer)
     recorder = SplitRecorder()
@@ -237,6 +238,9 @@ def main() -> None:
     parser.add_argument("--max_completion_length", type=int, default=None)
     parser.add_argument("--max_seq_len", type=int, default=None)
     parser.add_argument("--learning_rate", type=float, default=None)
+    parser.add_argument("--micro_batching", choices=["padded", "packed"], default=None,
+                        help="our trainer's micro-batches (TRL always pads): padded rows, or packed rows of at most "
+                        "4 x max_seq_len tokens")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each trainer's run")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
@@ -296,7 +300,7 @@ def main() -> None:
     model_name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"random Llama hidden {args.hidden} x {args.layers} layers"
     print(
         f"\nreverse_text ({args.workload} workload), {model_name}, {args.prompts} prompts x "
-        f"{args.num_generations} generations per step (one micro-batch), max_completion_length "
+        f"{args.num_generations} generations per step (ours: {args.micro_batching} micro-batches), max_completion_length "
         f"{args.max_completion_length}, temperature 1.0, loss grpo, beta 0, lr {args.learning_rate:g}, "
         f"{args.steps} timed steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores). "
         f"Total {elapsed:.0f} s; load average at end {load()}.\n"
