@@ -53,6 +53,7 @@ RANGES: dict[str, Range] = {
     "vllm_max_concurrency": AT_LEAST_ONE,
     "vllm_request_timeout_s": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE,
+    "max_refill_batches": NON_NEGATIVE,
     # GRPOConfig's fields that the trainer relies on
     "per_device_train_batch_size": AT_LEAST_ONE,
     "temperature": POSITIVE,
@@ -214,6 +215,22 @@ class RLConfig(GRPOConfig):
         metadata={
             "help": "Address the vLLM server's workers reach this trainer at for nccl/gloo (default: the interface "
             "that routes to the server)."
+        },
+    )
+
+    filter_groups: Literal["none", "zero_variance"] = field(
+        default="none",
+        metadata={
+            "help": "Dynamic sampling (DAPO): 'zero_variance' drops every group whose rewards are all equal (no "
+            "advantage, only cost) before batching; live generation then generates more groups until the batch is "
+            "full (at most max_refill_batches more rounds), replay only filters. 'none' keeps every group.",
+        },
+    )
+    max_refill_batches: int = field(
+        default=3,
+        metadata={
+            "help": "With filter_groups: at most this many extra rounds of generation (each as many prompts as a "
+            "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
         },
     )
 
