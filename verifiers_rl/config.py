@@ -54,6 +54,8 @@ RANGES: dict[str, Range] = {
     "vllm_request_timeout_s": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE,
     "max_refill_batches": NON_NEGATIVE,
+    "eval_holdout": NON_NEGATIVE,
+    "log_completions_steps": NON_NEGATIVE,
     # GRPOConfig's fields that the trainer relies on
     "per_device_train_batch_size": AT_LEAST_ONE,
     "temperature": POSITIVE,
@@ -233,6 +235,35 @@ class RLConfig(GRPOConfig):
             "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
         },
     )
+    eval_num_examples: int | None = field(
+        default=None,
+        metadata={"help": "Prompts of the held-out split each evaluation rolls out (the split's first N rows, the same "
+                  "every time); default: the whole split."},
+    )
+    eval_samples_per_prompt: int = field(
+        default=1, metadata={"help": "Samples per evaluation prompt (k of pass@k)."}
+    )
+    eval_temperature: float | None = field(
+        default=None, metadata={"help": "Sampling temperature of evaluation (0 = greedy); default: --temperature."}
+    )
+    eval_pass_threshold: float = field(
+        default=1.0, metadata={"help": "An evaluation sample passes (pass@k) when its reward is >= this."}
+    )
+    eval_holdout: int = field(
+        default=0,
+        metadata={
+            "help": "Move N rows of the training environment's dataset (a shuffle seeded by --seed) into its held-out "
+            "split, whether or not evaluation runs: for environments without an eval split. 0 = off."
+        },
+    )
+    log_completions_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Every N steps, send a table of the batch's prompts, completions and rewards to every --report_to "
+            "backend (tensorboard: text; wandb, trackio: a table). 0 = never; --log_completions means every "
+            "--logging_steps."
+        },
+    )
 
     def __post_init__(self):
         _skip_deepspeed_cpu_shm_op()
@@ -249,16 +280,27 @@ class RLConfig(GRPOConfig):
             # deprecated setting on every run; carry it over to the new name, as transformers itself would.
             if getattr(self, current, "absent") is None and getattr(self, deprecated, None) is not None:
                 setattr(self, current, getattr(self, deprecated))
+        if isinstance(self.report_to, str) and "," in self.report_to:
+            self.report_to = [name.strip() for name in self.report_to.split(",")]  # the command line's one string
+        if self.eval_steps and self.eval_strategy == "no":
+            self.eval_strategy = "steps"  # --eval_steps N alone asks for evaluation every N steps
+        if self.log_completions:
+            # TRL's completion logging reads buffers only its own generation fills; ours logs the batch instead.
+            self.log_completions_steps = self.log_completions_steps or max(int(self.logging_steps), 1)
+            self.log_completions = False
         self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
         requested_num_generations = self.num_generations
+        requested_num_generations_eval = self.num_generations_eval
         # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
         # not ours, so give it values that pass, then restore.
         self.gradient_accumulation_steps = 1
         self.steps_per_generation = 2
         self.generation_batch_size = None
         self.num_generations = 2
+        self.num_generations_eval = 1  # nor is its evaluation batch (evaluation.py samples per prompt itself)
         super().__post_init__()
         self.num_generations = requested_num_generations
+        self.num_generations_eval = requested_num_generations_eval
         self.steps_per_generation = 1
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
@@ -289,6 +331,9 @@ class RLConfig(GRPOConfig):
             )
         if self.vllm_server_url is not None and not self.vllm_server_url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_url must start with http:// or https://, got {self.vllm_server_url!r}.")
+        from .evaluation import EvalSettings
+
+        EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)
 
 
 @functools.cache
