@@ -22,6 +22,7 @@ from typing import Any
 
 from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from ..vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
 from ..vllm_worker.vllm_weight_sync import PROTOCOL_VERSION
 from .engine import WORKER_EXTENSION
 from .weight_transfer import SERVER_BACKENDS
@@ -33,8 +34,6 @@ except ImportError:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-# The variable vLLM itself reads its API key from; the client and the launcher read it too.
-API_KEY_ENV = "VLLM_API_KEY"
 # check() and health() bound their own requests: they ask "are you there", not "generate".
 CHECK_TIMEOUT_S = 10.0
 START_HINT = "start one with: python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT"

@@ -36,6 +36,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
 from .engine import WORKER_EXTENSION, free_port, is_loopback
 from .processes import ProcessFamily, run_preemptible
 from .weight_transfer import SERVER_BACKENDS, TRANSFERS
@@ -43,7 +44,6 @@ from .weight_transfer import SERVER_BACKENDS, TRANSFERS
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_DIR = Path(__file__).resolve().parents[1] / "vllm_worker"
 VENV_ENV_VAR = "VERIFIERS_RL_VLLM_VENV"
-API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable; our guard (vllm_worker/vllm_auth.py) and the client read it too
 AUTH_MIDDLEWARE = "vllm_auth.RequireAPIKey"
 # Variables of a torch.distributed launch: a server started from inside a rank must not join that job.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hmac
 import os
 
-KEY_ENV = "VLLM_API_KEY"
+KEY_ENV = "VLLM_API_KEY"  # vLLM's own variable; the launcher and the client (verifiers_rl.inference) read it too
 OPEN_PATHS = frozenset({"/health"})
 
 
