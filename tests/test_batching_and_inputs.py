@@ -83,6 +83,9 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
     choices = {a.dest: a.choices for a in HfArgumentParser(RLConfig)._actions}
     assert choices["filter_groups"] == ("none", "zero_variance")
     assert choices["micro_batching"] == ("padded", "packed", "auto")
+    # The other ranks wait for a batch inside a collective that gives up at ddp_timeout.
+    with pytest.raises(ValueError, match=r"ddp_timeout \(600 s\) must exceed generation_timeout_s \(900 s\)"):
+        RLConfig(ddp_timeout=600, generation_timeout_s=900, **common)
 
 
 def test_config_carries_checkpointing_over_without_a_deprecation_warning(tmp_path):

@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 from dataclasses import dataclass, field, fields
+from datetime import timedelta
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
@@ -272,6 +273,8 @@ class RLConfig(GRPOConfig):
             # ZeRO-3-partitioned model would be wrapped in DDP and fail ("'weight' must be 2-D"). use_cpu keeps both.
             os.environ.pop("ACCELERATE_USE_CPU")
             self.use_cpu = True
+        if self.use_cpu or _env_flag("ACCELERATE_USE_CPU"):
+            _init_cpu_process_group(self.ddp_backend, self.ddp_timeout)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
@@ -322,6 +325,12 @@ class RLConfig(GRPOConfig):
             check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
         if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:
             raise ValueError("importance_cap_min must satisfy 0 <= importance_cap_min < importance_cap.")
+        if self.ddp_timeout <= self.generation_timeout_s:
+            # The other ranks wait for the main process's batch inside a collective, which gives up at ddp_timeout.
+            raise ValueError(
+                f"ddp_timeout ({self.ddp_timeout} s) must exceed generation_timeout_s ({self.generation_timeout_s:g} s): "
+                "the other processes wait for each batch in a collective that fails after ddp_timeout."
+            )
         if self.use_vllm or self.vllm_server_base_url:
             # TRL's own vLLM path would start its client and an NCCL weight-transfer group (CUDA only) beside ours.
             raise ValueError(
@@ -345,6 +354,21 @@ def _choices(cls: type) -> dict[str, tuple]:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _init_cpu_process_group(backend: str | None, timeout_s: int) -> None:
+    """Start a launched CPU run's process group with ``ddp_timeout``, before transformers starts it without one.
+
+    transformers passes ``ddp_timeout`` to the GPU and DeepSpeed process groups but not to a ``use_cpu`` one, whose
+    gloo collectives then wait torch's default 30 minutes: a peer that stops answering without closing its sockets
+    (a machine lost from the network, a stopped process) would hold every other rank that long. The Trainer reuses
+    the group started here.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:

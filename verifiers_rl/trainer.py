@@ -101,6 +101,25 @@ def _main_process_outcome(compute: Callable[[], Any], scatter: bool = False) -> 
     return payload
 
 
+# gloo reports a lost peer as a plain RuntimeError; these are the messages seen for a killed or a stopped peer (in a
+# collective, or in DDP's all-reduce during backward).
+_GLOO_PEER_LOST = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "caused pair closure",
+                   "Timed out waiting")
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A collective that lost its peers: torch's distributed errors (NCCL's), or gloo's plain RuntimeErrors."""
+    return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in _GLOO_PEER_LOST)
+
+
+def _collective_failure_note(accelerator, timeout_s: int) -> str:
+    return (
+        f"verifiers_rl: a collective between the {accelerator.num_processes} processes failed on process "
+        f"{accelerator.process_index}: another process died (its own log, on its machine, has the cause) or stopped "
+        f"answering (given up after --ddp_timeout, now {timeout_s} s)."
+    )
+
+
 @dataclass
 class LossInputs:
     """What a custom loss function receives for one micro-batch (tensors [R, T], zeros off the loss mask).
@@ -274,6 +293,10 @@ class RLTrainer(GRPOTrainer):
                 output = super().train(resume_from_checkpoint=path, **kwargs)
             finally:
                 self.preemption.uninstall()
+        except RuntimeError as exc:
+            if self.accelerator.num_processes > 1 and _is_collective_failure(exc):
+                exc.add_note(_collective_failure_note(self.accelerator, self.args.ddp_timeout))
+            raise
         finally:
             if self.generator is not None:
                 self.generator.close()
