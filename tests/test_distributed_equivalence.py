@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verifiers_rl.inference.engine import free_port
 from verifiers_rl.rollouts import write_rollouts
 from verifiers_rl.synthetic import random_rollouts
 
@@ -27,12 +27,6 @@ from equivalence_run import CONFIGS, SHARED_TWINS  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 LAUNCH_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(prefix: list[str], args: list[str], log: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
