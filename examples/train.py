@@ -35,6 +35,7 @@ from verifiers_rl.envs.limits import LIMIT_FLAGS, resolve_limits
 from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.models import load_tokenizer, resolve_model
+from verifiers_rl.preemption import TrainingPreempted
 from verifiers_rl.trainer import RLTrainer
 
 
@@ -121,7 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
         live = {"environment": environment, "engine": engine}
     trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
-    trainer.train()
+    try:
+        trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
+    except TrainingPreempted as stopped:
+        # Every rank says where the checkpoint is; the exit status tells a scheduler the run was stopped, not done.
+        print(f"[rank {trainer.accelerator.process_index}] {stopped}", flush=True)
+        return stopped.exit_code
+    finally:
+        if live.get("engine") is not None:
+            live["engine"].close()
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)

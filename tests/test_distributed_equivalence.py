@@ -51,7 +51,11 @@ def accelerate(config: str) -> list[str]:
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("equivalence")
-    write_rollouts(work / "main.jsonl", random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15))
+    main = random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15)
+    for rollout in main:  # a group without reward variance (zero advantages; dropped by --filter_groups)
+        if rollout.group_id == "g1":
+            rollout.reward = 0.25
+    write_rollouts(work / "main.jsonl", main)
     write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
     common = ["--model", tiny_model_dir, "--rollouts", str(work / "main.jsonl"),
               "--small_rollouts", str(work / "small.jsonl")]

@@ -37,3 +37,5 @@ def test_summary_compares_the_first_and_last_logged_rewards():
         "done: 60 steps in 612 s; mean reward 0.100 (first 3 logged steps) -> 0.400 (last 3)"
     )
     assert format_summary(1, 2.0, [0.5]) == "done: 1 steps in 2 s"
+    assert format_summary(4, 9.6, [0.5], max_steps=12) == "stopped at step 4 of 12 in 10 s"
+    assert format_summary(12, 9.6, [0.5], max_steps=12) == "done: 12 steps in 10 s"

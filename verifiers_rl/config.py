@@ -174,6 +174,23 @@ class RLConfig(GRPOConfig):
         },
     )
 
+    filter_groups: str = field(
+        default="none",
+        metadata={
+            "help": "Dynamic sampling (DAPO): 'zero_variance' drops every group whose rewards are all equal (no "
+            "advantage, only cost) before batching; live generation then generates more groups until the batch is "
+            "full (at most max_refill_batches more rounds), replay only filters. 'none' keeps every group.",
+            "choices": ["none", "zero_variance"],
+        },
+    )
+    max_refill_batches: int = field(
+        default=3,
+        metadata={
+            "help": "With filter_groups: at most this many extra rounds of generation (each as many prompts as a "
+            "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
+        },
+    )
+
     def __post_init__(self):
         _skip_deepspeed_cpu_shm_op()
         if _env_flag("ACCELERATE_USE_CPU") and _env_flag("ACCELERATE_USE_DEEPSPEED"):
@@ -242,6 +259,10 @@ class RLConfig(GRPOConfig):
             raise ValueError(f"temperature must be > 0, got {self.temperature}.")
         if self.max_off_policy_steps < 0:
             raise ValueError(f"max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}.")
+        if self.filter_groups not in ("none", "zero_variance"):
+            raise ValueError(f"Unknown filter_groups {self.filter_groups!r}; expected one of none, zero_variance.")
+        if self.max_refill_batches < 0:
+            raise ValueError(f"max_refill_batches must be >= 0, got {self.max_refill_batches}.")
         if self.print_samples_every < 0:
             raise ValueError(f"print_samples_every must be >= 0, got {self.print_samples_every}.")
         if self.generation_timeout_s <= 0:

@@ -68,6 +68,21 @@ def split_into_batches(rollouts: list[Rollout], rollouts_per_step: int) -> list[
     return batches
 
 
+def has_signal(group: list[Rollout]) -> bool:
+    """Whether a group's rewards differ: a group of equal rewards has advantage 0 under every reward scaling, so it
+    adds nothing to the gradient (only compute)."""
+    return len({rollout.reward for rollout in group}) > 1
+
+
+def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
+    """The rollouts of the groups with signal (``has_signal``), in order, and how many groups were dropped."""
+    groups: OrderedDict = OrderedDict()
+    for rollout in rollouts:
+        groups.setdefault(rollout.group_id, []).append(rollout)
+    kept = [group for group in groups.values() if has_signal(group)]
+    return [rollout for group in kept for rollout in group], len(groups) - len(kept)
+
+
 class ReplaySource:
     """Replays a rollouts file (SPEC §4 line format) through the same batching and loss as live generation."""
 
@@ -124,6 +139,8 @@ class AsyncGenerator:
         timeout_s: float = 600.0,
         seed: int = 0,
         steps_per_batch: int = 1,
+        filter_groups: bool = False,
+        max_refill_batches: int = 3,
     ):
         if rollouts_per_step % num_generations:
             raise ValueError(
@@ -141,6 +158,9 @@ class AsyncGenerator:
         self.num_generations = num_generations
         self.max_off_policy_steps = max_off_policy_steps
         self.steps_per_batch = steps_per_batch
+        self.filter_groups = filter_groups
+        self.max_refill_batches = max_refill_batches
+        self.filter_stats: dict[int, dict[str, float]] = {}  # batch index -> groups kept / dropped, refill rounds
         self.timeout_s = timeout_s
         self.seed = seed
         self.total_batches: int | None = None  # batches the run will train on; none is generated beyond them
@@ -317,19 +337,45 @@ class AsyncGenerator:
 
     async def _generate(self, index: int) -> list[Rollout]:
         version = self.engine.policy_version
-        groups = await asyncio.gather(
-            *(
-                self.environment.rollout_group(
-                    self.engine,
-                    self.rows[row_index],
-                    f"b{index}-p{position}",
-                    self.num_generations,
-                    seed=derive_seed(self.seed, "train", position),
-                )
-                for position, row_index in self._rows_of(index)
-            )
-        )
+        picks = [(f"b{index}-p{position}", self.rows[row], derive_seed(self.seed, "train", position))
+                 for position, row in self._rows_of(index)]
+        groups = await self._groups(picks)
+        if self.filter_groups:
+            groups = await self._keep_groups_with_signal(index, groups)
         rollouts = [rollout for group in groups for rollout in group]
         for rollout in rollouts:
             rollout.policy_version = version
         return rollouts
+
+    async def _groups(self, picks: list[tuple[str, object, int]]) -> list[list[Rollout]]:
+        return list(await asyncio.gather(
+            *(self.environment.rollout_group(self.engine, row, group_id, self.num_generations, seed=seed)
+              for group_id, row, seed in picks)
+        ))
+
+    async def _keep_groups_with_signal(self, index: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
+        """DAPO's dynamic sampling: drop the groups whose rewards are all equal and generate more (rounds of a batch's
+        worth of prompts, drawn by a seeded shuffle of the rows, so a resumed run draws the same) until the batch
+        holds ``prompts_per_batch`` groups with signal, or ``max_refill_batches`` rounds are spent. Runs under the
+        batch lock with the batch's weights: refills are as fresh as the batch."""
+        kept = [group for group in groups if has_signal(group)]
+        dropped, rounds = len(groups) - len(kept), 0
+        while len(kept) < self.prompts_per_batch and rounds < self.max_refill_batches:
+            rounds += 1
+            order = random.Random(derive_seed(self.seed, "refill", index, rounds)).sample(
+                range(len(self.rows)), min(self.prompts_per_batch, len(self.rows))
+            )
+            more = await self._groups([(f"b{index}-r{rounds}-{j}", self.rows[row], derive_seed(self.seed, "refill", index, rounds, j))
+                                       for j, row in enumerate(order)])
+            useful = [group for group in more if has_signal(group)]
+            dropped += len(more) - len(useful)
+            kept += useful[: self.prompts_per_batch - len(kept)]
+        self.filter_stats[index] = {"groups_kept": float(len(kept)), "groups_dropped": float(dropped),
+                                    "refill_generations": float(rounds)}
+        if len(kept) < self.prompts_per_batch:
+            logger.warning(
+                "Batch %d: %d of %d groups have reward variance after %d refill round(s) (--max_refill_batches); %s.",
+                index, len(kept), self.prompts_per_batch, rounds,
+                "training on them" if kept else "none has any, so the unfiltered batch is trained (zero advantages)",
+            )
+        return kept or groups

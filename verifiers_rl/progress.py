@@ -83,9 +83,15 @@ def format_samples(step: int, samples: list[SampleLine], width: int = 100) -> st
     return "\n".join(lines)
 
 
-def format_summary(steps: int, seconds: float, rewards: list[float], window: int = 5) -> str:
-    """``done: 60 steps in 612 s; mean reward 0.081 (first 5 logged steps) -> 0.287 (last 5)``."""
-    line = f"done: {steps} steps in {seconds:.0f} s"
+def format_summary(
+    steps: int, seconds: float, rewards: list[float], window: int = 5, max_steps: int | None = None
+) -> str:
+    """``done: 60 steps in 612 s; mean reward 0.081 (first 5 logged steps) -> 0.287 (last 5)``; a run stopped early
+    (preemption) says ``stopped at step 4 of 60 in ...``."""
+    if max_steps is not None and steps < max_steps:
+        line = f"stopped at step {steps} of {max_steps} in {seconds:.0f} s"
+    else:
+        line = f"done: {steps} steps in {seconds:.0f} s"
     if len(rewards) >= 2:
         window = min(window, len(rewards) // 2)
         first, last = rewards[:window], rewards[-window:]
@@ -134,7 +140,7 @@ class StepProgressCallback(TrainerCallback):
                     self.sample_prints = state.global_step // every
                     self._write(format_samples(state.global_step, samples))
         elif "train_runtime" in logs:
-            self._write(format_summary(state.global_step, logs["train_runtime"], self.rewards))
+            self._write(format_summary(state.global_step, logs["train_runtime"], self.rewards, max_steps=state.max_steps))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.bar is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -118,3 +119,21 @@ def write_rollouts(path: str | Path, rollouts: Iterable[Rollout], append: bool =
     with Path(path).open("a" if append else "w") as handle:
         for rollout in rollouts:
             handle.write(rollout.to_json() + "\n")
+
+
+def append_rollouts(path: str | Path, rollouts: Iterable[Rollout]) -> int:
+    """Append ``rollouts`` as whole lines in one write, flushed to disk; return the file's new length in bytes.
+
+    One ``write`` of complete lines: a run killed while appending leaves whole lines (a regular file's write is
+    not cut short by a signal), and what a checkpoint records as written is on disk.
+    """
+    data = "".join(rollout.to_json() + "\n" for rollout in rollouts).encode()
+    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(descriptor, view):]
+        os.fsync(descriptor)
+        return os.fstat(descriptor).st_size
+    finally:
+        os.close(descriptor)

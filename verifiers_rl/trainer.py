@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,15 +23,30 @@ from accelerate.utils import DistributedType
 from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 
 from .batching import BatchingConfig, MicroBatch, RankBatch, plan_batch
+from .checkpoint import (
+    CheckpointError,
+    RunState,
+    check_fits,
+    load_pending,
+    load_run_state,
+    model_signature,
+    partial_root,
+    publish,
+    resolve_checkpoint,
+    rows_sha256,
+    save_run_state,
+)
 from .config import RLConfig
-from .generator import AsyncGenerator, ReplaySource, RolloutSource
+from .generator import AsyncGenerator, ReplaySource, RolloutSource, drop_zero_variance_groups
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
 from . import progress
 from .policy import micro_batch_logprobs, sequence_logprobs, splits_packed_rows, unwrap
-from .rollouts import write_rollouts
+from .preemption import PreemptionSignal, TrainingPreempted
+from .rollouts import append_rollouts
 from .weights import (
     GatherStats,
     WeightSyncError,
@@ -191,6 +207,8 @@ class RLTrainer(GRPOTrainer):
         )
         if environment is not None:
             self.add_callback(_WeightSyncCallback(self))
+        self.preemption = PreemptionSignal()
+        self.add_callback(_PreemptionCallback(self))
         progress.install(self, self.sample_completions)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.accelerator.num_processes != launched:
@@ -205,6 +223,11 @@ class RLTrainer(GRPOTrainer):
         self._latest_rollouts: list | None = None
         self._batch_index = 0
         self._iteration = 0
+        self._resumed_from: str | None = None
+        self._checkpoint_root: str | None = None  # set while HF writes a checkpoint (under its partial name)
+        self._stopped_by: int | None = None  # the signal that stopped training
+        self._last_checkpoint: str | None = None
+        self._rows_sha256: str | None = None
 
     def _load_replay(self, path, rollouts_per_step) -> RolloutSource:
         self._replay = ReplaySource(path, rollouts_per_step)
@@ -222,16 +245,159 @@ class RLTrainer(GRPOTrainer):
             timeout_s=args.generation_timeout_s,
             seed=args.seed,
             steps_per_batch=args.num_iterations,
+            filter_groups=args.filter_groups == "zero_variance",
+            max_refill_batches=args.max_refill_batches,
         )
         self._replay = self.generator
         return self.generator
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, **kwargs):
+        """HF ``train``, plus: ``resume_from_checkpoint`` (default ``args.resume_from_checkpoint``) may be a folder or
+        ``latest`` and continues the run exactly (``checkpoint.py``); SIGTERM/SIGINT finish the current optimizer
+        step, write a checkpoint and raise ``TrainingPreempted`` on every rank (a second signal exits at once)."""
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
+        self._stopped_by = None
         try:
-            return super().train(*args, **kwargs)
+            path = self._restore(resume_from_checkpoint) if resume_from_checkpoint else None
+            self.preemption.install()
+            try:
+                output = super().train(resume_from_checkpoint=path, **kwargs)
+            finally:
+                self.preemption.uninstall()
         finally:
             if self.generator is not None:
                 self.generator.close()
+        if self._stopped_by is not None and self.state.global_step < self.state.max_steps:
+            raise TrainingPreempted(self._stopped_by, self._last_checkpoint, self.state.global_step)
+        return output
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+
+    def _run_state(self) -> RunState:
+        """This run's position and identity (main process: only it holds the rollout source)."""
+        args = self.args
+        if self.generator is not None:
+            if self._rows_sha256 is None:
+                self._rows_sha256 = rows_sha256(self.generator.rows)
+            source = {
+                "kind": "live",
+                "environment": self.generator.environment.name,
+                "rows_sha256": self._rows_sha256,
+                "num_generations": args.num_generations,
+                "seed": args.seed,
+            }
+        else:
+            source = {"kind": "replay", "path": str(getattr(self._replay, "path", "")),
+                      "sha256": getattr(self._replay, "sha256", None)}
+        return RunState(
+            global_step=self.state.global_step,
+            next_batch=self._batch_index,
+            iteration=self._iteration,
+            num_iterations=args.num_iterations,
+            rollouts_per_step=args.rollouts_per_step,
+            world_size=self.accelerator.num_processes,
+            zero_stage=self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0,
+            model=model_signature(unwrap(self.model)),
+            source=source,
+        )
+
+    def _restore(self, spec) -> str:
+        """Check the checkpoint ``spec`` names against this run and restore the rollout source's position, the
+        batches generated ahead and (part-way through a batch) each rank's slice of it. Errors reach every rank."""
+
+        def load():
+            path = resolve_checkpoint(spec, self.args.output_dir)
+            saved = load_run_state(path)
+            check_fits(saved, self._run_state(), path)
+            if self.generator is not None:
+                self.generator.restore(saved.next_batch, load_pending(path, saved))
+            self._truncate_saved_rollouts(saved)
+            return str(path), saved
+
+        path, saved = _main_process_outcome(load)
+        self._batch_index, self._iteration = saved.next_batch, saved.iteration
+        self._rank_batch = None
+        if saved.mid_batch():
+            rank_file = f"{path}/rank_batch-{self.accelerator.process_index}.pt"
+            rank_batch: RankBatch = torch.load(rank_file, map_location="cpu", weights_only=False)
+            rank_batch.micro_batches = [mb.to(self.accelerator.device) for mb in rank_batch.micro_batches]
+            self._rank_batch = rank_batch
+        self._resumed_from = path
+        if self.accelerator.is_main_process:
+            logger.info("Resuming from %s at step %d (next batch %d).", path, saved.global_step, saved.next_batch)
+        return path
+
+    def _truncate_saved_rollouts(self, saved: RunState) -> None:
+        """``--save_rollouts_path``: drop what the stopped run appended after its checkpoint (those batches are
+        trained again), so the file holds every batch once."""
+        target = self.args.save_rollouts_path
+        record = saved.save_rollouts
+        if not target or record is None or os.path.abspath(target) != record["path"]:
+            return
+        size = os.path.getsize(target) if os.path.exists(target) else 0
+        if size < record["bytes"]:
+            raise CheckpointError(
+                f"--save_rollouts_path {target!r} holds {size} bytes, fewer than the {record['bytes']} it held at the "
+                "checkpoint: it was changed since. Pass another --save_rollouts_path."
+            )
+        os.truncate(target, record["bytes"])
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # A tied output layer is saved once, under the input embedding's name: its absence is not a missing weight.
+        model = unwrap(self.model)
+        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        aliases -= {name for name, _ in model.named_parameters()}
+        load_result.missing_keys[:] = [key for key in load_result.missing_keys if key not in aliases]
+        super()._issue_warnings_after_load(load_result)
+
+    def _get_output_dir(self, trial) -> str:
+        return self._checkpoint_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """HF's checkpoint, written under ``.partial-checkpoint-N`` with this run's state beside it, then renamed to
+        ``checkpoint-N`` in one step once every rank has written its part."""
+        run_dir = super()._get_output_dir(trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        root = partial_root(run_dir, self.state.global_step)
+        self._checkpoint_root = str(root)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._checkpoint_root = None
+        written = root / os.path.basename(final)
+        self._save_run_state(written)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            publish(root, Path(final))
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_local_main_process and written.is_dir():
+            publish(root, Path(final))  # a node that does not share the output folder with the main process
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, self.state.best_model_checkpoint, use_mtime=True)
+        self._last_checkpoint = final
+
+    def _save_run_state(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        if self._rank_batch is not None and 0 < self._iteration < self.args.num_iterations:
+            # Its proximal log-probs came from weights older than the checkpoint's: keep the slice itself.
+            torch.save(self._rank_batch, folder / f"rank_batch-{self.accelerator.process_index}.pt")
+        if self.accelerator.is_main_process:
+            state = self._run_state()
+            target = self.args.save_rollouts_path
+            if target and os.path.exists(target):
+                state.save_rollouts = {"path": os.path.abspath(target), "bytes": os.path.getsize(target)}
+            save_run_state(folder, state, self.generator.pending() if self.generator is not None else {})
+
+    def _agreed_signal(self) -> int:
+        """The stop signal any rank has received (0 if none): one all-reduce, so every rank stops at the same step."""
+        local = self.preemption.received or 0
+        if self.accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor([local], dtype=torch.int64, device=self.accelerator.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     # --- weights to the engine ----------------------------------------------------------------------------------
 
@@ -399,9 +565,18 @@ class RLTrainer(GRPOTrainer):
         waited = time.perf_counter()
         rollouts = self._replay.batch(batch_index)
         waited = time.perf_counter() - waited
+        extra = {"reward_errors": float(sum(r.metrics.get("reward_errors", 0.0) for r in rollouts))}
+        if self.generator is not None:
+            extra.update(self.generator.filter_stats.pop(batch_index, {}))
+        elif self.args.filter_groups == "zero_variance":  # replay: filter only
+            kept, dropped = drop_zero_variance_groups(rollouts)
+            extra.update(groups_kept=float(len({r.group_id for r in kept})), groups_dropped=float(dropped))
+            if not kept:
+                logger.warning("Batch %d: no group has reward variance; training on it unfiltered.", batch_index)
+            rollouts = kept or rollouts
         self._latest_rollouts = rollouts
         if self.args.save_rollouts_path:
-            write_rollouts(self.args.save_rollouts_path, rollouts, append=True)
+            append_rollouts(self.args.save_rollouts_path, rollouts)
         rank_batches = plan_batch(rollouts, self.batching_config(), batch_index)
         versions = [r.policy_version for r in rollouts if r.policy_version is not None]
         if versions:
@@ -411,7 +586,6 @@ class RLTrainer(GRPOTrainer):
                 rank_batch.stats.extra.update(
                     staleness_max=float(max(staleness)), staleness_mean=sum(staleness) / len(staleness)
                 )
-        extra = {"reward_errors": float(sum(r.metrics.get("reward_errors", 0.0) for r in rollouts))}
         if self.generator is not None:
             # Time the trainer sat waiting for rollouts (0 when generation ran ahead), and the batch's generation.
             extra.update(wait_time=waited, generation_time=self.generator.generation_seconds.pop(batch_index, 0.0))
@@ -566,10 +740,29 @@ class RLTrainer(GRPOTrainer):
 
 class _WeightSyncCallback(TrainerCallback):
     """After every optimizer step, the engine gets the new weights and is probed (every rank takes part: the ZeRO-3
-    gathers and the probe's forward are collective)."""
+    gathers and the probe's forward are collective). A resumed run loads the checkpoint's weights before its first
+    batch."""
+
+    def __init__(self, trainer: "RLTrainer"):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer._resumed_from is not None:
+            self.trainer.sync_weights()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.sync_weights()
+
+
+class _PreemptionCallback(TrainerCallback):
+    """At the end of each optimizer step: if any rank got SIGTERM/SIGINT, save a checkpoint and stop (every rank)."""
 
     def __init__(self, trainer: "RLTrainer"):
         self.trainer = trainer
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.sync_weights()
+        signum = self.trainer._agreed_signal()
+        if signum:
+            self.trainer._stopped_by = signum
+            control.should_save = True
+            control.should_training_stop = True

@@ -31,6 +31,7 @@ CONFIGS = {
     "dr_grpo_two_iterations_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64),
     "custom_loss_packed64": dict(loss_type="seq_mean_token_sum", micro_batching="packed", max_tokens_per_microbatch=64, loss_fn="reinforce"),
     "custom_partial_padded2": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=2, loss_fn="reinforce_partial"),
+    "grpo_filter_zero_variance_padded2": dict(loss_type="grpo", filter_groups="zero_variance", micro_batching="padded", per_device_train_batch_size=2),
     "grpo_uneven_ranks_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1, rollouts_per_step=3, rollouts="small"),
 }
 

@@ -82,6 +82,27 @@ def test_math_checker_restarts_its_worker_after_a_hang():
     assert asyncio.run(check()) is True
 
 
+def test_math_checker_compares_in_parallel_workers():
+    """A batch's answers are checked by a pool of worker processes at once, not one after another through one."""
+    checker = MathChecker(timeout_s=30.0, workers=3)
+    barrier = threading.Barrier(3, timeout=60)
+    for worker in checker._pool:
+        # Each request, holding its worker, waits for the other two: only with three workers at once do all meet
+        # (one worker, or a lock around the pool, breaks the barrier).
+        original = worker.request
+        worker.request = lambda *args, _original=original: (barrier.wait(), _original(*args))[1]
+
+    async def check():
+        return await asyncio.gather(*(checker.equal(gold, answer) for gold, answer in
+                                      (("1/2", "0.5"), ("3", "4"), ("x+1", "1+x"))))
+
+    try:
+        assert asyncio.run(check()) == [True, False, True]
+        assert len({worker.process.pid for worker in checker._pool}) == 3
+    finally:
+        checker.close()
+
+
 def test_calculator_tool_is_safe():
     assert calculate("(12 + 7) * 3") == "57" and calculate("12 / 4") == "3" and calculate("7 / 2") == "3.5"
     with pytest.raises(ValueError, match="unsupported syntax"):

@@ -161,6 +161,30 @@ def test_seeded_sampling_is_reproducible_independent_of_batching_and_leaves_glob
     assert [s.token_ids for s in other] != [s.token_ids for s in together]
 
 
+def test_a_groups_prompt_is_prefilled_once_and_sampling_is_unchanged(tiny_model_dir):
+    """Requests sharing a prompt (a group) reuse one prefill's keys/values: the same tokens and log-probs (to float
+    rounding) as when every request prefills its own copy, prompts of other lengths (left padding) beside them."""
+    model, tokenizer = load(tiny_model_dir)
+    prompts = [p for p in prompts_of(tokenizer) for _ in range(4)]  # 5 groups of 4 samples
+    seeds = list(range(100, 100 + len(prompts)))
+    shared = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64)
+    alone = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64, share_prompt_prefill=False)
+    prefilled = []  # the input shape of every forward (a hook: replacing forward would change generate's behaviour)
+    shared.model.register_forward_pre_hook(lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    with_sharing = sample_seeded(shared, prompts, seeds, 12)
+    without = sample_seeded(alone, prompts, seeds, 12)
+    assert shared.health()["prefills_shared"] == 15 and alone.health()["prefills_shared"] == 0
+    width = max(len(p) for p in prompts)
+    # The first forward is the shared prefill: 5 distinct prompts, all but the last position.
+    assert prefilled[0] == (5, width - 1)
+    assert [s.token_ids for s in with_sharing] == [s.token_ids for s in without]
+    for a, b in zip(with_sharing, without):
+        assert a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert_parity(model, prompts, with_sharing, 1.0)
+
+
 def test_rollout_temperature_overrides_the_engines(tiny_model_dir):
     """Evaluation samples greedily (temperature 0) through an engine that trains at temperature 1."""
     model, tokenizer = load(tiny_model_dir)

@@ -1,4 +1,4 @@
-"""Math answers compared with math-verify, in a worker process that is killed when a comparison hangs.
+"""Math answers compared with math-verify, in a pool of worker processes; a worker is killed when a comparison hangs.
 
 SymPy can run for ever on a model's answer (``\\boxed{9^{9^{9}}}``), inside C code that no signal interrupts;
 math-verify's own timeout uses ``signal.alarm``, which also fails off the main thread, where environments run.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import os
+import queue
 import subprocess
 import sys
 import threading
@@ -23,42 +25,30 @@ _STARTUP_TIMEOUT_S = 120.0
 _WORKER = Path(__file__).with_name("math_worker.py")
 
 
-class MathChecker:
-    """``await checker.equal(gold, predicted)``: whether two answers are mathematically equal (``"1/2"`` and
-    ``"0.5"`` are). A comparison taking over ``timeout_s`` raises TimeoutError; the worker restarts on the next call.
-    """
+class _Worker:
+    """One math-verify worker process: started on first use, answers one request at a time, restarted after a
+    timeout or a crash."""
 
-    def __init__(self, timeout_s: float = 10.0):
-        self.timeout_s = timeout_s
-        self._process: subprocess.Popen | None = None
-        self._lock = threading.Lock()  # the worker answers one request at a time, in order
-        atexit.register(self.close)
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
 
-    async def equal(self, gold: str, predicted: str) -> bool:
-        reply = await asyncio.to_thread(self._request, gold, predicted)
-        if "error" in reply:
-            raise RuntimeError(f"math-verify failed comparing {predicted!r} with {gold!r}: {reply['error']}")
-        return reply["equal"]
+    def request(self, gold: str, predicted: str, timeout_s: float) -> dict[str, Any]:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen([sys.executable, "-c", _WORKER.read_text()], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, text=True)
+            self._read(_STARTUP_TIMEOUT_S, "start")
+        self.process.stdin.write(json.dumps([gold, predicted]) + "\n")
+        self.process.stdin.flush()
+        return self._read(timeout_s, f"compare {predicted!r} with {gold!r}")
 
     def close(self) -> None:
-        """Stop the worker process, if one runs."""
-        process = self._process  # not under the lock: killing it also ends a request blocked on it
+        process = self.process  # killing it also ends a request blocked on it
         if process is not None:
             process.kill()
             process.wait()
 
-    def _request(self, gold: str, predicted: str) -> dict[str, Any]:
-        with self._lock:
-            if self._process is None or self._process.poll() is not None:
-                command = [sys.executable, "-c", _WORKER.read_text()]
-                self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                self._read(_STARTUP_TIMEOUT_S, "start")
-            self._process.stdin.write(json.dumps([gold, predicted]) + "\n")
-            self._process.stdin.flush()
-            return self._read(self.timeout_s, f"compare {predicted!r} with {gold!r}")
-
     def _read(self, timeout_s: float, doing: str) -> dict[str, Any]:
-        process, expired = self._process, threading.Event()
+        process, expired = self.process, threading.Event()
 
         def stop() -> None:
             expired.set()
@@ -74,10 +64,47 @@ class MathChecker:
             return json.loads(line)
         process.kill()
         process.wait()
-        self._process = None
+        self.process = None
         if expired.is_set():
             raise TimeoutError(f"math-verify took over {timeout_s:g} s to {doing}; its worker process was stopped.")
         raise RuntimeError(f"math-verify's worker process exited (code {process.returncode}) when asked to {doing}.")
+
+
+class MathChecker:
+    """``await checker.equal(gold, predicted)``: whether two answers are mathematically equal (``"1/2"`` and
+    ``"0.5"`` are). Comparisons run in a pool of ``workers`` processes (default: one per core, at most 4), started
+    as needed, so a batch's answers are checked in parallel. A comparison taking over ``timeout_s`` raises
+    TimeoutError; its worker restarts on its next request.
+    """
+
+    def __init__(self, timeout_s: float = 10.0, workers: int | None = None):
+        self.timeout_s = timeout_s
+        self.workers = workers or min(4, os.cpu_count() or 1)
+        if self.workers < 1:
+            raise ValueError(f"MathChecker needs at least one worker, got {self.workers}.")
+        self._pool = [_Worker() for _ in range(self.workers)]
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        for worker in self._pool:
+            self._idle.put(worker)
+        atexit.register(self.close)
+
+    async def equal(self, gold: str, predicted: str) -> bool:
+        reply = await asyncio.to_thread(self._request, gold, predicted)
+        if "error" in reply:
+            raise RuntimeError(f"math-verify failed comparing {predicted!r} with {gold!r}: {reply['error']}")
+        return reply["equal"]
+
+    def close(self) -> None:
+        """Stop the worker processes that run."""
+        for worker in self._pool:
+            worker.close()
+
+    def _request(self, gold: str, predicted: str) -> dict[str, Any]:
+        worker = self._idle.get()  # waits while every worker is busy
+        try:
+            return worker.request(gold, predicted, self.timeout_s)
+        finally:
+            self._idle.put(worker)
 
 
 MATH_CHECKER = MathChecker()

@@ -102,6 +102,8 @@ class EmbeddedEngine:
             instead of a worker thread. For synchronous generation (k = 0) on the trainer's thread: on CPU every
             extra thread that runs torch ops gets its own OpenMP team, the teams oversubscribe the cores, and
             decoding's many small ops then run ~1.7x slower (benchmarks/async_generation.py).
+        share_prompt_prefill: requests of one ``generate`` call that share a prompt (a group) prefill it once and
+            decode from copies of its keys/values.
 
     Log-probs are those of the full softmax at the sampling temperature, from the raw logits (with temperature 0,
     greedy decoding, at temperature 1). ``generate`` keeps every step's logits until it returns:
@@ -116,6 +118,7 @@ class EmbeddedEngine:
         max_batch_size: int = 64,
         dtype: torch.dtype = torch.float32,
         generate_in_loop_thread: bool = False,
+        share_prompt_prefill: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -138,6 +141,8 @@ class EmbeddedEngine:
         self.sampling = sampling or SamplingConfig()
         self.max_batch_size = max_batch_size
         self.generate_in_loop_thread = generate_in_loop_thread
+        self.share_prompt_prefill = share_prompt_prefill
+        self.prefills_shared = 0  # prompt prefills saved by sharing (requests that reused another's keys/values)
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -297,9 +302,11 @@ class EmbeddedEngine:
             for row, prompt in enumerate(prompts):
                 input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
                 attention_mask[row, width - len(prompt) :] = 1  # from real tokens, never from ids != pad
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             output = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                past_key_values=self._shared_prefill(input_ids, attention_mask, prompts),
                 generation_config=self._generation_config(max(max_new_tokens)),
                 logits_processor=LogitsProcessorList([sampler]),
                 # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
@@ -328,6 +335,31 @@ class EmbeddedEngine:
                 ids = ids[: end + 1]
             samples.append(Sample(ids, logprobs[row, : len(ids)].tolist(), "stop" if end is not None else "length"))
         return samples
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]]):
+        """When requests share a prompt (a group's samples), run each distinct prompt once (all but its last
+        position) and give every request a copy of its keys/values; ``generate`` then computes only the rest. The
+        logits are those of the unshared computation (to float rounding), so sampling is unchanged. ``None`` when
+        no prompt repeats (or ``share_prompt_prefill`` is off)."""
+        from transformers import DynamicCache
+
+        distinct: dict[tuple[int, ...], int] = {}
+        rows = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+        if not self.share_prompt_prefill or len(distinct) == len(prompts) or input_ids.shape[1] < 2:
+            return None
+        first = [rows.index(row) for row in range(len(distinct))]  # one request of each distinct prompt
+        mask = attention_mask[first, :-1]
+        cache = DynamicCache(config=self.model.config)
+        self.model(
+            input_ids=input_ids[first, :-1],
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # as generate numbers a left-padded row
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.reorder_cache(torch.tensor(rows, device=input_ids.device))  # each request gets its prompt's copy
+        self.prefills_shared += len(prompts) - len(distinct)
+        return cache
 
     # --- weights ------------------------------------------------------------------------------------------------
 
@@ -417,6 +449,7 @@ class EmbeddedEngine:
             "ok": not self._closed,
             "generate_calls": self.generate_calls,
             "requests_served": self.requests_served,
+            "prefills_shared": self.prefills_shared,
             "pending": pending,
         }
 

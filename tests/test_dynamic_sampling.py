@@ -1,0 +1,113 @@
+"""--filter_groups zero_variance (DAPO's dynamic sampling): groups whose rewards are all equal are dropped and live
+generation refills the batch with informative groups; replay only filters. The 2-process agreement is in
+tests/test_distributed_equivalence.py (configuration grpo_filter_zero_variance_padded2)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import pytest
+from transformers import AutoTokenizer
+
+from verifiers_rl.envs import Rubric, SingleTurnEnv
+from verifiers_rl.generator import AsyncGenerator, drop_zero_variance_groups, has_signal
+from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+from verifiers_rl.rollouts import Rollout, write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+
+
+def scripted_reward(completion, info) -> float:
+    """0.5 for every sample of a 'constant' row (no signal); otherwise a value read off the sampled text, which
+    differs between samples."""
+    if info["constant"]:
+        return 0.5
+    text = completion[-1]["content"]
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 16**8
+
+
+def environment(tokenizer, informative_rows: list[int], num_rows: int = 12) -> SingleTurnEnv:
+    rows = [{"question": f"Say something ({i}).", "info": {"constant": i not in informative_rows, "row": i}}
+            for i in range(num_rows)]
+    return SingleTurnEnv(rows, Rubric([scripted_reward]), tokenizer, max_new_tokens=8, max_seq_len=64, name="scripted")
+
+
+def generator(tiny_model_dir, env, k: int = 0, refills: int = 3) -> AsyncGenerator:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=8))
+    return AsyncGenerator(env, engine, rollouts_per_step=16, num_generations=4, max_off_policy_steps=k, seed=3,
+                          filter_groups=True, max_refill_batches=refills, timeout_s=120)
+
+
+def groups_of(rollouts: list[Rollout]) -> dict:
+    groups: dict = {}
+    for rollout in rollouts:
+        groups.setdefault(rollout.group_id, []).append(rollout)
+    return groups
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_live_batches_keep_exactly_the_informative_groups_and_stay_full(tiny_model_dir, k):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    informative = [1, 4, 6, 7, 9, 11]
+    gen = generator(tiny_model_dir, environment(tokenizer, informative), k=k)
+    try:
+        for index in range(2):
+            batch = gen.batch(index)
+            if k:
+                gen.engine.policy_version = index + 1  # as a weight load would (the next batch waits for it)
+                gen.weights_updated()
+            groups = groups_of(batch)
+            assert len(batch) == 16 and len(groups) == 4  # the batch size holds
+            for members in groups.values():
+                assert len(members) == 4 and has_signal(members)
+                assert members[0].prompt[-1]["content"] in {f"Say something ({i})." for i in informative}
+            stats = gen.filter_stats[index]
+            assert stats["groups_kept"] == 4
+            # Every constant row that was generated was dropped: at least those of the first pick.
+            first_pick = [row for _, row in gen._rows_of(index)]
+            constant_picked = sum(row not in informative for row in first_pick)
+            assert stats["groups_dropped"] >= constant_picked
+            assert (stats["refill_generations"] > 0) == (constant_picked > 0)  # refills only when groups were dropped
+    finally:
+        gen.close()
+
+
+def test_a_batch_without_enough_signal_is_trained_as_it_is_with_a_warning(tiny_model_dir, caplog):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    gen = generator(tiny_model_dir, environment(tokenizer, informative_rows=[5]), refills=2)
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+        batch = gen.batch(0)
+    groups = groups_of(batch)
+    # One informative row: at most once per round (3 rounds: the batch and 2 refills), never a constant group.
+    assert 1 <= len(groups) <= 3 and all(has_signal(g) for g in groups.values())
+    assert gen.filter_stats[0]["refill_generations"] == 2
+    assert "groups have reward variance after 2 refill round(s) (--max_refill_batches); training on them" in caplog.text
+
+    nothing = generator(tiny_model_dir, environment(tokenizer, informative_rows=[]), refills=1)
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+        batch = nothing.batch(0)
+    assert len(batch) == 16 and nothing.filter_stats[0]["groups_kept"] == 0  # the unfiltered batch
+    assert "none has any, so the unfiltered batch is trained" in caplog.text
+
+
+def test_replay_filters_only(tiny_model_dir, tmp_path):
+    from verifiers_rl.config import RLConfig
+    from verifiers_rl.trainer import RLTrainer
+
+    rollouts = random_rollouts(4, 4, vocab_size=390, seed=7)
+    for i, rollout in enumerate(rollouts):
+        rollout.reward = 1.0 if rollout.group_id in ("g0", "g2") else [0.0, 1.0, 0.5, 0.25][i % 4]
+    kept, dropped = drop_zero_variance_groups(rollouts)
+    assert dropped == 2 and sorted({r.group_id for r in kept}) == ["g1", "g3"]
+    write_rollouts(tmp_path / "r.jsonl", rollouts)
+    args = RLConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no",
+                    rollouts_path=str(tmp_path / "r.jsonl"), rollouts_per_step=16, max_steps=1, logging_steps=1,
+                    filter_groups="zero_variance", disable_tqdm=True, gradient_checkpointing=False,
+                    save_rollouts_path=str(tmp_path / "trained.jsonl"))
+    trainer = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry][0]
+    assert (logged["groups_kept"], logged["groups_dropped"]) == (2, 2)
+    trained = (tmp_path / "trained.jsonl").read_text().splitlines()
+    assert len(trained) == 8  # only the groups with signal reached the batch

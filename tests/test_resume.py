@@ -1,0 +1,256 @@
+"""Durable runs: a resumed run ends with the parameters of the run left uninterrupted (replay under one process, DDP
+and ZeRO-3, part-way through a num_iterations batch; live at k = 0 and k = 1), SIGTERM finishes the step, writes a
+checkpoint and stops every rank (one process and a real 2-process DDP launch, then resumed), checkpoints are
+complete or absent, and a resume that does not fit the run is a clear error.
+
+Every run is the real ``examples/train.py``, as a user launches it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_distributed_equivalence import ROOT, accelerate, launch
+from verifiers_rl.checkpoint import CheckpointError, check_fits, load_run_state, publish, resolve_checkpoint
+from verifiers_rl.rollouts import read_rollouts, write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+
+SCRIPT = str(ROOT / "examples" / "train.py")
+COMMON = ["--learning_rate", "1e-3", "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1",
+          "--print_samples_every", "0"]
+LIVE = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
+        "--num_generations", "4", "--max_completion_length", "8"]
+
+
+def run(prefix, out: Path, args: list[str], log: Path, expect: int = 0) -> str:
+    result = launch(prefix, [SCRIPT, "--output_dir", str(out), *COMMON, *args], log)
+    text = log.read_text()
+    assert result.returncode == expect, text[-6000:]
+    return text
+
+
+def final_parameters(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def assert_equal_parameters(got: Path, want: Path, initial: Path | None = None) -> None:
+    """Relative difference < 1e-6 (float32 on CPU; in practice the resumed runs here are bitwise equal)."""
+    a, b = final_parameters(got), final_parameters(want)
+    assert set(a) == set(b)
+    worst = max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+    assert worst < 1e-6, f"max relative parameter difference {worst:.3e}"
+    if initial is not None:  # sensitivity: the steps after the checkpoint moved the parameters well beyond that
+        c = final_parameters(initial)
+        moved = max(float((b[k] - c[k]).abs().max() / b[k].abs().max()) for k in b)
+        assert moved > 1e-4, f"the steps after the checkpoint barely moved the parameters ({moved:.2e})"
+
+
+def logged_steps(log: str) -> list[int]:
+    return [int(line.split()[1].split("/")[0]) for line in log.splitlines() if line.startswith("step ") and "| reward" in line]
+
+
+@pytest.fixture(scope="module")
+def rollouts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("resume") / "rollouts.jsonl"
+    write_rollouts(path, random_rollouts(12, 4, vocab_size=390, seed=5, fully_masked_fraction=0.1))
+    return path
+
+
+# --- replay ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["single", "ddp", "zero3"])
+def test_replay_resume_part_way_through_a_batch_equals_the_uninterrupted_run(backend, tiny_model_dir, rollouts_file,
+                                                                             tmp_path):
+    """num_iterations 2: checkpoint-3 falls after the first of batch 1's two updates, so the resumed run needs the
+    saved slices (proximal log-probs from older weights) on every rank."""
+    prefix = [sys.executable] if backend == "single" else accelerate(f"{backend}_cpu.yaml")
+    args = ["--model", tiny_model_dir, "--rollouts_path", str(rollouts_file), "--rollouts_per_step", "8",
+            "--max_steps", "5", "--num_iterations", "2", "--save_strategy", "steps"]
+    # One process also checks --save_total_limit: a checkpoint every step, the newest 3 kept.
+    args += ["--save_steps", "1", "--save_total_limit", "3"] if backend == "single" else ["--save_steps", "3"]
+    run(prefix, tmp_path / "full", args, tmp_path / "full.log")
+    kept = sorted(p.name for p in (tmp_path / "full").iterdir() if p.name.startswith(("checkpoint-", ".partial")))
+    # (HF also saves at the last step.)
+    assert kept == (["checkpoint-3", "checkpoint-4", "checkpoint-5"] if backend == "single" else ["checkpoint-3", "checkpoint-5"])
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    state = load_run_state(checkpoint)
+    assert (state.global_step, state.next_batch, state.iteration) == (3, 2, 1) and state.mid_batch()
+    world = 1 if backend == "single" else 2
+    assert sorted(p.name for p in checkpoint.glob("rank_batch-*.pt")) == [f"rank_batch-{r}.pt" for r in range(world)]
+
+    log = run(prefix, tmp_path / "resumed", args + ["--resume_from_checkpoint", str(checkpoint)], tmp_path / "resumed.log")
+    assert logged_steps(log) == [4, 5]  # numbered from the checkpoint on
+    assert_equal_parameters(tmp_path / "resumed", tmp_path / "full", initial=checkpoint)
+
+
+# --- live -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_live_resume_at_k0_regenerates_the_same_batches(tiny_model_dir, tmp_path):
+    args = ["--model", tiny_model_dir, *LIVE, "--max_off_policy_steps", "0", "--max_steps", "6",
+            "--save_strategy", "steps", "--save_steps", "3"]
+    run([sys.executable], tmp_path / "full", args + ["--save_rollouts_path", str(tmp_path / "full.jsonl")],
+        tmp_path / "full.log")
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    log = run([sys.executable], tmp_path / "resumed",
+              args + ["--resume_from_checkpoint", str(checkpoint), "--save_rollouts_path", str(tmp_path / "resumed.jsonl")],
+              tmp_path / "resumed.log")
+    assert logged_steps(log) == [4, 5, 6]
+    assert_equal_parameters(tmp_path / "resumed", tmp_path / "full", initial=checkpoint)
+    # The batches generated after the resume are the ones the uninterrupted run generated, token for token.
+    full, resumed = read_rollouts(tmp_path / "full.jsonl"), read_rollouts(tmp_path / "resumed.jsonl")
+    assert len(full) == 48 and len(resumed) == 24
+    assert [r.to_json() for r in resumed] == [r.to_json() for r in full[24:]]
+
+
+def start(prefix, out: Path, args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with log.open("w") as handle:
+        return subprocess.Popen(prefix + [SCRIPT, "--output_dir", str(out), *COMMON, *args], cwd=ROOT, env=env,
+                                stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_after_step(process: subprocess.Popen, log: Path, step: int, timeout_s: float = 300) -> tuple[int, list[int]]:
+    """SIGTERM ``process`` once ``step`` is logged; return its exit status and every pid of its tree seen meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    tree: set[int] = set()
+    while f"step {step}/" not in log.read_text():
+        assert process.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, "the run never reached the step"
+        tree |= {child.pid for child in psutil.Process(process.pid).children(recursive=True)}
+        time.sleep(0.1)
+    tree |= {child.pid for child in psutil.Process(process.pid).children(recursive=True)}
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout=timeout_s), sorted(tree)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["single", "ddp"])
+def test_sigterm_checkpoints_stops_and_the_resumed_run_equals_the_uninterrupted_one(backend, tiny_model_dir, tmp_path):
+    """k = 1 (generation one step ahead, a batch pending in the checkpoint). ``single``: SIGTERM to the script;
+    ``ddp``: SIGTERM to ``accelerate launch``, which forwards it to both ranks."""
+    prefix = [sys.executable] if backend == "single" else accelerate("ddp_cpu.yaml")
+    args = ["--model", tiny_model_dir, *LIVE, "--max_off_policy_steps", "1", "--max_steps", "12",
+            "--save_strategy", "no"]
+    run(prefix, tmp_path / "full", args + ["--save_rollouts_path", str(tmp_path / "full.jsonl")], tmp_path / "full.log")
+
+    out, rollouts = tmp_path / "stopped", tmp_path / "stopped.jsonl"
+    process = start(prefix, out, args + ["--save_rollouts_path", str(rollouts)], tmp_path / "stopped.log")
+    status, tree = stop_after_step(process, tmp_path / "stopped.log", step=3)
+    log = (tmp_path / "stopped.log").read_text()
+    assert "SIGTERM: finishing the current optimizer step" in log
+    checkpoints = [p.name for p in out.iterdir() if "checkpoint" in p.name]
+    assert len(checkpoints) == 1 and checkpoints[0].startswith("checkpoint-"), checkpoints  # complete, renamed
+    step = int(checkpoints[0].split("-")[1])
+    assert 3 <= step < 12
+    ranks = [0] if backend == "single" else [0, 1]
+    for rank in ranks:  # every rank names the checkpoint
+        assert f"[rank {rank}] Training stopped by SIGTERM after step {step}: checkpoint saved to {out / checkpoints[0]}" in log
+    assert f"stopped at step {step} of 12" in log
+    if backend == "single":
+        assert status == 128 + signal.SIGTERM
+    else:
+        assert status != 0  # torchrun reports the signal it got
+    alive = [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"processes left behind: {alive}"
+    assert len(load_run_state(out / checkpoints[0]).pending_batches) == 1  # k = 1: one batch generated ahead
+
+    log = run(prefix, out, args + ["--save_rollouts_path", str(rollouts), "--resume_from_checkpoint", "latest"],
+              tmp_path / "resumed.log")
+    assert logged_steps(log)[0] == step + 1
+    assert_equal_parameters(out, tmp_path / "full", initial=out / checkpoints[0])
+    # The rollouts file lost what was appended after the checkpoint and holds every batch once, as the
+    # uninterrupted run's does.
+    assert rollouts.read_bytes() == (tmp_path / "full.jsonl").read_bytes()
+
+
+# --- checkpoints are complete or absent; bad resumes --------------------------------------------------------------
+
+
+def test_a_checkpoint_is_published_whole_and_latest_never_picks_a_partial_one(tmp_path):
+    complete = tmp_path / "checkpoint-2"
+    complete.mkdir()
+    for name in ("trainer_state.json", "verifiers_rl_state.json"):
+        (complete / name).write_text("{}")
+    # A run killed while writing checkpoint-4 leaves it under its partial name.
+    partial = tmp_path / ".partial-checkpoint-4" / "checkpoint-4"
+    partial.mkdir(parents=True)
+    (partial / "trainer_state.json").write_text("{}")
+    assert resolve_checkpoint("latest", tmp_path) == complete
+    with pytest.raises(CheckpointError, match="not a complete verifiers_rl checkpoint"):
+        resolve_checkpoint(str(partial), tmp_path)
+    # Once complete it replaces an older folder of the same name in one rename.
+    (partial / "verifiers_rl_state.json").write_text('{"new": 1}')
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "stale").write_text("old")
+    publish(tmp_path / ".partial-checkpoint-4", tmp_path / "checkpoint-4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    assert not (tmp_path / "checkpoint-4" / "stale").exists()
+    assert resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-4"
+
+
+def trainer_for(model_dir: str, rollouts: Path, out: Path):
+    from transformers import AutoTokenizer
+
+    from verifiers_rl.config import RLConfig
+    from verifiers_rl.trainer import RLTrainer
+
+    args = RLConfig(output_dir=str(out), use_cpu=True, report_to="none", rollouts_path=str(rollouts),
+                    rollouts_per_step=8, max_steps=2, save_strategy="steps", save_steps=2, disable_tqdm=True,
+                    learning_rate=1e-3, gradient_checkpointing=False)
+    return RLTrainer(model_dir, args, processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+def test_bad_resumes_are_clear_errors(tiny_model_dir, rollouts_file, tmp_path):
+    from verifiers_rl.models import build_tiny_model
+
+    trainer_for(tiny_model_dir, rollouts_file, tmp_path / "run").train()
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+
+    def refused(spec, message: str, model=tiny_model_dir, rollouts=rollouts_file) -> None:
+        trainer = trainer_for(model, rollouts, tmp_path / "again")
+        with pytest.raises(CheckpointError, match=message):
+            trainer.train(resume_from_checkpoint=str(spec))
+        assert trainer.state.global_step == 0  # nothing trained
+
+    refused(tmp_path / "nowhere", "no such folder")
+    refused("latest", "no checkpoint-N folder in --output_dir")  # tmp_path / "again" has none
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "trainer_state.json").write_text("{}")
+    refused(half, r"not a complete verifiers_rl checkpoint \(no verifiers_rl_state.json\)")
+    other_model = build_tiny_model(tmp_path / "other-model", hidden_size=96)
+    refused(checkpoint, r"the model differs \(hidden_size: 64 there, 96 here.*--model", model=str(other_model))
+    changed = tmp_path / "changed.jsonl"
+    write_rollouts(changed, random_rollouts(12, 4, vocab_size=390, seed=6))
+    refused(checkpoint, r"the rollouts file's contents differ .*--rollouts_path", rollouts=changed)
+    state, other_size = load_run_state(checkpoint), load_run_state(checkpoint)
+    other_size.rollouts_per_step = 4
+    with pytest.raises(CheckpointError, match=r"rollouts_per_step is 8 there, 4 here \(--rollouts_per_step\)"):
+        check_fits(state, other_size, checkpoint)
+
+
+@pytest.mark.distributed
+def test_a_bad_resume_stops_every_rank(tiny_model_dir, rollouts_file, tmp_path):
+    args = ["--model", tiny_model_dir, "--rollouts_path", str(rollouts_file), "--rollouts_per_step", "8",
+            "--max_steps", "2", "--resume_from_checkpoint", "latest"]
+    log = run(accelerate("ddp_cpu.yaml"), tmp_path / "empty", args, tmp_path / "ddp.log", expect=1)
+    assert "no checkpoint-N folder in --output_dir" in log
+    assert "The main process failed: CheckpointError" in log  # rank 1 raised the same error instead of waiting

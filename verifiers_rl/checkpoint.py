@@ -1,0 +1,215 @@
+"""What a checkpoint adds to the HF Trainer's, so a resumed run continues exactly where the saved one stood.
+
+HF's ``checkpoint-N/`` holds the model, tokenizer, optimizer, scheduler, RNG states and trainer state. Beside them:
+
+- ``verifiers_rl_state.json`` (``RunState``): the rollout source's position (the next batch to train, how many
+  optimizer steps the current batch has had), what identifies the run's data and model (checked on resume), and
+  the ``--save_rollouts_path`` length at the checkpoint;
+- ``pending/batch-<b>.jsonl``: batches a live run had generated ahead but not trained yet (sampled by weights older
+  than the checkpoint's, so they cannot be regenerated after a resume);
+- ``rank_batch-<r>.pt``: each rank's slice of a batch that is part-way through its ``num_iterations`` updates (its
+  proximal log-probs come from weights older than the checkpoint's).
+
+A checkpoint is written under ``.partial-checkpoint-N/`` and renamed to ``checkpoint-N`` when complete, so a run
+killed while saving never leaves a folder that ``--resume_from_checkpoint latest`` would pick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .rollouts import Rollout, read_rollouts, write_rollouts
+
+STATE_FILE = "verifiers_rl_state.json"
+TRAINER_STATE_FILE = "trainer_state.json"
+PENDING_DIR = "pending"
+PARTIAL_PREFIX = ".partial-"
+STATE_FORMAT = 1
+# Config entries that say nothing about the architecture (paths, versions, precision, runtime switches).
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "_attn_implementation",
+    "_attn_implementation_autoset", "architectures", "_commit_hash", "output_attentions", "output_hidden_states",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be resumed from: missing, incomplete, or made by a run this one is not."""
+
+
+@dataclass
+class RunState:
+    """The part of a run's state that the HF Trainer does not keep (``verifiers_rl_state.json``)."""
+
+    global_step: int
+    next_batch: int  # the batch the next new step trains on
+    iteration: int  # optimizer steps taken on the batch before ``next_batch`` (< num_iterations: part-way)
+    num_iterations: int
+    rollouts_per_step: int
+    world_size: int
+    zero_stage: int  # 0 when not under DeepSpeed
+    model: dict[str, Any]  # the architecture config (``model_signature``)
+    source: dict[str, Any]  # {"kind": "replay", "path", "sha256"} or {"kind": "live", "environment", "rows_sha256", ...}
+    pending_batches: list[int] = field(default_factory=list)
+    save_rollouts: dict[str, Any] | None = None  # {"path", "bytes"}: the rollouts file's length at the checkpoint
+    format: int = STATE_FORMAT
+
+    def mid_batch(self) -> bool:
+        return 0 < self.iteration < self.num_iterations
+
+
+def model_signature(model) -> dict[str, Any]:
+    """The model's architecture: its config without paths, versions and precision (two runs that may share a
+    checkpoint have equal signatures)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return {}
+    values = {key: value for key, value in config.to_dict().items() if key not in _VOLATILE_CONFIG_KEYS}
+    return json.loads(json.dumps(values, sort_keys=True, default=str))  # as read back from the state file
+
+
+def rows_sha256(rows) -> str:
+    """A fingerprint of an environment's training rows (prompt, answer, info), to tell a changed dataset."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps([row.prompt, row.answer, row.info], sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+# --- finding a checkpoint -------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint(spec: str | bool, output_dir: str | Path) -> Path:
+    """The checkpoint ``--resume_from_checkpoint`` names: a folder, or ``latest`` (or ``True``) for the newest
+    complete ``checkpoint-N`` in ``output_dir``. Raises ``CheckpointError`` naming what is wrong."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    if spec is True or str(spec).lower() == "latest":
+        found = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
+        if found is None:
+            raise CheckpointError(
+                f"--resume_from_checkpoint latest: no checkpoint-N folder in --output_dir {str(output_dir)!r}. "
+                "Checkpoints are written with --save_strategy steps --save_steps N (and when a run is preempted)."
+            )
+        path = Path(found)
+    else:
+        path = Path(str(spec))
+        if not path.is_dir():
+            raise CheckpointError(f"--resume_from_checkpoint {str(spec)!r}: no such folder.")
+    missing = [name for name in (TRAINER_STATE_FILE, STATE_FILE) if not (path / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"--resume_from_checkpoint {str(path)!r} is not a complete verifiers_rl checkpoint (no {', '.join(missing)}). "
+            f"A run killed while saving leaves its unfinished checkpoint as {PARTIAL_PREFIX}checkpoint-N, never resumed."
+        )
+    return path
+
+
+# --- reading and writing --------------------------------------------------------------------------------------------
+
+
+def save_run_state(folder: Path, state: RunState, pending: dict[int, list[Rollout]]) -> None:
+    """Write ``state`` and the pending batches into ``folder`` (main process)."""
+    if pending:
+        (folder / PENDING_DIR).mkdir(exist_ok=True)
+        for index, rollouts in pending.items():
+            write_rollouts(folder / PENDING_DIR / f"batch-{index}.jsonl", rollouts)
+    state.pending_batches = sorted(pending)
+    (folder / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1, sort_keys=True))
+
+
+def load_run_state(folder: Path) -> RunState:
+    record = json.loads((folder / STATE_FILE).read_text())
+    if record.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{folder / STATE_FILE}: state format {record.get('format')!r}, expected {STATE_FORMAT}.")
+    return RunState(**record)
+
+
+def load_pending(folder: Path, state: RunState) -> dict[int, list[Rollout]]:
+    return {index: read_rollouts(folder / PENDING_DIR / f"batch-{index}.jsonl") for index in state.pending_batches}
+
+
+def check_fits(saved: RunState, current: RunState, folder: Path) -> None:
+    """Raise ``CheckpointError`` listing every way the checkpoint in ``folder`` does not fit this run (a run
+    resumed from it would not continue the saved run)."""
+    problems = []
+    if saved.model != current.model:
+        keys = sorted(k for k in set(saved.model) | set(current.model) if saved.model.get(k) != current.model.get(k))
+        shown = ", ".join(f"{k}: {saved.model.get(k)!r} there, {current.model.get(k)!r} here" for k in keys[:4])
+        problems.append(f"the model differs ({shown}; --model)")
+    if saved.source.get("kind") != current.source.get("kind"):
+        problems.append(
+            f"it trained on {saved.source.get('kind')} rollouts, this run on {current.source.get('kind')} "
+            "(--rollouts_path / --env)"
+        )
+    else:
+        for key, flag in (("sha256", "--rollouts_path"), ("environment", "--env"), ("rows_sha256", "--env / --env_args"),
+                          ("num_generations", "--num_generations"), ("seed", "--seed")):
+            if key in saved.source and saved.source[key] != current.source.get(key):
+                what = {"sha256": "the rollouts file's contents", "rows_sha256": "the environment's rows"}.get(key, key)
+                problems.append(f"{what} differ ({saved.source[key]!r} there, {current.source.get(key)!r} here; {flag})")
+    for name, flag in (("rollouts_per_step", "--rollouts_per_step"), ("num_iterations", "--num_iterations")):
+        if getattr(saved, name) != getattr(current, name):
+            problems.append(f"{name} is {getattr(saved, name)} there, {getattr(current, name)} here ({flag})")
+    if saved.zero_stage != current.zero_stage:
+        problems.append(f"DeepSpeed ZeRO stage {saved.zero_stage} there, {current.zero_stage} here (the launch config)")
+    elif saved.zero_stage and saved.world_size != current.world_size:
+        problems.append(
+            f"DeepSpeed shards were saved by {saved.world_size} processes, this run has {current.world_size} "
+            "(launch with the same number of processes)"
+        )
+    elif saved.mid_batch() and saved.world_size != current.world_size:
+        problems.append(
+            f"it stopped part-way through a batch split over {saved.world_size} processes, this run has "
+            f"{current.world_size} (launch with the same number of processes)"
+        )
+    if problems:
+        raise CheckpointError(f"Cannot resume from {folder}: " + "; ".join(problems) + ".")
+
+
+# --- writing a checkpoint atomically --------------------------------------------------------------------------------
+
+
+def partial_root(output_dir: str | Path, step: int) -> Path:
+    """Where checkpoint ``step`` is written before it is complete (HF writes its ``checkpoint-N`` inside)."""
+    return Path(output_dir) / f"{PARTIAL_PREFIX}checkpoint-{step}"
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def publish(root: Path, final: Path) -> None:
+    """Move the complete checkpoint written under ``root`` to ``final`` in one rename (replacing an older folder
+    of that name), then remove ``root``. Files are flushed to disk first, so the renamed folder is whole even after
+    a machine crash."""
+    written = root / final.name
+    _fsync_tree(written)
+    stale = None
+    if final.exists():
+        stale = final.with_name(f"{PARTIAL_PREFIX}stale-{final.name}")
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+    written.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(root, ignore_errors=True)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
