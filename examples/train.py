@@ -94,12 +94,17 @@ def flags_given(parser: TrlParser, argv: list[str] | None, config: RLConfig, nam
     return {name for name in names if getattr(config, name) == getattr(other, name)}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> TrlParser:
     parser = TrlParser((ScriptArguments, RLConfig))
     parser.set_defaults(**QUICKSTART)  # a --config YAML and then the command line override these
     # Without a GPU the script must ask for the CPU itself: a MULTI_GPU / DEEPSPEED launch would otherwise start
     # processes that each train an independent copy (SPEC §7). The trainer also checks the world size.
     parser.set_defaults(use_cpu=not torch.cuda.is_available())
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     script_args, config = parser.parse_args_and_config(args=argv)
     try:
         env_args = json.loads(script_args.env_args)

@@ -35,12 +35,12 @@ def test_right_answer_scores_1_wrong_less_missing_tag_0(tokenizer, task):
 def test_weighted_mix_held_out_split_and_format_weight(tokenizer):
     assert parse_tasks("leg_counting=3, mini_sudoku") == {"leg_counting": 3.0, "mini_sudoku": 1.0}
     env = load_environment("reasoning_gym:leg_counting=3,shortest_path", tokenizer=tokenizer, size=40, eval_size=20,
-                           seed=0, config={"leg_counting": {"max_animals": 2}}, format_weight=0.5)
+                           seed=0, config={"leg_counting": {"min_animals": 1, "max_animals": 2}}, format_weight=0.5)
     tasks = [row.info["task"] for row in env.dataset]
     assert set(tasks) == {"leg_counting", "shortest_path"} and tasks.count("leg_counting") > tasks.count("shortest_path")
     # The task config reached its generator: at most 2 kinds of animals per question.
     legs = [row for row in env.dataset if row.info["task"] == "leg_counting"]
-    assert all(row.prompt[-1]["content"].count(",") <= 1 for row in legs)
+    assert legs and all(row.prompt[-1]["content"].split("if you have")[1].count(",") <= 1 for row in legs)
     # The held-out rows come after the training rows and never repeat a training question.
     train_questions = {row.prompt[-1]["content"] for row in env.dataset}
     assert env.eval_dataset and not train_questions & {row.prompt[-1]["content"] for row in env.eval_dataset}

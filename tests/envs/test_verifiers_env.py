@@ -17,6 +17,8 @@ from .scripted import ScriptedSampler
 from .templates import TOOL_TEMPLATE
 
 SPEC = "vf:tests.envs.vf_envs"
+# Short model turns keep the tests with the tiny model (which rarely stops by itself) fast.
+SHORT = {"sampling_args": {"max_tokens": 8}}
 
 
 class RecordingSampler:
@@ -72,7 +74,7 @@ def rubric_reward(rollouts):
 
 @pytest.mark.parametrize("kind", ["single", "multi"])
 def test_rollouts_train_the_sampled_ids_and_the_rubric_rewards(tokenizer, engine, kind):
-    env = load_environment(SPEC, tokenizer=tokenizer, kind=kind, max_turns=3)
+    env = load_environment(SPEC, tokenizer=tokenizer, kind=kind, max_turns=3, **SHORT)
     assert isinstance(env, VerifiersEnv) and env.name == "tests.envs.vf_envs"
     assert len(env.dataset) == 8 and len(env.eval_dataset) == 4  # get_dataset() / eval_dataset
     recorder = RecordingSampler(engine)
@@ -94,7 +96,7 @@ def test_rollouts_train_the_sampled_ids_and_the_rubric_rewards(tokenizer, engine
 
 
 def test_same_seed_same_rollouts_other_seed_others(tokenizer, engine):
-    env = load_environment(SPEC, tokenizer=tokenizer, kind="multi", max_turns=2)
+    env = load_environment(SPEC, tokenizer=tokenizer, kind="multi", max_turns=2, **SHORT)
 
     def run(seed):
         rollouts = asyncio.run(env.rollout_group(engine, env.dataset[0], 0, 3, seed=seed))
@@ -156,10 +158,10 @@ def test_failures_are_clear_errors(tokenizer, engine):
     with pytest.raises(RolloutError, match=r"tests.envs.vf_envs failed on dataset row 0: ModelError <- RuntimeError: "
                                            r"the inference server is down"):
         asyncio.run(env.rollout_group(FailingSampler(), env.dataset[0], 0, 2))
-    broken = load_environment(SPEC, tokenizer=tokenizer, kind="broken_env", fail_after=0)
+    broken = load_environment(SPEC, tokenizer=tokenizer, kind="broken_env", fail_after=0, **SHORT)
     with pytest.raises(RolloutError, match="failed on dataset row 1: ConnectionError: the game server went away"):
         asyncio.run(broken.rollout_group(engine, broken.dataset[1], 0, 2))
-    rubric = load_environment(SPEC, tokenizer=tokenizer, kind="broken_rubric")
+    rubric = load_environment(SPEC, tokenizer=tokenizer, kind="broken_rubric", **SHORT)
     with pytest.raises(RolloutError, match="the verifiers rubric failed on dataset row 0: IndexError"):
         asyncio.run(rubric.rollout_group(engine, rubric.dataset[0], 0, 2))
 
@@ -232,3 +234,41 @@ def test_two_live_steps_with_the_tiny_model(tiny_model_dir, tmp_path, kind):
     assert len(seen) == 16 and {r.policy_version for r in seen} == {0, 1}
     if kind == "multi":
         assert any(0 in r.completion_mask for r in seen)  # environment turns were masked out of the loss
+
+
+@pytest.mark.distributed
+def test_environment_error_stops_every_rank_with_our_error(tiny_model_dir, tmp_path):
+    """2-process DDP: the verifiers environment fails mid-rollout on the main process (where generation runs);
+    both ranks stop with the RolloutError naming it (a rubric error takes the same path: a RolloutError,
+    test_failures_are_clear_errors)."""
+    import json
+
+    from test_distributed_equivalence import ROOT, accelerate, launch
+
+    env_args = {"kind": "broken_env", "fail_after": 4, "max_seq_len": 64, "sampling_args": {"max_tokens": 8}}
+    result = launch(accelerate("ddp_cpu.yaml"),
+                    [str(ROOT / "tests" / "live" / "live_run.py"), "--model", tiny_model_dir, "--out", str(tmp_path),
+                     "--k", "1", "--steps", "3", "--env", SPEC, "--env_args", json.dumps(env_args)],
+                    tmp_path / "run.log")
+    log = (tmp_path / "run.log").read_text()
+    assert result.returncode != 0
+    assert "RolloutError: tests.envs.vf_envs failed on dataset row" in log and "the game server went away" in log
+    assert "The main process failed:" in log  # rank 1 stopped with the same error instead of waiting
+
+
+def test_our_adapter_and_verifiers_reasoning_gym_env_give_the_same_rollouts(tokenizer, engine):
+    """The same reasoning-gym task through our adapter and through verifiers' ReasoningGymEnv, same rows and seed:
+    the same token ids, and the same rewards (both score the <answer> tag with the task's score_answer)."""
+    theirs = load_environment(SPEC, tokenizer=tokenizer, kind="reasoning_gym", num_examples=4,
+                              max_seq_len=1024, sampling_args={"max_tokens": 16})
+    ours = load_environment("reasoning_gym:leg_counting", tokenizer=tokenizer, size=4, eval_size=4, max_new_tokens=16)
+    for index in range(2):
+        a = asyncio.run(theirs.rollout_group(engine, theirs.dataset[index], 0, 2, seed=index))
+        b = asyncio.run(ours.rollout_group(engine, ours.dataset[index], 0, 2, seed=index))
+        assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]
+        assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+        assert [r.reward for r in a] == [r.reward for r in b]
+    # On written answers (the tiny model never answers right): the right one scores 1 under both rubrics.
+    row = ours.dataset[0]
+    right = [{"role": "assistant", "content": f"<think>x</think>\n<answer>{row.answer}</answer>"}]
+    assert asyncio.run(ours.rubric.score(row.prompt, right, row.answer, {}, row.info)).reward == 1.0
