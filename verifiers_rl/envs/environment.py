@@ -207,12 +207,14 @@ class Environment(ABC):
         the group's tokens are then a function of the seed and the weights alone. ``temperature`` overrides the
         engine's (evaluation).
         """
+        samplings = self.group_samplings(n, seed, temperature)
+        return list(await asyncio.gather(*(self._rollout_under(s, sampler, row, group_id) for s in samplings)))
+
+    def group_samplings(self, n: int, seed: int | None, temperature: float | None) -> list[RolloutSampling]:
+        """The sampling settings of a group's ``n`` rollouts: rollout i's seed is ``derive_seed(seed, i)``."""
         if n < 1:
             raise ValueError(f"{self.name}: a group needs at least one rollout, got n={n}.")
-        samplings = [
-            RolloutSampling(None if seed is None else derive_seed(seed, i), temperature) for i in range(n)
-        ]
-        return list(await asyncio.gather(*(self._rollout_under(s, sampler, row, group_id) for s in samplings)))
+        return [RolloutSampling(None if seed is None else derive_seed(seed, i), temperature) for i in range(n)]
 
     async def _rollout_under(self, sampling: RolloutSampling, sampler: Sampler, row: Row, group_id) -> Rollout:
         # Inside the rollout's own task (gather made one), so the setting is this rollout's alone.

@@ -24,7 +24,7 @@ from typing import Any
 from ...rollouts import Rollout
 from ..environment import Environment, RolloutError, Row
 from ..rubric import Rubric
-from ..sampler import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
+from ..sampler import RolloutSampling, Sampler, sampling_for_rollout
 from ..tools import current_tool_mode
 
 logger = logging.getLogger(__name__)
@@ -170,10 +170,8 @@ class VerifiersEnv(Environment):
     ) -> list[Rollout]:
         """``n`` rollouts of ``row`` by the verifiers environment, scored together by its rubric (its
         ``run_group``), each sampling under its own ``RolloutSampling(derive_seed(seed, i), temperature)``."""
-        if n < 1:
-            raise ValueError(f"{self.name}: a group needs at least one rollout, got n={n}.")
         client = self.client(sampler)
-        samplings = [RolloutSampling(None if seed is None else derive_seed(seed, i), temperature) for i in range(n)]
+        samplings = self.group_samplings(n, seed, temperature)
         states = await asyncio.gather(*(self._vf_rollout(s, client, row) for s in samplings))
         rubric = self.vf_env.rubric
         try:
