@@ -68,7 +68,8 @@ def bench_model(label: str, folder: str, repeats: int) -> list[str]:
 
         def load(mode: str, version: int):
             _, transfer, mb = next(m for m in MODES if m[0] == mode)
-            clients[transfer].weight_transfer_bucket_bytes = int(mb * 2**20)
+            if transfer != "files":
+                clients[transfer].transfer.bucket_bytes = int(mb * 2**20)
             clients[transfer].load_weights(state, version=version)
             return clients[transfer]
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -172,10 +171,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "rows.json")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+        from verifiers_rl.inference.engine import free_port
+
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()),
                    os.path.abspath(__file__), "--worker", "--out", out, "--repetitions", str(args.repetitions)]
         command += ["--quick"] if args.quick else []
         env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",

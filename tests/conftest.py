@@ -16,6 +16,16 @@ def tiny_model_dir(tmp_path_factory):
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="session")
+def initial_parameters(tiny_model_dir):
+    """The tiny model's parameters before any training step."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 @pytest.fixture(autouse=True)
 def _quiet_known_warnings():
     # transformers 5 deprecations that TRL still triggers; not ours to fix.

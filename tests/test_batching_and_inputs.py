@@ -69,8 +69,23 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
         RLConfig(importance_correction="sometimes", **common)
     with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
         RLConfig(micro_batching="packed", max_seq_len=512, max_tokens_per_microbatch=100, **common)
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
         RLConfig(temperature=0.0, **common)
+    # Choices are Literal types (validate and the command line read the same ones), numbers follow config.RANGES.
+    with pytest.raises(ValueError, match="Unknown filter_groups 'all'; expected one of none, zero_variance"):
+        RLConfig(filter_groups="all", **common)
+    with pytest.raises(ValueError, match="weight_sync_probe_tokens must be 0 or >= 2, got 1"):
+        RLConfig(weight_sync_probe_tokens=1, **common)
+    with pytest.raises(ValueError, match="max_refill_batches must be >= 0, got -1"):
+        RLConfig(max_refill_batches=-1, **common)
+    from transformers import HfArgumentParser
+
+    choices = {a.dest: a.choices for a in HfArgumentParser(RLConfig)._actions}
+    assert choices["filter_groups"] == ("none", "zero_variance")
+    assert choices["micro_batching"] == ("padded", "packed", "auto")
+    # The other ranks wait for a batch inside a collective that gives up at ddp_timeout.
+    with pytest.raises(ValueError, match=r"ddp_timeout \(600 s\) must exceed generation_timeout_s \(900 s\)"):
+        RLConfig(ddp_timeout=600, generation_timeout_s=900, **common)
 
 
 def test_config_carries_checkpointing_over_without_a_deprecation_warning(tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verifiers_rl.inference.engine import free_port
 from verifiers_rl.rollouts import write_rollouts
 from verifiers_rl.synthetic import random_rollouts
 
@@ -27,12 +27,6 @@ from equivalence_run import CONFIGS  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 LAUNCH_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(prefix: list[str], args: list[str], log: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -48,17 +42,21 @@ def accelerate(config: str) -> list[str]:
             "--main_process_port", str(free_port())]
 
 
-@pytest.fixture(scope="session")
-def runs(tmp_path_factory, tiny_model_dir):
-    work = tmp_path_factory.mktemp("equivalence")
+def runner_inputs(work: Path, model_dir: str) -> list[str]:
+    """The runner's model and rollouts arguments; writes the two rollouts files into ``work``."""
     main = random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15)
     for rollout in main:  # a group without reward variance (zero advantages; dropped by --filter_groups)
         if rollout.group_id == "g1":
             rollout.reward = 0.25
     write_rollouts(work / "main.jsonl", main)
     write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
-    common = ["--model", tiny_model_dir, "--rollouts", str(work / "main.jsonl"),
-              "--small_rollouts", str(work / "small.jsonl")]
+    return ["--model", model_dir, "--rollouts", str(work / "main.jsonl"), "--small_rollouts", str(work / "small.jsonl")]
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("equivalence")
+    common = runner_inputs(work, tiny_model_dir)
     prefixes = {
         "single": [sys.executable],
         "ddp": accelerate("ddp_cpu.yaml"),
@@ -71,23 +69,15 @@ def runs(tmp_path_factory, tiny_model_dir):
     return work
 
 
-def load(work: Path, backend: str, name: str):
-    return torch.load(work / backend / f"{name}.pt"), json.loads((work / backend / f"{name}.json").read_text())
+def load(out: Path, name: str):
+    return torch.load(out / f"{name}.pt"), json.loads((out / f"{name}.json").read_text())
 
 
-@pytest.fixture(scope="session")
-def initial_parameters(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-@pytest.mark.parametrize("backend", ["ddp", "zero3"])
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_two_process_step_equals_single_process_step(runs, initial_parameters, backend, name):
-    single_params, single = load(runs, "single", name)
-    params, record = load(runs, backend, name)
+def assert_step_equals_single_process(single_out: Path, out: Path, name: str, initial_parameters, backend: str) -> None:
+    """The run saved in ``out`` (2 processes, ``backend`` ddp or zero3) took the single process's step: parameters
+    (rel. < 1e-5), exactly one optimizer and scheduler step per batch, the logged loss and token metrics."""
+    single_params, single = load(single_out, name)
+    params, record = load(out, name)
     expected_steps = CONFIGS[name].get("max_steps", CONFIGS[name].get("num_iterations", 1))
 
     assert record["num_processes"] == 2 and single["num_processes"] == 1
@@ -117,6 +107,12 @@ def test_two_process_step_equals_single_process_step(runs, initial_parameters, b
     for key, values in single["metrics"].items():
         for got, want in zip(record["metrics"][key], values):
             assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (key, got, want)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_process_step_equals_single_process_step(runs, initial_parameters, backend, name):
+    assert_step_equals_single_process(runs / "single", runs / backend, name, initial_parameters, backend)
 
 
 def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, tiny_model_dir, tmp_path):

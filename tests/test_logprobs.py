@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from verifiers_rl.batching import BatchingConfig, collate, plan_batch, prepare_sequences
-from verifiers_rl.loss import GlobalCounts, target_logprobs
-from verifiers_rl.policy import micro_batch_logprobs
+from verifiers_rl.loss import GlobalCounts
+from verifiers_rl.policy import micro_batch_logprobs, target_logprobs
 from verifiers_rl.rollouts import Rollout
 from verifiers_rl.synthetic import random_rollouts
 

@@ -1,6 +1,15 @@
 """The progress output's pure parts: the per-step line and the choice of sample completions."""
 
-from verifiers_rl.progress import SampleLine, format_samples, format_step_line, format_summary, sample_lines
+from verifiers_rl.progress import (
+    SampleLine,
+    StepProgressCallback,
+    format_eval_line,
+    format_samples,
+    format_step_line,
+    format_summary,
+    sample_lines,
+    show_bar,
+)
 from verifiers_rl.rollouts import Rollout
 
 
@@ -39,3 +48,30 @@ def test_summary_compares_the_first_and_last_logged_rewards():
     assert format_summary(1, 2.0, [0.5]) == "done: 1 steps in 2 s"
     assert format_summary(4, 9.6, [0.5], max_steps=12) == "stopped at step 4 of 12 in 10 s"
     assert format_summary(12, 9.6, [0.5], max_steps=12) == "done: 12 steps in 10 s"
+
+
+def test_eval_line_shows_reward_pass_rates_and_size():
+    logs = {"eval_reward": 0.3124, "eval_reward_std": 0.1, "eval_pass@1": 0.1, "eval_pass@4": 0.25,
+            "eval_num_prompts": 100.0, "eval_samples_per_prompt": 4.0, "eval_runtime": 12.34, "epoch": 1.0}
+    assert format_eval_line(20, logs) == (
+        "eval at step 20 | reward 0.312 ± 0.100 | pass@1 0.100 | pass@4 0.250 | 100 prompts x 4 | 12.3s"
+    )
+
+
+class _Stream:
+    def __init__(self, tty):
+        self.tty = tty
+
+    def isatty(self):
+        return self.tty
+
+
+def test_progress_bar_only_on_a_terminal():
+    """A tqdm bar redraws itself with carriage returns: in a log file (stderr redirected) it would garble the step
+    lines, so there is none."""
+    assert show_bar(False, _Stream(True)) and not show_bar(True, _Stream(True))
+    assert not show_bar(False, _Stream(False)) and not show_bar(False, object())
+    callback = StepProgressCallback(lambda: [], show_bar=show_bar(False, _Stream(False)))
+    state = type("State", (), {"is_world_process_zero": True, "max_steps": 3, "global_step": 0})()
+    callback.on_train_begin(None, state, None)
+    assert callback.bar is None

@@ -10,15 +10,19 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
-from .loss import GlobalCounts
+from .loss import GlobalCounts, check_choice
 from .rollouts import Rollout
 
-SCALE_REWARDS = ("group", "batch", "none")
-OVERLONG_POLICIES = ("error", "truncate")
-MICRO_BATCHING_MODES = ("padded", "packed")
+ScaleRewards = Literal["group", "batch", "none"]
+OverlongPolicy = Literal["error", "truncate"]
+MicroBatchingMode = Literal["padded", "packed"]
+SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
+OVERLONG_POLICIES: tuple[str, ...] = get_args(OverlongPolicy)
+MICRO_BATCHING_MODES: tuple[str, ...] = get_args(MicroBatchingMode)
 ADVANTAGE_EPS = 1e-4
 
 
@@ -26,13 +30,12 @@ class SequenceTooLongError(ValueError):
     pass
 
 
-def compute_advantages(rewards: list[float], group_ids: list, scale_rewards: str = "group") -> list[float]:
+def compute_advantages(rewards: list[float], group_ids: list, scale_rewards: ScaleRewards = "group") -> list[float]:
     """A_i = r_i - mean_{g(i)} r, divided by (std + 1e-4) of the group (``group``) or of the batch (``batch``).
 
     Standard deviations are unbiased, as in TRL; a group of one rollout has advantage 0.
     """
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected one of {', '.join(SCALE_REWARDS)}.")
+    check_choice("scale_rewards", scale_rewards, SCALE_REWARDS)
     groups: OrderedDict = OrderedDict()
     for index, group_id in enumerate(group_ids):
         groups.setdefault(group_id, []).append(index)
@@ -78,7 +81,7 @@ def prepare_sequences(
     rollouts: list[Rollout],
     advantages: list[float],
     max_seq_len: int,
-    overlong: str = "error",
+    overlong: OverlongPolicy = "error",
     mask_truncated_completions: bool = False,
 ) -> list[TrainSequence]:
     """Concatenate prompt and completion; cut (or refuse) sequences longer than ``max_seq_len``.
@@ -86,8 +89,7 @@ def prepare_sequences(
     ``overlong="truncate"`` keeps the first ``max_seq_len`` tokens (the completion's tail goes) and marks the
     rollout truncated; a prompt that alone fills ``max_seq_len`` is always an error.
     """
-    if overlong not in OVERLONG_POLICIES:
-        raise ValueError(f"Unknown overlong policy {overlong!r}; expected one of {', '.join(OVERLONG_POLICIES)}.")
+    check_choice("overlong", overlong, OVERLONG_POLICIES)
     sequences = []
     for index, (rollout, advantage) in enumerate(zip(rollouts, advantages, strict=True)):
         prompt_len = len(rollout.prompt_ids)
@@ -295,26 +297,31 @@ class RankBatch:
 @dataclass
 class BatchingConfig:
     world_size: int = 1
-    mode: str = "padded"
+    mode: MicroBatchingMode = "padded"
     rows_per_micro_batch: int = 1
     max_tokens_per_microbatch: int = 4096
     max_seq_len: int = 1024
     horizon: int | None = None
-    overlong: str = "error"
+    overlong: OverlongPolicy = "error"
     mask_truncated_completions: bool = False
-    scale_rewards: str = "group"
+    scale_rewards: ScaleRewards = "group"
     pad_token_id: int = 0
 
     def __post_init__(self):
-        if self.mode not in MICRO_BATCHING_MODES:
-            raise ValueError(f"Unknown micro-batching mode {self.mode!r}; expected padded or packed.")
+        check_choice("micro_batching", self.mode, MICRO_BATCHING_MODES)
         if self.world_size < 1 or self.rows_per_micro_batch < 1:
             raise ValueError("world_size and rows_per_micro_batch must be >= 1.")
-        if self.mode == "packed" and self.max_tokens_per_microbatch < self.max_seq_len:
-            raise ValueError(
-                f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be >= max_seq_len "
-                f"({self.max_seq_len}) so every sequence fits a packed row."
-            )
+        if self.mode == "packed":
+            check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
+
+
+def check_packed_row_fits(max_tokens_per_microbatch: int, max_seq_len: int) -> None:
+    """A packed row must hold the longest sequence."""
+    if max_tokens_per_microbatch < max_seq_len:
+        raise ValueError(
+            f"max_tokens_per_microbatch ({max_tokens_per_microbatch}) must be >= max_seq_len ({max_seq_len}) so "
+            "every sequence fits a packed row."
+        )
 
 
 def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int = 0) -> list[RankBatch]:

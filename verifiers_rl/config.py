@@ -2,15 +2,68 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from datetime import timedelta
+from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
 from trl import GRPOConfig
 
-from .batching import MICRO_BATCHING_MODES, OVERLONG_POLICIES, SCALE_REWARDS
-from .loss import CORRECTION_MODES, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from .batching import MicroBatchingMode, OverlongPolicy, ScaleRewards, check_packed_row_fits
+from .inference.weight_transfer import WeightTransfer
+from .loss import CorrectionMode, ImportanceSamplingLevel, LossType, check_choice
+
+
+@dataclass(frozen=True)
+class Range:
+    """A field's allowed values: ``>= low`` (``> low`` when ``strict``), or one of ``also``. ``None`` passes (an
+    optional field left unset)."""
+
+    low: float
+    strict: bool = False
+    also: tuple = ()
+
+    def check(self, name: str, value) -> None:
+        if value is None or value in self.also or value > self.low or (value == self.low and not self.strict):
+            return
+        allowed = [str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"]
+        raise ValueError(f"{name} must be {' or '.join(allowed)}, got {value}.")
+
+
+AT_LEAST_ONE, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, strict=True)
+
+# Every numeric field's range, checked by RLConfig.validate (a choice is a Literal type instead: HfArgumentParser
+# lists it in --help and refuses other values; validate checks it for configs built in Python).
+RANGES: dict[str, Range] = {
+    "importance_cap": POSITIVE,
+    "importance_cap_min": NON_NEGATIVE,
+    "max_seq_len": AT_LEAST_ONE,
+    "dr_grpo_horizon": AT_LEAST_ONE,
+    "max_tokens_per_microbatch": AT_LEAST_ONE,
+    "rollouts_per_step": AT_LEAST_ONE,
+    "logprob_chunk_size": NON_NEGATIVE,
+    "max_off_policy_steps": NON_NEGATIVE,
+    "generation_timeout_s": POSITIVE,
+    "print_samples_every": NON_NEGATIVE,
+    "weight_sync_bucket_mb": NON_NEGATIVE,
+    "weight_sync_probe_tokens": Range(2, also=(0,)),
+    "weight_sync_probe_tolerance": POSITIVE,
+    "vllm_max_concurrency": AT_LEAST_ONE,
+    "vllm_request_timeout_s": POSITIVE,
+    "vllm_max_retries": NON_NEGATIVE,
+    "max_refill_batches": NON_NEGATIVE,
+    "eval_holdout": NON_NEGATIVE,
+    "log_completions_steps": NON_NEGATIVE,
+    # GRPOConfig's fields that the trainer relies on
+    "per_device_train_batch_size": AT_LEAST_ONE,
+    "temperature": POSITIVE,
+    "num_iterations": AT_LEAST_ONE,
+    "epsilon": NON_NEGATIVE,
+    "epsilon_high": NON_NEGATIVE,
+}
 
 
 @dataclass
@@ -23,24 +76,21 @@ class RLConfig(GRPOConfig):
     inside one ``training_step``.
     """
 
-    loss_type: str = field(
+    loss_type: LossType = field(
         default="grpo",
         metadata={
             "help": "Aggregation over the global batch: grpo (sequence mean of token means), dr_grpo (token sum / "
             "(valid sequences * horizon)), token_mean (DAPO), seq_mean_token_sum.",
-            "choices": list(LOSS_TYPES),
         },
     )
-    importance_sampling_level: str = field(
-        default="token",
-        metadata={"help": "PPO ratio per token, or per sequence (GSPO, length-normalised).", "choices": list(IMPORTANCE_SAMPLING_LEVELS)},
+    importance_sampling_level: ImportanceSamplingLevel = field(
+        default="token", metadata={"help": "PPO ratio per token, or per sequence (GSPO, length-normalised)."}
     )
-    importance_correction: str = field(
+    importance_correction: CorrectionMode = field(
         default="token_truncate",
         metadata={
             "help": "Correction between the proximal and the sampler policy, when rollouts carry sampler log-probs: "
             "token_truncate (w = min(exp(p - q), cap)), token_mask, sequence_truncate, sequence_mask, none.",
-            "choices": list(CORRECTION_MODES),
         },
     )
     importance_cap: float = field(default=2.0, metadata={"help": "Upper bound C of the importance weight."})
@@ -48,24 +98,22 @@ class RLConfig(GRPOConfig):
         default=None, metadata={"help": "Lower bound of the importance weight (mask modes: the lower edge)."}
     )
     max_seq_len: int = field(default=1024, metadata={"help": "Longest prompt + completion trained on, in tokens."})
-    overlong: str = field(
+    overlong: OverlongPolicy = field(
         default="error",
         metadata={
             "help": "A rollout longer than max_seq_len: 'error' refuses the batch, 'truncate' cuts the completion's "
             "tail and marks it truncated (before any count is taken).",
-            "choices": list(OVERLONG_POLICIES),
         },
     )
     dr_grpo_horizon: int | None = field(
         default=None, metadata={"help": "Horizon H of dr_grpo; defaults to max_seq_len."}
     )
-    micro_batching: str = field(
+    micro_batching: Literal[MicroBatchingMode, "auto"] = field(
         default="auto",
         metadata={
             "help": "padded: per_device_train_batch_size rows per micro-batch (length-sorted); packed: padding-free "
             "rows of at most max_tokens_per_microbatch tokens; auto: packed with a flash-attention (varlen) kernel, "
             "padded otherwise (a dense block-diagonal mask attends over the whole packed row, benchmarks/packing.py).",
-            "choices": list(MICRO_BATCHING_MODES) + ["auto"],
         },
     )
     max_tokens_per_microbatch: int | None = field(
@@ -84,9 +132,8 @@ class RLConfig(GRPOConfig):
     rollouts_path: str | None = field(
         default=None, metadata={"help": "A JSON Lines file of rollouts to train on (replay)."}
     )
-    scale_rewards: str = field(
-        default="group",
-        metadata={"help": "Advantage scaling: group std, batch std, or none.", "choices": list(SCALE_REWARDS)},
+    scale_rewards: ScaleRewards = field(
+        default="group", metadata={"help": "Advantage scaling: group std, batch std, or none."}
     )
     max_off_policy_steps: int = field(
         default=1,
@@ -158,7 +205,7 @@ class RLConfig(GRPOConfig):
             "machines). Default: a temporary folder (a server on this machine)."
         },
     )
-    vllm_weight_transfer: str = field(
+    vllm_weight_transfer: WeightTransfer = field(
         default="files",
         metadata={
             "help": "How weights reach the vLLM server: files (safetensors snapshots in vllm_weights_dir), nccl "
@@ -174,13 +221,12 @@ class RLConfig(GRPOConfig):
         },
     )
 
-    filter_groups: str = field(
+    filter_groups: Literal["none", "zero_variance"] = field(
         default="none",
         metadata={
             "help": "Dynamic sampling (DAPO): 'zero_variance' drops every group whose rewards are all equal (no "
             "advantage, only cost) before batching; live generation then generates more groups until the batch is "
             "full (at most max_refill_batches more rounds), replay only filters. 'none' keeps every group.",
-            "choices": ["none", "zero_variance"],
         },
     )
     max_refill_batches: int = field(
@@ -188,6 +234,35 @@ class RLConfig(GRPOConfig):
         metadata={
             "help": "With filter_groups: at most this many extra rounds of generation (each as many prompts as a "
             "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
+        },
+    )
+    eval_num_examples: int | None = field(
+        default=None,
+        metadata={"help": "Prompts of the held-out split each evaluation rolls out (the split's first N rows, the same "
+                  "every time); default: the whole split."},
+    )
+    eval_samples_per_prompt: int = field(
+        default=1, metadata={"help": "Samples per evaluation prompt (k of pass@k)."}
+    )
+    eval_temperature: float | None = field(
+        default=None, metadata={"help": "Sampling temperature of evaluation (0 = greedy); default: --temperature."}
+    )
+    eval_pass_threshold: float = field(
+        default=1.0, metadata={"help": "An evaluation sample passes (pass@k) when its reward is >= this."}
+    )
+    eval_holdout: int = field(
+        default=0,
+        metadata={
+            "help": "Move N rows of the training environment's dataset (a shuffle seeded by --seed) into its held-out "
+            "split, whether or not evaluation runs: for environments without an eval split. 0 = off."
+        },
+    )
+    log_completions_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Every N steps, send a table of the batch's prompts, completions and rewards to every --report_to "
+            "backend (tensorboard: text; wandb, trackio: a table). 0 = never; --log_completions means every "
+            "--logging_steps."
         },
     )
 
@@ -198,6 +273,8 @@ class RLConfig(GRPOConfig):
             # ZeRO-3-partitioned model would be wrapped in DDP and fail ("'weight' must be 2-D"). use_cpu keeps both.
             os.environ.pop("ACCELERATE_USE_CPU")
             self.use_cpu = True
+        if self.use_cpu or _env_flag("ACCELERATE_USE_CPU"):
+            _init_cpu_process_group(self.ddp_backend, self.ddp_timeout)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
@@ -206,16 +283,27 @@ class RLConfig(GRPOConfig):
             # deprecated setting on every run; carry it over to the new name, as transformers itself would.
             if getattr(self, current, "absent") is None and getattr(self, deprecated, None) is not None:
                 setattr(self, current, getattr(self, deprecated))
+        if isinstance(self.report_to, str) and "," in self.report_to:
+            self.report_to = [name.strip() for name in self.report_to.split(",")]  # the command line's one string
+        if self.eval_steps and self.eval_strategy == "no":
+            self.eval_strategy = "steps"  # --eval_steps N alone asks for evaluation every N steps
+        if self.log_completions:
+            # TRL's completion logging reads buffers only its own generation fills; ours logs the batch instead.
+            self.log_completions_steps = self.log_completions_steps or max(int(self.logging_steps), 1)
+            self.log_completions = False
         self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
         requested_num_generations = self.num_generations
+        requested_num_generations_eval = self.num_generations_eval
         # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
         # not ours, so give it values that pass, then restore.
         self.gradient_accumulation_steps = 1
         self.steps_per_generation = 2
         self.generation_batch_size = None
         self.num_generations = 2
+        self.num_generations_eval = 1  # nor is its evaluation batch (evaluation.py samples per prompt itself)
         super().__post_init__()
         self.num_generations = requested_num_generations
+        self.num_generations_eval = requested_num_generations_eval
         self.steps_per_generation = 1
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
@@ -227,56 +315,22 @@ class RLConfig(GRPOConfig):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad knob."""
-        choices = {
-            "loss_type": LOSS_TYPES,
-            "importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
-            "importance_correction": CORRECTION_MODES,
-            "overlong": OVERLONG_POLICIES,
-            "micro_batching": MICRO_BATCHING_MODES + ("auto",),
-            "scale_rewards": SCALE_REWARDS,
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"Unknown {name} {getattr(self, name)!r}; expected one of {', '.join(allowed)}.")
-        positive = ("max_seq_len", "rollouts_per_step", "max_tokens_per_microbatch", "per_device_train_batch_size")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.dr_grpo_horizon is not None and self.dr_grpo_horizon < 1:
-            raise ValueError(f"dr_grpo_horizon must be >= 1, got {self.dr_grpo_horizon}.")
-        if self.micro_batching != "padded" and self.max_tokens_per_microbatch < self.max_seq_len:
-            raise ValueError(
-                f"max_tokens_per_microbatch ({self.max_tokens_per_microbatch}) must be >= max_seq_len ({self.max_seq_len})."
-            )
-        if self.importance_cap <= 0:
-            raise ValueError(f"importance_cap must be > 0, got {self.importance_cap}.")
-        if self.importance_cap_min is not None and not 0 <= self.importance_cap_min < self.importance_cap:
+        """Raise ValueError naming the first bad knob: a choice outside its ``Literal`` type, a number outside
+        its ``RANGES`` rule, then the rules that tie fields together."""
+        for name, choices in _choices(type(self)).items():
+            check_choice(name, getattr(self, name), choices)
+        for name, allowed in RANGES.items():
+            allowed.check(name, getattr(self, name))
+        if self.micro_batching != "padded":
+            check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
+        if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:
             raise ValueError("importance_cap_min must satisfy 0 <= importance_cap_min < importance_cap.")
-        if self.logprob_chunk_size < 0:
-            raise ValueError("logprob_chunk_size must be >= 0.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}.")
-        if self.max_off_policy_steps < 0:
-            raise ValueError(f"max_off_policy_steps must be >= 0, got {self.max_off_policy_steps}.")
-        if self.filter_groups not in ("none", "zero_variance"):
-            raise ValueError(f"Unknown filter_groups {self.filter_groups!r}; expected one of none, zero_variance.")
-        if self.max_refill_batches < 0:
-            raise ValueError(f"max_refill_batches must be >= 0, got {self.max_refill_batches}.")
-        if self.print_samples_every < 0:
-            raise ValueError(f"print_samples_every must be >= 0, got {self.print_samples_every}.")
-        if self.generation_timeout_s <= 0:
-            raise ValueError("generation_timeout_s must be > 0.")
-        if self.num_iterations < 1:
-            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
-        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ValueError("epsilon and epsilon_high must be >= 0.")
-        if self.weight_sync_bucket_mb < 0:
-            raise ValueError(f"weight_sync_bucket_mb must be >= 0 (0 = one tensor per gather), got {self.weight_sync_bucket_mb}.")
-        if self.weight_sync_probe_tokens < 0 or self.weight_sync_probe_tokens == 1:
-            raise ValueError(f"weight_sync_probe_tokens must be 0 (off) or >= 2, got {self.weight_sync_probe_tokens}.")
-        if self.weight_sync_probe_tolerance is not None and not self.weight_sync_probe_tolerance > 0:
-            raise ValueError(f"weight_sync_probe_tolerance must be > 0, got {self.weight_sync_probe_tolerance}.")
+        if self.ddp_timeout <= self.generation_timeout_s:
+            # The other ranks wait for the main process's batch inside a collective, which gives up at ddp_timeout.
+            raise ValueError(
+                f"ddp_timeout ({self.ddp_timeout} s) must exceed generation_timeout_s ({self.generation_timeout_s:g} s): "
+                "the other processes wait for each batch in a collective that fails after ddp_timeout."
+            )
         if self.use_vllm or self.vllm_server_base_url:
             # TRL's own vLLM path would start its client and an NCCL weight-transfer group (CUDA only) beside ours.
             raise ValueError(
@@ -286,20 +340,35 @@ class RLConfig(GRPOConfig):
             )
         if self.vllm_server_url is not None and not self.vllm_server_url.startswith(("http://", "https://")):
             raise ValueError(f"vllm_server_url must start with http:// or https://, got {self.vllm_server_url!r}.")
-        if self.vllm_max_concurrency < 1:
-            raise ValueError(f"vllm_max_concurrency must be >= 1, got {self.vllm_max_concurrency}.")
-        if self.vllm_request_timeout_s <= 0:
-            raise ValueError(f"vllm_request_timeout_s must be > 0, got {self.vllm_request_timeout_s}.")
-        from .inference.weight_transfer import TRANSFERS
+        from .evaluation import EvalSettings
 
-        if self.vllm_weight_transfer not in TRANSFERS:
-            raise ValueError(f"vllm_weight_transfer must be one of {TRANSFERS}, got {self.vllm_weight_transfer!r}.")
-        if self.vllm_max_retries < 0:
-            raise ValueError(f"vllm_max_retries must be >= 0, got {self.vllm_max_retries}.")
+        EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple]:
+    """The allowed values of every ``Literal``-typed field of ``cls``."""
+    hints = get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) for f in fields(cls) if get_origin(hints[f.name]) is Literal}
 
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def _init_cpu_process_group(backend: str | None, timeout_s: int) -> None:
+    """Start a launched CPU run's process group with ``ddp_timeout``, before transformers starts it without one.
+
+    transformers passes ``ddp_timeout`` to the GPU and DeepSpeed process groups but not to a ``use_cpu`` one, whose
+    gloo collectives then wait torch's default 30 minutes: a peer that stops answering without closing its sockets
+    (a machine lost from the network, a stopped process) would hold every other rank that long. The Trainer reuses
+    the group started here.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return
+    from accelerate import PartialState
+
+    PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:

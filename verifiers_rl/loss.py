@@ -15,12 +15,23 @@ with per-token weights ``c`` that depend only on the token's own sequence and on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "token_mean", "seq_mean_token_sum")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
-CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none")
+# The choices, as types (RLConfig's fields use them, so the CLI lists them) and as tuples.
+LossType = Literal["grpo", "dr_grpo", "token_mean", "seq_mean_token_sum"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
+LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """Raise ValueError naming the flag ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"Unknown {name} {value!r}; expected one of {', '.join(map(str, choices))}.")
 
 
 @dataclass(frozen=True)
@@ -34,9 +45,9 @@ class GlobalCounts:
     valid_sequences: int
     horizon: int
 
-    def denominator(self, loss_type: str) -> float:
+    def denominator(self, loss_type: LossType) -> float:
         """The global denominator of ``loss_type``: B_v (grpo, seq_mean_token_sum), B_v*H (dr_grpo), N (token_mean)."""
-        check_loss_type(loss_type)
+        check_choice("loss_type", loss_type, LOSS_TYPES)
         if loss_type == "token_mean":
             value = self.loss_tokens
         elif loss_type == "dr_grpo":
@@ -47,13 +58,8 @@ class GlobalCounts:
         return float(max(value, 1))
 
 
-def check_loss_type(loss_type: str) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}.")
-
-
 def aggregation_weights(
-    loss_type: str, loss_mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts
+    loss_type: LossType, loss_mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts
 ) -> torch.Tensor:
     """Per-token weights c with  global loss = sum over the whole batch of c * z.
 
@@ -92,7 +98,7 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_index: torch.Tensor,
-    level: str = "token",
+    level: ImportanceSamplingLevel = "token",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -101,8 +107,7 @@ def clipped_surrogate(
     r = exp(l - p) per token, or exp(mean_t m (l - p)) per sequence (GSPO) broadcast over its positions.
     Returns (per-token loss, ratio, clip-active indicator).
     """
-    if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"Unknown importance_sampling_level {level!r}; expected token or sequence.")
+    check_choice("importance_sampling_level", level, IMPORTANCE_SAMPLING_LEVELS)
     log_ratio = logps - proximal_logps
     if level == "sequence":
         log_ratio = sequence_mean(log_ratio, loss_mask, seq_index)
@@ -119,7 +124,7 @@ def importance_weights(
     sampler_logps: torch.Tensor,
     loss_mask: torch.Tensor,
     seq_index: torch.Tensor,
-    mode: str = "token_truncate",
+    mode: CorrectionMode = "token_truncate",
     cap: float = 2.0,
     cap_min: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +134,7 @@ def importance_weights(
     ``*_truncate``: w = min(rho, cap) (and max(., cap_min) when given); ``*_mask``: w = rho inside
     [cap_min, cap], 0 outside; ``none``: w = 1. Returns (w, rho before truncation).
     """
-    if mode not in CORRECTION_MODES:
-        raise ValueError(f"Unknown importance correction {mode!r}; expected one of {', '.join(CORRECTION_MODES)}.")
+    check_choice("importance_correction", mode, CORRECTION_MODES)
     log_rho = (proximal_logps - sampler_logps) * loss_mask.to(proximal_logps.dtype)
     if mode.startswith("sequence"):
         log_rho = sequence_mean(log_rho, loss_mask, seq_index)
@@ -171,10 +175,10 @@ def per_token_loss(
     proximal_logps: torch.Tensor | None = None,
     sampler_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
-    level: str = "token",
+    level: ImportanceSamplingLevel = "token",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
-    correction: str = "token_truncate",
+    correction: CorrectionMode = "token_truncate",
     correction_cap: float = 2.0,
     correction_cap_min: float | None = None,
     beta: float = 0.0,
@@ -204,112 +208,3 @@ def per_token_loss(
         kl = k3_kl(logps, ref_logps)
         loss = loss + beta * kl
     return TokenLossTerms(loss, ratio.detach(), clip_active, weight, rho, kl)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Per-token log-probs at the sampling temperature, chunked so full-vocabulary logits exist for one chunk at a time.
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-class _ChunkedTargetLogProbs(torch.autograd.Function):
-    """log softmax((h W^T + b) / T)[target] and the entropy, over token chunks, with a recomputing backward.
-
-    Each chunk works in place on one [chunk, V] buffer (two at the peak), so memory is bounded by the chunk size.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
-        dtype = _compute_dtype(hidden.dtype)
-        logps = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
-        entropy = torch.empty_like(logps)
-        lse_all = torch.empty_like(logps)
-        for start in range(0, hidden.shape[0], chunk_size):
-            stop = start + chunk_size
-            logsoftmax = _logits(hidden[start:stop], weight, bias, temperature, dtype)
-            lse = torch.logsumexp(logsoftmax, dim=-1)
-            logsoftmax.sub_(lse[:, None])
-            logps[start:stop] = logsoftmax.gather(-1, targets[start:stop, None]).squeeze(-1)
-            probs = logsoftmax.exp()
-            entropy[start:stop] = -probs.mul_(logsoftmax).sum(-1)
-            lse_all[start:stop] = lse
-            del logsoftmax, probs
-        ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(entropy)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
-        dtype = lse_all.dtype
-        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
-        grad_bias = (
-            torch.zeros(bias.shape, dtype=dtype, device=bias.device)
-            if bias is not None and ctx.needs_input_grad[2]
-            else None
-        )
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            stop = start + ctx.chunk_size
-            upstream = grad_logps[start:stop, None].to(dtype)
-            # d logp_target / d logits = (onehot(target) - softmax) / T, built in place in the logits buffer.
-            grad_logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
-            grad_logits.sub_(lse_all[start:stop, None]).exp_().mul_(-upstream)
-            grad_logits.scatter_add_(-1, targets[start:stop, None], upstream)
-            grad_logits.div_(ctx.temperature)
-            # Matmuls in the parameters' dtype, so a bf16 weight is never copied to fp32 whole.
-            grad_native = grad_logits.to(weight.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = (grad_native @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                if weight.dtype == dtype:
-                    grad_weight.addmm_(grad_native.T, hidden[start:stop].to(dtype))
-                else:
-                    grad_weight += (grad_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
-            del grad_logits, grad_native
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
-
-
-def _logits(hidden, weight, bias, temperature, dtype):
-    # The matmul runs in the weight's dtype (no fp32 copy of a bf16 vocabulary matrix); softmax math in ``dtype``.
-    logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
-    if bias is not None:
-        logits = logits + bias.to(dtype)
-    return logits / temperature
-
-
-def target_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    chunk_size: int | None = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(target | h) at ``temperature`` and the entropy of pi(. | h), for hidden states ``[N, H]``.
-
-    logp = (h W^T + b)[target] / T - logsumexp((h W^T + b) / T). With ``chunk_size``, logits exist for
-    ``chunk_size`` tokens at a time in forward and backward (the backward recomputes them); ``None`` or 0
-    computes all logits at once through autograd (the reference). Returns (logps, detached entropy).
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}.")
-    if chunk_size:
-        return _ChunkedTargetLogProbs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
-    logits = _logits(hidden, weight, bias, temperature, _compute_dtype(hidden.dtype))
-    logsoftmax = torch.log_softmax(logits, dim=-1)
-    logps = logsoftmax.gather(-1, targets[:, None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logsoftmax.exp() * logsoftmax).sum(-1)
-    return logps, entropy

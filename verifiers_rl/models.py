@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 from pathlib import Path
 
 # What the Hub accepts as a model id: "name" or "namespace/name" (a local path that is not there is neither).
@@ -106,11 +108,31 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path == "tiny":
         folder = default_tiny_model_dir()
         if not (folder / "config.json").is_file():
-            build_tiny_model(folder)
+            # Every process of a launch (on every node, when the cache is on a shared home) may get here at once.
+            _publish(build_tiny_model(_partial(folder)), folder)
         return str(folder)
     if name_or_path == "smollm2":
         return str(smollm2_dir())
     return name_or_path
+
+
+def _partial(folder: Path) -> Path:
+    """An empty private folder beside ``folder`` to build it in (this process's own)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    return partial
+
+
+def _publish(partial: Path, folder: Path) -> None:
+    """Rename a finished ``partial`` to ``folder`` (atomic), so no other process ever sees half a model; if another
+    process published first, keep its copy."""
+    try:
+        partial.rename(folder)
+    except OSError:
+        if not (folder / "config.json").is_file():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def load_tokenizer(name_or_path: str):
@@ -143,7 +165,6 @@ def smollm2_dir() -> Path:
     never leaves or sees half a model.
     """
     import importlib.util
-    import shutil
     import sys
     import time
 
@@ -182,16 +203,9 @@ def smollm2_dir() -> Path:
     model.generation_config = quantised.generation_config
     del quantised
     print(f"  model loaded ({time.monotonic() - start:.0f} s); saving to {folder}...", file=sys.stderr, flush=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = _partial(folder)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    try:
-        partial.rename(folder)
-    except OSError:
-        if not (folder / "config.json").is_file():
-            raise
-        shutil.rmtree(partial, ignore_errors=True)  # another process finished first
+    _publish(partial, folder)
     print(f"  done in {time.monotonic() - start:.0f} s.", file=sys.stderr, flush=True)
     return folder

@@ -1,6 +1,6 @@
 """Run a causal LM over a MicroBatch and return per-token log-probs of the tokens that are trained on.
 
-The model's output layer is swapped, for the length of one forward, for ``loss.target_logprobs`` applied to
+The model's output layer is swapped, for the length of one forward, for ``target_logprobs`` applied to
 the loss positions only: the full-vocabulary logits of the micro-batch never exist at once, and the forward
 still goes through the (DDP / DeepSpeed) wrapper, so its hooks and gradient reduction work as usual.
 """
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from .batching import MicroBatch
-from .loss import target_logprobs
 
 
 @dataclass
@@ -66,6 +65,115 @@ def packed_attention_mask(seq_index: torch.Tensor, dtype: torch.dtype) -> torch.
     allowed = (same & causal) | torch.eye(length, dtype=torch.bool, device=seq_index.device)
     zero = torch.zeros((), dtype=dtype, device=seq_index.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-token log-probs at the sampling temperature, chunked so full-vocabulary logits exist for one chunk at a time.
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _ChunkedTargetLogProbs(torch.autograd.Function):
+    """log softmax((h W^T + b) / T)[target] and the entropy, over token chunks, with a recomputing backward.
+
+    Each chunk works in place on one [chunk, V] buffer (two at the peak), so memory is bounded by the chunk size.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+        dtype = _compute_dtype(hidden.dtype)
+        logps = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        entropy = torch.empty_like(logps)
+        lse_all = torch.empty_like(logps)
+        for start in range(0, hidden.shape[0], chunk_size):
+            stop = start + chunk_size
+            logsoftmax = _logits(hidden[start:stop], weight, bias, temperature, dtype)
+            lse = torch.logsumexp(logsoftmax, dim=-1)
+            logsoftmax.sub_(lse[:, None])
+            logps[start:stop] = logsoftmax.gather(-1, targets[start:stop, None]).squeeze(-1)
+            probs = logsoftmax.exp()
+            entropy[start:stop] = -probs.mul_(logsoftmax).sum(-1)
+            lse_all[start:stop] = lse
+            del logsoftmax, probs
+        ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
+        dtype = lse_all.dtype
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_bias = (
+            torch.zeros(bias.shape, dtype=dtype, device=bias.device)
+            if bias is not None and ctx.needs_input_grad[2]
+            else None
+        )
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            stop = start + ctx.chunk_size
+            upstream = grad_logps[start:stop, None].to(dtype)
+            # d logp_target / d logits = (onehot(target) - softmax) / T, built in place in the logits buffer.
+            grad_logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
+            grad_logits.sub_(lse_all[start:stop, None]).exp_().mul_(-upstream)
+            grad_logits.scatter_add_(-1, targets[start:stop, None], upstream)
+            grad_logits.div_(ctx.temperature)
+            # Matmuls in the parameters' dtype, so a bf16 weight is never copied to fp32 whole.
+            grad_native = grad_logits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = (grad_native @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                if weight.dtype == dtype:
+                    grad_weight.addmm_(grad_native.T, hidden[start:stop].to(dtype))
+                else:
+                    grad_weight += (grad_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+            del grad_logits, grad_native
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _logits(hidden, weight, bias, temperature, dtype):
+    # The matmul runs in the weight's dtype (no fp32 copy of a bf16 vocabulary matrix); softmax math in ``dtype``.
+    logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
+    if bias is not None:
+        logits = logits + bias.to(dtype)
+    return logits / temperature
+
+
+def target_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(target | h) at ``temperature`` and the entropy of pi(. | h), for hidden states ``[N, H]``.
+
+    logp = (h W^T + b)[target] / T - logsumexp((h W^T + b) / T). With ``chunk_size``, logits exist for
+    ``chunk_size`` tokens at a time in forward and backward (the backward recomputes them); ``None`` or 0
+    computes all logits at once through autograd (the reference). Returns (logps, detached entropy).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}.")
+    if chunk_size:
+        return _ChunkedTargetLogProbs.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
+    logits = _logits(hidden, weight, bias, temperature, _compute_dtype(hidden.dtype))
+    logsoftmax = torch.log_softmax(logits, dim=-1)
+    logps = logsoftmax.gather(-1, targets[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logsoftmax.exp() * logsoftmax).sum(-1)
+    return logps, entropy
 
 
 @contextlib.contextmanager

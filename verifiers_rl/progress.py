@@ -6,6 +6,7 @@ progress bar (unless ``disable_tqdm``) and lines a person can read while the run
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,7 @@ class SampleLine:
     reward: float
 
 
-def _last_text(messages: Any) -> str:
+def last_text(messages: Any) -> str:
     """The text of a chat's last message, or the text itself."""
     if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
         return str(messages[-1].get("content", ""))
@@ -52,7 +53,7 @@ def sample_lines(rollouts, count: int) -> list[SampleLine]:
         if rollout.group_id in seen:
             continue
         seen.add(rollout.group_id)
-        picked.append(SampleLine(_last_text(rollout.prompt), _last_text(rollout.completion), rollout.reward))
+        picked.append(SampleLine(last_text(rollout.prompt), last_text(rollout.completion), rollout.reward))
         if len(picked) == count:
             break
     return picked
@@ -73,6 +74,20 @@ def format_step_line(step: int, max_steps: int, logs: dict[str, float]) -> str:
                 parts[-1] += f" ± {fmt.format(value)}"
             else:
                 parts.append(f"{label} {fmt.format(value)}")
+    return " | ".join(parts)
+
+
+def format_eval_line(step: int, logs: dict[str, float], prefix: str = "eval") -> str:
+    """``eval at step 20 | reward 0.312 ± 0.101 | pass@1 0.100 | pass@4 0.250 | 100 prompts x 4 | 12.3s``."""
+    get = lambda name: logs.get(f"{prefix}_{name}")  # noqa: E731
+    parts = [f"{prefix} at step {step}", f"reward {get('reward'):.3f} ± {get('reward_std') or 0.0:.3f}"]
+    passes = sorted((int(key.rsplit("@", 1)[1]), value) for key, value in logs.items()
+                    if key.startswith(f"{prefix}_pass@"))
+    parts += [f"pass@{k} {value:.3f}" for k, value in passes]
+    if get("num_prompts") is not None:
+        parts.append(f"{get('num_prompts'):.0f} prompts x {get('samples_per_prompt'):.0f}")
+    if get("runtime") is not None:
+        parts.append(f"{get('runtime'):.1f}s")
     return " | ".join(parts)
 
 
@@ -139,6 +154,8 @@ class StepProgressCallback(TrainerCallback):
                 if samples:
                     self.sample_prints = state.global_step // every
                     self._write(format_samples(state.global_step, samples))
+        elif "eval_reward" in logs:
+            self._write(format_eval_line(state.global_step, logs))
         elif "train_runtime" in logs:
             self._write(format_summary(state.global_step, logs["train_runtime"], self.rewards, max_steps=state.max_steps))
 
@@ -148,10 +165,29 @@ class StepProgressCallback(TrainerCallback):
             self.bar = None
 
 
+def show_bar(disable_tqdm: bool, stream=None) -> bool:
+    """A progress bar only on a terminal: redrawn with carriage returns, it would garble a log file (and interleave
+    with the step lines) when stderr is redirected."""
+    stream = sys.stderr if stream is None else stream
+    return not disable_tqdm and bool(getattr(stream, "isatty", lambda: False)())
+
+
+def plain_output_when_redirected() -> None:
+    """Turn off transformers' and huggingface_hub's own progress bars (model loading, checkpoint writing) when stderr
+    is not a terminal, where their carriage returns would garble the log."""
+    if not show_bar(False):
+        from huggingface_hub.utils import disable_progress_bars
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        disable_progress_bars()
+
+
 def install(trainer, samples) -> None:
     """Swap transformers' printing callbacks on ``trainer`` for a ``StepProgressCallback``."""
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(StepProgressCallback(samples, show_bar=not trainer.args.disable_tqdm))
+    trainer.add_callback(StepProgressCallback(samples, show_bar=show_bar(trainer.args.disable_tqdm)))
+    plain_output_when_redirected()

@@ -43,7 +43,7 @@ from .checkpoint import (
 from .config import RLConfig
 from .generator import AsyncGenerator, ReplaySource, RolloutSource, drop_zero_variance_groups
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
-from . import progress
+from . import evaluation, progress, reporting
 from .policy import micro_batch_logprobs, sequence_logprobs, splits_packed_rows, unwrap
 from .preemption import PreemptionSignal, TrainingPreempted
 from .rollouts import append_rollouts
@@ -99,6 +99,25 @@ def _main_process_outcome(compute: Callable[[], Any], scatter: bool = False) -> 
             raise error
         raise MainProcessError(f"The main process failed: {payload}")
     return payload
+
+
+# gloo reports a lost peer as a plain RuntimeError; these are the messages seen for a killed or a stopped peer (in a
+# collective, or in DDP's all-reduce during backward).
+_GLOO_PEER_LOST = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "caused pair closure",
+                   "Timed out waiting")
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    """A collective that lost its peers: torch's distributed errors (NCCL's), or gloo's plain RuntimeErrors."""
+    return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in _GLOO_PEER_LOST)
+
+
+def _collective_failure_note(accelerator, timeout_s: int) -> str:
+    return (
+        f"verifiers_rl: a collective between the {accelerator.num_processes} processes failed on process "
+        f"{accelerator.process_index}: another process died (its own log, on its machine, has the cause) or stopped "
+        f"answering (given up after --ddp_timeout, now {timeout_s} s)."
+    )
 
 
 @dataclass
@@ -159,6 +178,8 @@ class RLTrainer(GRPOTrainer):
         environment: an ``envs.Environment`` to generate from (live, asynchronous); needs ``engine`` on the main
             process (an ``inference`` engine whose weights the trainer refreshes after every optimizer step).
         loss_fn: optional custom loss, ``loss_fn(LossInputs) -> per-token loss [R, T] or a partial loss``.
+        eval_environment: what ``evaluate`` (every ``--eval_steps``) rolls out on the engine; defaults to
+            ``environment``. A replay run evaluates too when given one and an ``engine``.
     """
 
     def __init__(
@@ -173,10 +194,13 @@ class RLTrainer(GRPOTrainer):
         callbacks=None,
         optimizers=(None, None),
         peft_config=None,
+        eval_environment=None,
     ):
         if not isinstance(args, RLConfig):
             raise TypeError(f"RLTrainer needs an RLConfig, got {type(args).__name__}.")
         self.engine = engine
+        # Before the generator reads the dataset: --eval_holdout moves rows out of it.
+        self.evaluation = evaluation.prepare(args, environment, eval_environment)
         self.generator: AsyncGenerator | None = None
         if environment is not None:
             if rollout_source is not None or args.rollouts_path:
@@ -190,6 +214,8 @@ class RLTrainer(GRPOTrainer):
         else:
             self._replay = rollout_source
             num_batches = len(rollout_source)
+        if self.evaluation is not None:
+            _main_process_outcome(lambda: self.evaluation.check_engine(engine))
         if args.max_steps is None or args.max_steps <= 0:
             args.max_steps = int(num_batches * args.num_iterations * max(args.num_train_epochs, 1))
         if self.generator is not None:
@@ -200,6 +226,7 @@ class RLTrainer(GRPOTrainer):
             reward_funcs=_unused_reward,
             args=args,
             train_dataset=placeholder,
+            eval_dataset=placeholder if self.evaluation is not None else None,
             processing_class=processing_class,
             callbacks=callbacks,
             optimizers=optimizers,
@@ -210,6 +237,7 @@ class RLTrainer(GRPOTrainer):
         self.preemption = PreemptionSignal()
         self.add_callback(_PreemptionCallback(self))
         progress.install(self, self.sample_completions)
+        reporting.install(self, lambda: self._latest_rollouts)
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if self.accelerator.num_processes != launched:
             raise RuntimeError(
@@ -265,6 +293,10 @@ class RLTrainer(GRPOTrainer):
                 output = super().train(resume_from_checkpoint=path, **kwargs)
             finally:
                 self.preemption.uninstall()
+        except RuntimeError as exc:
+            if self.accelerator.num_processes > 1 and _is_collective_failure(exc):
+                exc.add_note(_collective_failure_note(self.accelerator, self.args.ddp_timeout))
+            raise
         finally:
             if self.generator is not None:
                 self.generator.close()
@@ -398,6 +430,24 @@ class RLTrainer(GRPOTrainer):
         flag = torch.tensor([local], dtype=torch.int64, device=self.accelerator.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+    # --- evaluation ------------------------------------------------------------------------------------------------
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Roll out the held-out split on the engine at the current weights (``evaluation.py``) and log
+        ``{prefix}_reward``, ``{prefix}_pass@1``, ``{prefix}_pass@k``, ... (backends show ``eval/...``). Every rank
+        calls it (HF does, every ``--eval_steps``); the main process evaluates and every rank gets the metrics. It
+        draws no random numbers that training uses, so it leaves the training trajectory as it was."""
+        if self.evaluation is None:
+            raise ValueError("No evaluation configured: pass --eval_steps N (and --eval_env for a replay run).")
+        if self.generator is None:
+            self.sync_weights()  # replay: the engine holds the weights of the previous evaluation, or the initial ones
+        run = self.evaluation.run
+        metrics = _main_process_outcome(lambda: run(self.engine).metrics(metric_key_prefix))
+        # Trainer.log, not GRPOTrainer.log: that one would flush the training metrics gathered since the last log.
+        super(GRPOTrainer, self).log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
 
     # --- weights to the engine ----------------------------------------------------------------------------------
 

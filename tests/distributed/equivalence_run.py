@@ -81,7 +81,32 @@ def full_parameters(trainer) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in params.items()}
 
 
-def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: Path) -> None:
+def process_topology(accelerator) -> dict:
+    """Where this process sits: what the launcher set and what Accelerate and torch.distributed made of it."""
+    import torch.distributed as dist
+
+    record = {
+        "env": {key: os.environ.get(key) for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")},
+        "process_index": accelerator.process_index,
+        "local_process_index": accelerator.local_process_index,
+        "num_processes": accelerator.num_processes,
+        "is_main_process": accelerator.is_main_process,
+        "is_local_main_process": accelerator.is_local_main_process,
+        "pg_timeout_s": None,
+    }
+    if dist.is_initialized():
+        # Private API, for the test only: the gloo group's collective timeout (what ddp_timeout must set).
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        record["pg_timeout_s"] = backend.options._timeout.total_seconds()
+    return record
+
+
+def rank_loss_tokens(trainer) -> int:
+    """Loss tokens in this rank's share of the last batch."""
+    return int(sum(int(mb.loss_mask.sum()) for mb in trainer._rank_batch.micro_batches))
+
+
+def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: Path, extra: dict) -> None:
     overrides = dict(overrides)
     rollouts_file = rollouts[overrides.pop("rollouts", "main")]
     loss_fn = {"reinforce": reinforce_loss, "reinforce_partial": reinforce_partial_loss, None: None}[overrides.pop("loss_fn", None)]
@@ -103,6 +128,7 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
         seed=0,
         disable_tqdm=True,
     )
+    settings.update(extra)
     settings.update(overrides)
     settings.setdefault("max_steps", settings.get("num_iterations", 1))
     counter = StepCounter()
@@ -112,6 +138,8 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     losses = [entry["loss"] for entry in logged]
     metrics = {key: [entry[key] for entry in logged] for key in TOKEN_METRICS if all(key in e for e in logged)}
+    rank_record = {**process_topology(trainer.accelerator), "loss_tokens": rank_loss_tokens(trainer)}
+    (out / f"{name}.rank{trainer.accelerator.process_index}.json").write_text(json.dumps(rank_record))
     if trainer.accelerator.is_main_process:
         torch.save(params, out / f"{name}.pt")
         record = {
@@ -137,13 +165,15 @@ def main() -> None:
     parser.add_argument("--small_rollouts", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--ddp_timeout", type=int, default=None, help="RLConfig.ddp_timeout, when given")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.only or list(CONFIGS)
+    extra = {} if args.ddp_timeout is None else {"ddp_timeout": args.ddp_timeout}
     for name in names:
         print(f"[equivalence] rank {os.environ.get('RANK', '0')}: {name}", file=sys.stderr, flush=True)
-        run(name, CONFIGS[name], args.model, {"main": args.rollouts, "small": args.small_rollouts}, out)
+        run(name, CONFIGS[name], args.model, {"main": args.rollouts, "small": args.small_rollouts}, out, extra)
 
 
 if __name__ == "__main__":

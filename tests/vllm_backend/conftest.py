@@ -3,11 +3,15 @@
 The vLLM venv is created by ``scripts/install_vllm.sh`` when missing (~2 min, printed as it goes). Both servers
 start side by side (~30-40 s with ``--enforce-eager``) and are stopped at the end of the session; a test that
 kills one (tests/vllm_backend/test_zz_*.py run last) leaves the next user of the fixture a fresh one.
+
+Both servers need an API key (``API_KEY``, in ``$VLLM_API_KEY`` for the session), as a server reachable from other
+machines must: every client here, and every training run the tests launch, sends it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ from verifiers_rl.inference.vllm_server import VLLMServer, default_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
+API_KEY = f"test-key-{secrets.token_hex(8)}"
 
 
 def _install_vllm_venv() -> Path:
@@ -89,7 +94,7 @@ def _server(model_dir: str) -> VLLMServer:
     log = Path(model_dir).with_suffix(f".{time.strftime('%H%M%S')}.server.log")
     # The gloo weight-transfer backend on: clients can then send weights either way (files or gloo).
     return VLLMServer(model_dir, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log,
-                      weight_transfer="gloo")
+                      weight_transfer="gloo", api_key=API_KEY)
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +105,8 @@ def vllm_servers(tmp_path_factory):
     from verifiers_rl.models import build_tiny_model
 
     _install_vllm_venv()
+    saved_key = os.environ.get("VLLM_API_KEY")
+    os.environ["VLLM_API_KEY"] = API_KEY  # what VLLMEngine and the launched training runs read
     root = tmp_path_factory.mktemp("vllm-models")
     served = {}
     for name, tied in (("untied", False), ("tied", True)):
@@ -115,6 +122,10 @@ def vllm_servers(tmp_path_factory):
     finally:
         for entry in served.values():
             entry.server.stop()
+        if saved_key is None:
+            os.environ.pop("VLLM_API_KEY", None)
+        else:
+            os.environ["VLLM_API_KEY"] = saved_key
 
 
 @pytest.fixture(params=["untied", "tied"])

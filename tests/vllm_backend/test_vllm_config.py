@@ -27,5 +27,5 @@ def test_vllm_fields_are_validated():
         config(vllm_request_timeout_s=0)
     with pytest.raises(ValueError, match="vllm_max_retries must be >= 0"):
         config(vllm_max_retries=-1)
-    with pytest.raises(ValueError, match="vllm_weight_transfer must be one of"):
+    with pytest.raises(ValueError, match="Unknown vllm_weight_transfer .tcp.; expected one of files, nccl, gloo"):
         config(vllm_weight_transfer="tcp")

@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
+from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import EngineClosedError, SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm_engine import VLLMError, VLLMRequestError, VLLMUnavailableError
-from verifiers_rl.inference.vllm_server import free_port
+from verifiers_rl.inference.engine import free_port
 
 ATOL = 1e-4
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -28,6 +29,24 @@ def run(coro):
 
 async def sample_many(engine, n, max_new_tokens, prompt=PROMPT):
     return await asyncio.gather(*(engine.sample(prompt, max_new_tokens) for _ in range(n)))
+
+
+async def in_rollout(seed, temperature, call):
+    """``await call()`` under ``RolloutSampling(seed, temperature)``, as an environment's rollout does (each
+    coroutine given to gather, or to asyncio.run, runs in a task of its own, so the setting stays in it)."""
+    with sampling_for_rollout(RolloutSampling(seed, temperature)):
+        return await call()
+
+
+def seeded(engine, seeds, temperature=None, max_new_tokens=24, beside=0):
+    """One rollout per seed (each sampling PROMPT once), sent together with ``beside`` unseeded requests."""
+
+    async def go():
+        rollouts = [in_rollout(seed, temperature, lambda: engine.sample(PROMPT, max_new_tokens)) for seed in seeds]
+        others = [engine.sample(PROMPT, max_new_tokens) for _ in range(beside)]
+        return (await asyncio.gather(*rollouts, *others))[: len(seeds)]
+
+    return run(go())
 
 
 @torch.no_grad()
@@ -86,6 +105,46 @@ def test_greedy_matches_hf_argmax(untied):
     # Greedy log-probs are at temperature 1, like the embedded engine's.
     torch.testing.assert_close(torch.tensor(sample.logprobs), hf_token_logprobs(model, PROMPT, sample.token_ids, 1.0),
                                atol=ATOL, rtol=0)
+    engine.close()
+
+
+def test_rollout_seeds_and_temperature_reach_the_server(untied):
+    engine = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=1.0, max_new_tokens=24))
+    model = untied.hf_model()
+    alone = seeded(engine, [11])[0]
+    # The same seed gives the same tokens (and log-probs) when sent alone, beside 7 unseeded requests, or beside
+    # other seeded rollouts: vLLM draws a seeded request from its own generator.
+    for again in (seeded(engine, [11], beside=7)[0], seeded(engine, [5, 11, 6, 7])[1]):
+        assert again.token_ids == alone.token_ids
+        torch.testing.assert_close(torch.tensor(again.logprobs), torch.tensor(alone.logprobs), atol=ATOL, rtol=0)
+    differ = seeded(engine, [21, 22, 23, 24, 25, 26])
+    assert len({tuple(s.token_ids) for s in differ + [alone]}) == 7, "different seeds sample differently"
+    # A rollout's successive calls get successive seeds (derive_seed(seed, k)): two calls differ, a rerun repeats them.
+
+    async def two_calls():
+        return [await engine.sample(PROMPT, 24), await engine.sample(PROMPT, 24)]
+
+    first, rerun = run(in_rollout(3, None, two_calls)), run(in_rollout(3, None, two_calls))
+    assert [s.token_ids for s in first] == [s.token_ids for s in rerun] and first[0].token_ids != first[1].token_ids
+    # Chat requests take the seed too.
+    messages = [{"role": "user", "content": "hello"}]
+    chats = [run(in_rollout(9, None, lambda: engine.chat(messages, 16))) for _ in range(2)]
+    assert chats[0].sample.token_ids == chats[1].sample.token_ids
+
+    # The rollout's temperature overrides the engine's: 0 is greedy (log-probs at temperature 1, as a greedy
+    # engine's), 0.5 samples with log-probs at 0.5.
+    greedy = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=0.0, max_new_tokens=24))
+    expected = run(greedy.sample(PROMPT))
+    for sample in seeded(engine, [31, 32], temperature=0.0):
+        assert sample.token_ids == expected.token_ids
+        torch.testing.assert_close(torch.tensor(sample.logprobs), torch.tensor(expected.logprobs), atol=ATOL, rtol=0)
+    cooler = seeded(engine, [41, 42, 43, 44], temperature=0.5)
+    for sample in cooler:
+        torch.testing.assert_close(torch.tensor(sample.logprobs), hf_token_logprobs(model, PROMPT, sample.token_ids, 0.5),
+                                   atol=ATOL, rtol=0)
+    gap = (hf_token_logprobs(model, PROMPT, cooler[0].token_ids, 1.0) - torch.tensor(cooler[0].logprobs)).abs().max()
+    assert gap > 1e-2, "log-probs at T=0.5 and T=1 must differ for the check above to mean anything"
+    greedy.close()
     engine.close()
 
 

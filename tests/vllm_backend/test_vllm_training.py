@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 from verifiers_rl.inference import VLLMEngine
-from verifiers_rl.inference.vllm_server import free_port
+from verifiers_rl.inference.engine import free_port
 from verifiers_rl.rollouts import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"
+PREEMPTIBLE = ROOT / "tests" / "inference" / "preemptible_cmd.py"
 PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
 
 
@@ -109,8 +114,55 @@ def test_launcher_starts_the_server_runs_training_against_it_and_stops_it(untied
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     assert f"--vllm_server_url http://127.0.0.1:{port} --vllm_weight_transfer gloo" in result.stdout
+    # The session's API key guards this server too (from $VLLM_API_KEY, as the trainer's), and is never printed.
+    assert os.environ["VLLM_API_KEY"] not in result.stdout + result.stderr
     assert [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")] == ["step 1/1"]
     assert not _answers(port), "the server was stopped with the command"
+
+
+def test_launcher_passes_a_preemption_on_then_stops_the_server_and_leaves_nothing(vllm_servers, tmp_path):
+    # A job scheduler's SIGTERM to the launcher reaches the command, which takes 2 s to "checkpoint" while the server
+    # still answers; then the server stops and the launcher exits with the command's status. No key here: the
+    # loopback default (the server runs without our guard).
+    port = free_port()
+    env = {k: v for k, v in launch_env().items() if k != "VLLM_API_KEY"}
+    command = [sys.executable, "-m", "verifiers_rl.inference.vllm_server", "--model", vllm_servers["untied"].model_dir,
+               "--port", str(port), "--max-model-len", "512", "--log", str(tmp_path / "server.log"), "--then",
+               sys.executable, str(PREEMPTIBLE), str(tmp_path), "--delay", "2", "--exit", "0"]
+    launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 400
+        while not (tmp_path / "ready.json").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)[-6000:]
+            time.sleep(0.2)
+        # Everything the launcher runs: the server's processes, its watchdog, the command and the command's child.
+        family = [psutil.Process(launcher.pid)] + psutil.Process(launcher.pid).children(recursive=True)
+        assert len(family) >= 6 and _answers(port)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    reader.join(10)
+    output = "".join(lines)
+    stopped = json.loads((tmp_path / "stopped.json").read_text())
+    assert code == 0, output[-6000:]
+    assert stopped["signal"] == signal.SIGTERM and stopped["slept_s"] >= 2
+    assert stopped["health_while_stopping"] == 200, "the server is stopped only after the command"
+    assert "SIGTERM: passed on to the command" in output and not _answers(port)
+    left = [p for p in family if _alive(p)]
+    assert not left, [(p.pid, p.name()) for p in left]
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _answers(port: int) -> bool:

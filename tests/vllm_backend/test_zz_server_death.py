@@ -16,7 +16,7 @@ import pytest
 from test_vllm_training import ROOT, ddp_command, launch_env
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
-from verifiers_rl.inference.vllm_server import free_port
+from verifiers_rl.inference.engine import free_port
 
 DDP_DEADLINE_S = 120
 

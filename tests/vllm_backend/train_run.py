@@ -3,8 +3,9 @@
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml tests/vllm_backend/train_run.py \
         --model DIR --env reverse_text --max_steps 2 --vllm_server_url http://127.0.0.1:PORT ...
 
-After training, the main process prints ``ENGINE_STATE {json}``: the engine's class, ``policy_version``,
-``requests_served`` and its last weight load, which tests/vllm_backend/test_vllm_training.py checks.
+When main() closes the engine after training, the main process records its state; it then prints
+``ENGINE_STATE {json}``: the engine's class, ``policy_version``, ``requests_served``, its last weight load and its
+health, which tests/vllm_backend/test_vllm_training.py checks.
 """
 
 from __future__ import annotations
@@ -27,21 +28,31 @@ def main(argv: list[str] | None = None) -> int:
 
     def recording_build_engine(*args, **kwargs):
         engine = build(*args, **kwargs)
-        engines.append(engine)
+        close = engine.close
+
+        def close_after_recording() -> None:
+            # main() closes the engine when training ends: record what it answered then, before the close.
+            engines.append(engine_state(engine))
+            close()
+
+        engine.close = close_after_recording
         return engine
 
     example.build_engine = recording_build_engine  # main() looks the name up in its module at call time
     code = example.main(argv)
-    for engine in engines:
-        state = {
-            "engine": type(engine).__name__,
-            "policy_version": engine.policy_version,
-            "requests_served": getattr(engine, "requests_served", None),
-            "last_load": getattr(engine, "last_load", None),
-            "health": engine.health(),
-        }
+    for state in engines:
         print("ENGINE_STATE " + json.dumps(state), flush=True)
     return code
+
+
+def engine_state(engine) -> dict:
+    return {
+        "engine": type(engine).__name__,
+        "policy_version": engine.policy_version,
+        "requests_served": getattr(engine, "requests_served", None),
+        "last_load": getattr(engine, "last_load", None),
+        "health": engine.health(),
+    }
 
 
 if __name__ == "__main__":

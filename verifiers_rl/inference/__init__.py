@@ -1,7 +1,7 @@
 """Inference engines (SPEC §5): one small interface, an embedded HF engine, and a vLLM server client."""
 
-from .engine import InferenceEngine, Sample, SamplingConfig
-from .hf_engine import EmbeddedEngine, EngineClosedError
+from .engine import EngineClosedError, InferenceEngine, Sample, SamplingConfig
+from .hf_engine import EmbeddedEngine
 from .vllm_engine import ChatSample, VLLMEngine, VLLMError  # HTTP only: never imports vllm
 
 __all__ = [

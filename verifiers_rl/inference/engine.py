@@ -7,6 +7,8 @@ batches them. The trainer calls ``load_weights`` after each optimizer step and b
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Iterable, Protocol, runtime_checkable
 
@@ -38,6 +40,75 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+
+    def new_tokens(self, max_new_tokens: int | None) -> int:
+        """A call's ``max_new_tokens``, ``self.max_new_tokens`` when None; raises when < 1."""
+        max_new_tokens = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+        return max_new_tokens
+
+    def for_this_call(self) -> tuple[float, int | None]:
+        """(temperature, seed) of one model call: the calling rollout's ``RolloutSampling`` seed (next in its
+        sequence) and temperature override, else this config's temperature and no seed. Call it once per model
+        call, at the start of ``sample``, in the caller's task (the rollout's context)."""
+        rollout = rollout_sampling()
+        if rollout is None:
+            return self.temperature, None
+        temperature = self.temperature if rollout.temperature is None else float(rollout.temperature)
+        return temperature, rollout.next_seed()
+
+
+class EngineClosedError(RuntimeError):
+    """A call to an engine after ``close()``."""
+
+
+def check_open(closed: bool) -> None:
+    if closed:
+        raise EngineClosedError("The engine is closed.")
+
+
+def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, name: str = "prompt_ids",
+                    min_length: int = 1) -> list[int]:
+    """``token_ids`` as ints; raises when there are fewer than ``min_length`` or one is outside [0, vocab_size)
+    (only the lower bound when ``vocab_size`` is unknown). Engines check a request alone, so one bad request
+    fails by itself instead of failing a whole batch."""
+    token_ids = [int(t) for t in token_ids]
+    if len(token_ids) < min_length:
+        if min_length == 1:
+            raise ValueError(f"{name} is empty; the first completion token needs a context.")
+        raise ValueError(f"{name} needs at least {min_length} tokens, got {len(token_ids)}.")
+    bad = [t for t in token_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise ValueError(f"{name} hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}.")
+    return token_ids
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now (for a server, a rendezvous or a launch to bind next)."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) reaches this machine's loopback only: a server listening there is
+    out of other machines' reach (``0.0.0.0`` and real interfaces are not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: loopback only if every address it resolves to is
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        except socket.gaierror:
+            return False
+        return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+# The vLLM worker extension (verifiers_rl/vllm_worker/vllm_weight_sync.py) as vLLM imports it: the launcher passes
+# it to the server, the client names it in errors.
+WORKER_EXTENSION = "vllm_weight_sync.WeightSyncExtension"
 
 
 @runtime_checkable

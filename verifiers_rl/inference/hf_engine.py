@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 
 from ..policy import WRAPPER_PREFIXES, sequence_logprobs, unwrap
-from .engine import Sample, SamplingConfig, rollout_sampling
+from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
 
 # A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
 # the loop busy forever).
@@ -37,10 +37,6 @@ def _without_zero3_init():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-class EngineClosedError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -189,24 +185,10 @@ class EmbeddedEngine:
         Calls made concurrently in one event loop are batched into one ``generate``; an error in it is raised
         in every caller of that batch.
         """
-        if self._closed:
-            raise EngineClosedError("The engine is closed.")
-        max_new_tokens = self.sampling.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise ValueError("prompt_ids is empty; the first completion token needs a context.")
-        # Checked here, so one bad request fails alone instead of failing the whole batch it would join.
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
-        # The calling rollout's seed and temperature (RolloutSampling), taken now, in the rollout's own task.
-        sampling = rollout_sampling()
-        seed = sampling.next_seed() if sampling is not None else None
-        temperature = self.sampling.temperature
-        if sampling is not None and sampling.temperature is not None:
-            temperature = float(sampling.temperature)
+        check_open(self._closed)
+        max_new_tokens = self.sampling.new_tokens(max_new_tokens)
+        prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
+        temperature, seed = self.sampling.for_this_call()
         loop = asyncio.get_running_loop()
         queue = self._queue_for(loop)
         future = loop.create_future()
@@ -408,8 +390,7 @@ class EmbeddedEngine:
             # Copied now: the producer may free or reuse the tensor's memory once the next item is requested.
             staged.append((target, tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)))
         with self._lock, torch.no_grad():
-            if self._closed:
-                raise EngineClosedError("The engine is closed.")
+            check_open(self._closed)
             for target, tensor in staged:
                 target.copy_(tensor)
             self.policy_version = int(version)
@@ -420,15 +401,9 @@ class EmbeddedEngine:
         The trainer compares these with its own after every weight load (the post-sync probe). Waits for a
         running ``generate`` or weight load.
         """
-        token_ids = [int(t) for t in token_ids]
-        if len(token_ids) < 2:
-            raise ValueError(f"prompt_logprobs needs at least 2 tokens, got {len(token_ids)}.")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}.")
+        token_ids = check_token_ids(token_ids, self.vocab_size, "token_ids", min_length=2)
         with self._lock:
-            if self._closed:
-                raise EngineClosedError("The engine is closed.")
+            check_open(self._closed)
             logps = sequence_logprobs(self.model, token_ids, self.model.get_input_embeddings().weight.device)
         return logps.cpu().tolist()
 

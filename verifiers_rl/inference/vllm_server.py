@@ -12,6 +12,11 @@ sync and exact log-probs need: ``--logprobs-mode processed_logprobs`` (sampler l
 temperature), ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``), our worker extension on ``PYTHONPATH``, and
 ``--generation-config vllm`` (the checkpoint's sampling defaults never apply). On CPU: ``--enforce-eager``,
 float32, both cores.
+
+Security: with ``$VLLM_API_KEY`` set, every route but ``/health`` needs the key (the client sends the same variable);
+without it the server may only listen on loopback, since its weight-loading routes would load what anyone sends.
+Preemption: with ``--then``, a SIGTERM or SIGINT goes on to the command, which gets ``--stop-grace-s`` to exit
+(a trainer writes its checkpoint) before the server stops; a second signal stops both at once.
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,12 +36,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
+from .engine import WORKER_EXTENSION, free_port, is_loopback
+from .processes import ProcessFamily, run_preemptible
 from .weight_transfer import SERVER_BACKENDS, TRANSFERS
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_DIR = Path(__file__).resolve().parents[1] / "vllm_worker"
-WORKER_EXTENSION = "vllm_weight_sync.WeightSyncExtension"
 VENV_ENV_VAR = "VERIFIERS_RL_VLLM_VENV"
+AUTH_MIDDLEWARE = "vllm_auth.RequireAPIKey"
 # Variables of a torch.distributed launch: a server started from inside a rank must not join that job.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                 "ROLE_RANK", "TORCHELASTIC_RUN_ID", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
@@ -70,15 +77,22 @@ class VLLMServerError(RuntimeError):
     """The server could not be started (missing venv, died during startup, not ready in time)."""
 
 
+def _check_exposure(host: str, api_key: str | None, extra_args: list[str]) -> None:
+    if any(arg == "--api-key" or arg.startswith("--api-key=") for arg in extra_args):
+        raise VLLMServerError(f"Pass the API key in ${API_KEY_ENV}, not as --api-key: a command line is readable by "
+                              "every user of the machine (ps), and only the variable also guards the weight routes.")
+    if not api_key and not is_loopback(host):
+        raise VLLMServerError(
+            f"--host {host} makes the vLLM server reachable from other machines, and its weight-loading routes "
+            f"(/collective_rpc, /update_weights, ...) would load whatever anyone sends. Set {API_KEY_ENV} to a secret "
+            f"(the launcher and the trainer both read it; every route but /health then needs it), or serve on "
+            f"127.0.0.1."
+        )
+
+
 def default_venv() -> Path:
     """``$VERIFIERS_RL_VLLM_VENV``, else ``<repo>/.venv-vllm`` (what ``scripts/install_vllm.sh`` creates)."""
     return Path(os.environ.get(VENV_ENV_VAR) or ROOT / ".venv-vllm")
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return sock.getsockname()[1]
 
 
 class VLLMServer:
@@ -100,9 +114,13 @@ class VLLMServer:
             snapshots still work too.
         log_path: where the server's output goes (default: in its temporary folder); ``"-"``: this terminal.
         die_with_parent: a watchdog process kills the server if this process dies without stopping it.
+        api_key: clients must send it (``Authorization: Bearer``) on every route but ``/health``; default
+            ``$VLLM_API_KEY``. Passed to vLLM in its environment (never on a command line, which any local user
+            can read), and enforced on all routes by ``vllm_worker/vllm_auth.py`` (vLLM's own check covers
+            ``/v1`` only). Required when ``host`` is not a loopback address.
 
     ``start()`` waits for ``/health`` (``startup_timeout_s``), printing progress; if the server dies first it
-    raises ``VLLMServerError`` with the tail of its log. ``stop()`` kills the whole process group (the API server
+    raises ``VLLMServerError`` with the tail of its log. ``stop()`` stops the whole process tree (the API server
     spawns the engine core and its workers) and removes the temporary folder.
     """
 
@@ -125,7 +143,10 @@ class VLLMServer:
         progress: bool = True,
         die_with_parent: bool = True,
         weight_transfer: str = "files",
+        api_key: str | None = None,
     ):
+        self.api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        _check_exposure(host, self.api_key, extra_args or [])
         self.model = str(model)
         self.host = host
         self.port = int(port) if port else free_port()
@@ -178,6 +199,8 @@ class VLLMServer:
             "--generation-config", "vllm",
             "--worker-extension-cls", WORKER_EXTENSION,
         ]
+        if self.api_key:
+            cmd += ["--middleware", AUTH_MIDDLEWARE]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
         if self.weight_transfer in SERVER_BACKENDS:  # files need nothing: the extension reloads snapshots
@@ -196,6 +219,9 @@ class VLLMServer:
             PYTHONPATH=str(WORKER_DIR),  # the weight-sync extension alone (no verifiers_rl, no trainer deps)
             PYTHONUNBUFFERED="1",
         )
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key  # vLLM guards /v1 with it, our middleware every other route
         env.update(self.extra_env)
         return env
 
@@ -235,7 +261,7 @@ class VLLMServer:
                 [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self.process.pid), str(self._tmp)],
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        self._say(f"starting vLLM for {self.model} at {self.url} (pid {self.process.pid}, log {self.log_name})")
+        self.say(f"starting vLLM for {self.model} at {self.url} (pid {self.process.pid}, log {self.log_name})")
         self._launched_at = time.monotonic()
         return self
 
@@ -252,7 +278,7 @@ class VLLMServer:
                     f"Last lines of {self.log_name}:\n{self.log_tail()}"
                 )
             if self.healthy():
-                self._say(f"vLLM ready at {self.url} after {time.monotonic() - started:.0f} s")
+                self.say(f"vLLM ready at {self.url} after {time.monotonic() - started:.0f} s")
                 return
             now = time.monotonic()
             if now - started > timeout_s:
@@ -261,7 +287,7 @@ class VLLMServer:
                     f"Last lines of {self.log_name}:\n{self.log_tail()}"
                 )
             if now >= next_note:
-                self._say(f"... waiting for vLLM at {self.url} ({now - started:.0f} s)")
+                self.say(f"... waiting for vLLM at {self.url} ({now - started:.0f} s)")
                 next_note = now + 15
             time.sleep(0.5)
 
@@ -282,32 +308,19 @@ class VLLMServer:
         return "\n".join(text.splitlines()[-lines:])
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to the whole server process group (tests use it to simulate a crash)."""
+        """Send ``sig`` to the whole server process tree (tests use it to simulate a crash)."""
         if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
+            ProcessFamily(self.process.pid).signal(sig)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM the process group, SIGKILL what is left after ``grace_s``; remove the temporary folder."""
+        """SIGTERM the server's process tree, SIGKILL what is left after ``grace_s``; remove the temporary folder."""
         if self._stopped.is_set():
             return
         self._stopped.set()
-        process = self.process
-        if process is not None:
-            _kill_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-            # The engine core / workers may outlive the API server: kill the group whatever happened above.
-            _kill_group(process.pid, signal.SIGKILL)
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-            _wait_group_gone(process.pid, 5.0)
+        if self.process is not None:
+            # The engine core / workers may outlive the API server: the family includes its process group.
+            ProcessFamily(self.process.pid).stop(grace_s)
+            self.process.wait()
         if self.watchdog is not None:
             try:  # it exits by itself within 0.5 s of the group being gone
                 self.watchdog.wait(timeout=5)
@@ -329,26 +342,9 @@ class VLLMServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _say(self, message: str) -> None:
+    def say(self, message: str) -> None:
         if self.progress:
             print(f"[vllm_server] {message}", file=sys.stderr, flush=True)
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.1)
 
 
 def _interrupt(signum, frame):
@@ -377,7 +373,12 @@ def main(argv: list[str] | None = None) -> int:
                         "gloo (CPUs); with --then the training command gets --vllm_weight_transfer too")
     parser.add_argument("--then", action="store_true",
                         help="everything after --then is a command to run once the server is up, with "
-                        "--vllm_server_url URL appended; the server stops when it ends, and its exit code is ours")
+                        "--vllm_server_url URL appended; the server stops when it ends, and its exit code is ours. "
+                        "SIGTERM/SIGINT go on to the command, which gets --stop-grace-s to exit before the server "
+                        "stops; a second signal stops both at once")
+    parser.add_argument("--stop-grace-s", type=float, default=1800.0,
+                        help="with --then: how long the command may take to exit after a SIGTERM/SIGINT (to finish "
+                        "its step and write a checkpoint) before it is killed")
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--then" in argv:
@@ -386,12 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             parser.error("--then needs a command after it")
     args, extra = parser.parse_known_args(argv)
-    server = VLLMServer(
-        args.model, port=args.port, host=args.host, served_model_name=args.served_model_name, venv=args.venv,
-        max_model_len=args.max_model_len, dtype=args.dtype, enforce_eager=not args.no_enforce_eager,
-        kv_cache_gib=args.kv_cache_gib, max_logprobs=args.max_logprobs, extra_args=extra,
-        startup_timeout_s=args.startup_timeout_s, log_path=args.log, weight_transfer=args.weight_transfer,
-    )
+    try:
+        server = VLLMServer(
+            args.model, port=args.port, host=args.host, served_model_name=args.served_model_name, venv=args.venv,
+            max_model_len=args.max_model_len, dtype=args.dtype, enforce_eager=not args.no_enforce_eager,
+            kv_cache_gib=args.kv_cache_gib, max_logprobs=args.max_logprobs, extra_args=extra,
+            startup_timeout_s=args.startup_timeout_s, log_path=args.log, weight_transfer=args.weight_transfer,
+        )
+    except VLLMServerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, _interrupt)  # a job runner's SIGTERM stops the server like Ctrl-C does
     try:
         server.start()
@@ -401,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 command += ["--vllm_weight_transfer", args.weight_transfer]
             print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); running: "
                   f"{' '.join(command)}", flush=True)
-            return subprocess.call(command)
+            return run_preemptible(command, args.stop_grace_s, say=server.say)
         print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); Ctrl-C stops it.", flush=True)
         while server.process.poll() is None:
             time.sleep(1.0)

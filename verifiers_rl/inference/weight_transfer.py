@@ -16,16 +16,17 @@ dtypes, shapes) answered by broadcasts of that bucket's tensors, and ``/finish_w
 from __future__ import annotations
 
 import importlib
-import ipaddress
 import socket
 import time
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 
 from ..vllm_worker.vllm_weight_sync import GLOO_BACKEND, gloo_broadcast, gloo_group
+from .engine import is_loopback
 
-TRANSFERS = ("files", "nccl", "gloo")
+WeightTransfer = Literal["files", "nccl", "gloo"]
+TRANSFERS: tuple[str, ...] = get_args(WeightTransfer)
 # What the server's --weight-transfer-config backend must be for each client-side transfer.
 SERVER_BACKENDS = {"nccl": "nccl", "gloo": GLOO_BACKEND}
 
@@ -33,11 +34,8 @@ SERVER_BACKENDS = {"nccl": "nccl", "gloo": GLOO_BACKEND}
 def address_towards(host: str) -> str:
     """This machine's address as seen from ``host``: loopback for a local server, else the interface that routes
     to it (a UDP "connect" sends nothing)."""
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return "127.0.0.1"
-    except ValueError:
-        pass  # a host name
+    if is_loopback(host):
+        return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))
         return probe.getsockname()[0]

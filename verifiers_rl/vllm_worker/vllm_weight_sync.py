@@ -16,8 +16,9 @@ import json
 import os
 import time
 
-# Bumped when the RPC contract changes; the client checks it at connect time.
-PROTOCOL_VERSION = 2
+# Bumped when the RPC contract changes; the client checks it at connect time (3: a rejected snapshot is an answer
+# with a "rejected" list, no longer an error).
+PROTOCOL_VERSION = 3
 GLOO_BACKEND = "verifiers_rl_gloo"
 
 
@@ -125,7 +126,8 @@ class WeightSyncExtension:
         return getattr(self, "_verifiers_rl_owner", "")
 
     def verifiers_rl_load_snapshot(self, manifest_path: str) -> dict:
-        """Load every tensor the manifest lists (HF parameter names) into the model in place."""
+        """Load every tensor the manifest lists (HF parameter names) into the model in place, or, if any name or
+        shape does not fit the served checkpoint, nothing: then the answer's ``rejected`` lists the problems."""
         from safetensors import safe_open
 
         started = time.perf_counter()
@@ -135,7 +137,9 @@ class WeightSyncExtension:
         entries = manifest["tensors"]
         # All checks before the reload starts: vLLM's layerwise reload first moves every layer to the meta device,
         # so a failure halfway leaves a model whose next forward kills the engine.
-        self._verifiers_rl_validate(entries)
+        problems = self._verifiers_rl_problems(entries)
+        if problems:  # an answer, not an error: the client tells a refusal from a failure by this field
+            return {"rejected": problems, "checkpoint": self.model_runner.model_config.model, "tensors": 0}
         count = 0
 
         def tensors():
@@ -189,14 +193,9 @@ class WeightSyncExtension:
         self._verifiers_rl_expected_cache = expected or None
         return self._verifiers_rl_expected_cache
 
-    def _verifiers_rl_validate(self, entries: list[dict]) -> None:
+    def _verifiers_rl_problems(self, entries: list[dict]) -> list[str]:
         expected = self._verifiers_rl_expected()
         if expected is None:
-            return
+            return []
         given = {entry["name"]: list(entry["shape"]) for entry in entries}
-        problems = check_entries(expected, given, self._verifiers_rl_tied())
-        if problems:
-            raise ValueError(
-                "Weights rejected, nothing loaded (the served checkpoint " f"{self.model_runner.model_config.model} "
-                "has other parameters): " + "; ".join(problems)
-            )
+        return check_entries(expected, given, self._verifiers_rl_tied())

@@ -10,6 +10,7 @@ from ..math_check import correct_answer
 from ..parsers import Parser, extract_boxed_answer
 from ..rubric import Rubric
 from ..singleturn import SingleTurnEnv
+from ..splits import disjoint_rows
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}
@@ -33,6 +34,7 @@ def load_environment(
     *,
     tokenizer: Any,
     num_examples: int = 1000,
+    num_eval_examples: int = 100,
     max_operand: int = 20,
     seed: int = 0,
     system_prompt: str = SYSTEM_PROMPT,
@@ -41,13 +43,17 @@ def load_environment(
     **kwargs: Any,
 ) -> SingleTurnEnv:
     """The arithmetic environment (reward 1/0); extra keyword arguments go to ``SingleTurnEnv``."""
+    rows = make_dataset(num_examples, max_operand, seed)
+    # The held-out split: rows from other seeds, none with a training row's prompt.
+    held_out = disjoint_rows(lambda n, s: make_dataset(n, max_operand, s), num_eval_examples, rows, seed, "arithmetic")
     return SingleTurnEnv(
-        make_dataset(num_examples, max_operand, seed),
+        rows,
         Rubric([correct_answer], parser=Parser(extract=extract_boxed_answer)),
         tokenizer,
         system_prompt=system_prompt,
         max_new_tokens=max_new_tokens,
         max_seq_len=max_seq_len,
         name="arithmetic",
+        eval_dataset=held_out,
         **kwargs,
     )

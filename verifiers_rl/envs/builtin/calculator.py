@@ -12,6 +12,7 @@ from typing import Any
 from ..math_check import correct_answer
 from ..parsers import Parser, extract_boxed_answer
 from ..rubric import Rubric
+from ..splits import disjoint_rows
 from ..tools import ToolEnv
 
 SYSTEM_PROMPT = "Use the calculate tool for arithmetic. Put the final answer in \\boxed{}."
@@ -73,6 +74,7 @@ def load_environment(
     *,
     tokenizer: Any,
     num_examples: int = 1000,
+    num_eval_examples: int = 100,
     seed: int = 0,
     system_prompt: str = SYSTEM_PROMPT,
     max_turns: int = 4,
@@ -82,8 +84,11 @@ def load_environment(
 ) -> ToolEnv:
     """The calculator environment (reward 1/0; needs a chat template with tool support); extra keyword arguments
     go to ``ToolEnv``."""
+    rows = make_dataset(num_examples, seed)
+    # The held-out split: rows from other seeds, none with a training row's prompt.
+    held_out = disjoint_rows(make_dataset, num_eval_examples, rows, seed, "calculator")
     return ToolEnv(
-        make_dataset(num_examples, seed),
+        rows,
         Rubric([correct_answer], parser=Parser(extract=extract_boxed_answer)),
         tokenizer,
         tools=[calculate],
@@ -92,5 +97,6 @@ def load_environment(
         max_new_tokens=max_new_tokens,
         max_seq_len=max_seq_len,
         name="calculator",
+        eval_dataset=held_out,
         **kwargs,
     )

@@ -10,6 +10,7 @@ from ..messages import Messages
 from ..parsers import Parser
 from ..rubric import Rubric
 from ..singleturn import SingleTurnEnv
+from ..splits import disjoint_rows
 
 SYSTEM_PROMPT = "Reverse the text character by character. Reply with the reversed text only."
 
@@ -44,6 +45,7 @@ def load_environment(
     *,
     tokenizer: Any,
     num_examples: int = 1000,
+    num_eval_examples: int = 100,
     min_len: int = 3,
     max_len: int = 6,
     seed: int = 0,
@@ -53,13 +55,17 @@ def load_environment(
     **kwargs: Any,
 ) -> SingleTurnEnv:
     """The reverse_text environment; extra keyword arguments go to ``SingleTurnEnv``."""
+    rows = make_dataset(num_examples, min_len, max_len, seed)
+    # The held-out split: rows from other seeds, none with a training row's prompt.
+    held_out = disjoint_rows(lambda n, s: make_dataset(n, min_len, max_len, s), num_eval_examples, rows, seed, "reverse_text")
     return SingleTurnEnv(
-        make_dataset(num_examples, min_len, max_len, seed),
+        rows,
         Rubric([reversal_similarity]),
         tokenizer,
         system_prompt=system_prompt,
         max_new_tokens=max_new_tokens,
         max_seq_len=max_seq_len,
         name="reverse_text",
+        eval_dataset=held_out,
         **kwargs,
     )

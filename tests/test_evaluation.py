@@ -1,0 +1,208 @@
+"""Evaluation (verifiers_rl/evaluation.py, RLTrainer.evaluate): the pass@k estimator, the reduction to metrics,
+held-out splits, seeded and batch-independent evaluation rollouts, a run with evaluation ending with the same
+parameters as one without (live at k = 0 and k = 1, and replay), and the bad-input errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from verifiers_rl.config import RLConfig
+from verifiers_rl.envs import Rubric, SingleTurnEnv, load_environment
+from verifiers_rl.envs.environment import Row
+from verifiers_rl.evaluation import EvalSample, EvalSettings, evaluate, pass_at_k, summarize
+from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+from verifiers_rl.rollouts import Rollout, write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.trainer import RLTrainer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+# --- pass@k and the reduction ---------------------------------------------------------------------------------------
+
+
+def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_pass():
+    for n in range(1, 7):
+        for c in range(n + 1):
+            samples = [True] * c + [False] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(samples, k))
+                expected = sum(any(subset) for subset in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+            assert pass_at_k(n, c, 1) == pytest.approx(c / n)
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def _sample(row: int, index: int, reward: float, tokens: int, threshold: float = 1.0) -> EvalSample:
+    rollout = Rollout([1, 2], [5] * tokens, [1] * tokens, reward, f"eval-{row}", truncated=tokens == 4,
+                      metrics={"exact": float(reward == 1.0), "partial": reward / 2, "reward_errors": 0.0})
+    return EvalSample(Row(row, [{"role": "user", "content": str(row)}], answer="x"), index, rollout, reward >= threshold)
+
+
+def test_summary_metrics_average_rollouts_and_pass_rates_over_prompts():
+    # Prompt 0: rewards 1, 0.5, 1 (2 of 3 pass); prompt 1: 0, 0, 0.25 (none pass).
+    rewards = {0: [1.0, 0.5, 1.0], 1: [0.0, 0.0, 0.25]}
+    samples = [_sample(row, i, r, tokens=2 + i) for row, rs in rewards.items() for i, r in enumerate(rs)]
+    metrics = summarize(samples, 3, 1.0, seconds=2.0).metrics()
+    assert metrics["eval_reward"] == pytest.approx(2.75 / 6)
+    assert metrics["eval_pass@1"] == pytest.approx((2 / 3 + 0) / 2)
+    assert metrics["eval_pass@3"] == pytest.approx((1 + 0) / 2)
+    assert metrics["eval_rewards/exact"] == pytest.approx(2 / 6)
+    assert metrics["eval_rewards/partial"] == pytest.approx(2.75 / 12)
+    assert "eval_rewards/reward_errors" not in metrics
+    assert metrics["eval_completion_tokens"] == pytest.approx(3.0)  # 2, 3, 4 tokens per prompt
+    assert metrics["eval_truncated_fraction"] == pytest.approx(2 / 6)
+    assert (metrics["eval_num_prompts"], metrics["eval_samples_per_prompt"]) == (2.0, 3.0)
+    # A lower threshold: 0.5 passes too.
+    loose = summarize([_sample(s.row.index, s.sample, s.rollout.reward, 2, threshold=0.5) for s in samples], 3, 0.5, 1.0)
+    assert loose.metrics()["eval_pass@1"] == pytest.approx((1 + 0) / 2)
+
+
+def _toy_env(tokenizer, rows=10, eval_rows=()):
+    dataset = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(rows)]
+    held = [{"question": f"e{i}", "answer": f"b{i}"} for i in range(eval_rows)] if eval_rows else None
+    return SingleTurnEnv(dataset, Rubric([lambda completion: 0.0]), tokenizer, max_new_tokens=4, max_seq_len=64,
+                         eval_dataset=held)
+
+
+# --- evaluation rollouts --------------------------------------------------------------------------------------------
+
+
+def test_evaluation_is_seeded_batch_independent_and_greedy_at_temperature_zero(tiny_model_dir, tokenizer):
+    env = load_environment("reverse_text", tokenizer=tokenizer, num_examples=20, num_eval_examples=6, max_new_tokens=8)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0))
+    ids = lambda result: {(s.row.index, s.sample): s.rollout.completion_ids for s in result.samples}  # noqa: E731
+    six = evaluate(env, engine, EvalSettings(num_examples=6, samples_per_prompt=3, seed=1))
+    assert len(six.samples) == 18 and ids(evaluate(env, engine, EvalSettings(6, 3, seed=1))) == ids(six)
+    # The first two rows' samples do not depend on which other rows share the engine's batch.
+    two = ids(evaluate(env, engine, EvalSettings(num_examples=2, samples_per_prompt=3, seed=1)))
+    assert two == {key: value for key, value in ids(six).items() if key[0] < 2}
+    assert ids(evaluate(env, engine, EvalSettings(6, 3, seed=2))) != ids(six)
+    assert len({tuple(s.rollout.completion_ids) for s in six.samples if s.row.index == 0}) > 1  # samples differ
+    # Greedy: every sample of a prompt is the same completion, so pass@1 = pass@k and each group's rewards agree.
+    greedy = evaluate(env, engine, EvalSettings(num_examples=6, samples_per_prompt=3, temperature=0.0, seed=1))
+    for row in range(6):
+        group = [s.rollout for s in greedy.samples if s.row.index == row]
+        assert len({tuple(r.completion_ids) for r in group}) == 1 and len({r.reward for r in group}) == 1
+    assert greedy.pass_at[1] == greedy.pass_at[3]
+    assert engine.policy_version == 0
+
+
+# --- evaluation inside training -------------------------------------------------------------------------------------
+
+
+def _train(tiny_model_dir, tokenizer, tmp_path, mode: str, evaluating: bool):
+    """Three steps (live at k = 0 / 1, or replay with an engine for evaluation); returns the final parameters and the
+    logged evaluations."""
+    env = load_environment("reverse_text", tokenizer=tokenizer, num_examples=24, num_eval_examples=4, max_new_tokens=8)
+    args = RLConfig(
+        output_dir=str(tmp_path / f"{mode}-{evaluating}"), use_cpu=True, report_to="none", save_strategy="no",
+        logging_steps=1, max_steps=3, learning_rate=1e-2, lr_scheduler_type="constant", rollouts_per_step=8,
+        num_generations=4, max_seq_len=128, max_off_policy_steps=1 if mode == "k1" else 0, gradient_checkpointing=False,
+        disable_tqdm=True, seed=3, eval_steps=1 if evaluating else None, eval_samples_per_prompt=2,
+    )
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=8),
+                            generate_in_loop_thread=mode != "k1")
+    if mode == "replay":
+        path = tmp_path / "replay.jsonl"
+        write_rollouts(path, random_rollouts(6, 4, vocab_size=390, seed=4))
+        args.rollouts_path = str(path)
+        inputs = {"engine": engine, "eval_environment": env}
+    else:
+        inputs = {"engine": engine, "environment": env}
+    trainer = RLTrainer(tiny_model_dir, args, processing_class=tokenizer, **inputs)
+    trainer.train()
+    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    evals = [entry for entry in trainer.state.log_history if "eval_reward" in entry]
+    return params, evals, env
+
+
+@pytest.mark.parametrize("mode", ["k0", "k1", "replay"])
+def test_evaluation_leaves_the_training_trajectory_unchanged(tiny_model_dir, tokenizer, tmp_path, mode):
+    without, none, _ = _train(tiny_model_dir, tokenizer, tmp_path, mode, evaluating=False)
+    with_eval, evals, env = _train(tiny_model_dir, tokenizer, tmp_path, mode, evaluating=True)
+    assert none == []
+    assert [entry["step"] for entry in evals] == [1, 2, 3]
+    assert all(entry["eval_num_prompts"] == 4 and entry["eval_samples_per_prompt"] == 2 for entry in evals)
+    moved = [name for name in without if not torch.equal(without[name], with_eval[name])]
+    assert not moved, f"evaluation changed {moved}"
+    # The evaluations saw the trained weights (the policy moved, so the same seeded samples scored differently).
+    assert len({entry["eval_reward"] for entry in evals}) > 1
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0))
+    engine.load_weights(with_eval.items(), version=3)
+    final = evaluate(env, engine, EvalSettings(samples_per_prompt=2, seed=3)).metrics()
+    assert final["eval_reward"] == evals[-1]["eval_reward"] and final["eval_pass@2"] == evals[-1]["eval_pass@2"]
+
+
+def test_evaluation_bad_input_is_a_clear_error_when_training_starts(tiny_model_dir, tokenizer, tmp_path):
+    def trainer(env, **overrides):
+        args = RLConfig(output_dir=str(tmp_path / "bad"), use_cpu=True, report_to="none", save_strategy="no",
+                        max_steps=1, rollouts_per_step=4, num_generations=4, max_seq_len=64, eval_steps=1,
+                        disable_tqdm=True, **overrides)
+        engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(max_new_tokens=4))
+        return RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=env, engine=engine)
+
+    with pytest.raises(ValueError, match=r"--eval_num_examples 5 is larger than the held-out split of .* \(3 rows\)"):
+        trainer(_toy_env(tokenizer, eval_rows=3), eval_num_examples=5)
+    with pytest.raises(ValueError, match="has no held-out split to evaluate on.*--eval_env.*--eval_holdout N"):
+        trainer(_toy_env(tokenizer))
+    env = _toy_env(tokenizer)
+    trainer(env, eval_holdout=4, eval_num_examples=4)  # holding rows out gives it a split
+    assert len(env.dataset) == 6 and len(env.eval_dataset) == 4
+    for flag, value, message in [("eval_samples_per_prompt", 0, "eval_samples_per_prompt must be >= 1"),
+                                 ("eval_temperature", -1.0, "eval_temperature must be >= 0"),
+                                 ("eval_num_examples", 0, "eval_num_examples must be >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            RLConfig(output_dir=str(tmp_path / "c"), use_cpu=True, report_to="none", **{flag: value})
+
+
+def test_evaluation_never_changes_which_rows_train(tokenizer):
+    """--eval_holdout moves rows whether or not evaluation runs, so both runs train on the same rows."""
+    from verifiers_rl.evaluation import prepare
+
+    rows = {}
+    for evaluating in (False, True):
+        env = _toy_env(tokenizer)
+        args = RLConfig(output_dir="unused", use_cpu=True, report_to="none", eval_holdout=3, seed=1,
+                        eval_steps=1 if evaluating else None)
+        assert (prepare(args, env, None) is not None) == evaluating
+        rows[evaluating] = [row.index for row in env.dataset]
+    assert rows[False] == rows[True] and len(rows[True]) == 7
+
+
+@pytest.mark.distributed
+def test_evaluation_under_zero3_leaves_training_unchanged_and_scores_the_saved_weights(tiny_model_dir, tokenizer, tmp_path):
+    """DeepSpeed ZeRO-3, 2 processes, replay: evaluation gathers the shards into the main process's engine, every
+    rank gets the metrics, the final weights equal those of the same run without evaluation, and the saved model
+    evaluates to what the run logged at its last step."""
+    from test_distributed_equivalence import ROOT, accelerate, launch
+
+    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+    from eval_run import ENV_ARGS
+
+    write_rollouts(tmp_path / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=6))
+    log = tmp_path / "zero3.log"
+    result = launch(accelerate("zero3_cpu.yaml"), [str(ROOT / "tests" / "distributed" / "eval_run.py"), "--model",
+                    tiny_model_dir, "--rollouts", str(tmp_path / "r.jsonl"), "--out", str(tmp_path / "out")], log)
+    assert result.returncode == 0, log.read_text()[-6000:]
+    out = tmp_path / "out"
+    record = json.loads((out / "eval.json").read_text())
+    assert record["num_processes"] == 2
+    evals = [entry for entry in record["log_history"] if "eval_reward" in entry]
+    assert [entry["step"] for entry in evals] == [1, 2]
+    plain, evaluated = torch.load(out / "params_plain.pt"), torch.load(out / "params_eval.pt")
+    assert plain.keys() == evaluated.keys() and all(torch.equal(plain[k], evaluated[k]) for k in plain)
+    env = load_environment("reverse_text", tokenizer=tokenizer, **ENV_ARGS)
+    engine = EmbeddedEngine(str(out / "saved"), tokenizer, SamplingConfig(temperature=1.0))
+    final = evaluate(env, engine, EvalSettings(samples_per_prompt=2, seed=0)).metrics()
+    assert final["eval_reward"] == evals[-1]["eval_reward"] and final["eval_pass@2"] == evals[-1]["eval_pass@2"]
