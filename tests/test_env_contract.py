@@ -117,3 +117,21 @@ def test_model_path_that_does_not_exist_is_a_clear_error(tmp_path):
 @pytest.fixture
 def tokenizer_dir(tiny_model_dir):
     return tiny_model_dir
+
+
+def test_reasoning_gym_trains_two_live_steps_through_the_script(tmp_path, capsys):
+    """`--env reasoning_gym:<task>` as the README runs it (short turns and few rows, for time): no length flags, the
+    run takes the environment's limits; the rollouts are scored by the task (the tiny model never answers, so 0)."""
+    from verifiers_rl.rollouts import read_rollouts
+
+    argv = ["--model", "tiny", "--env", "reasoning_gym:leg_counting", "--env_args",
+            '{"size": 8, "eval_size": 2, "max_new_tokens": 16}', "--max_steps", "2",
+            "--rollouts_per_step", "4", "--num_generations", "2", "--print_samples_every", "0",
+            "--save_rollouts_path", str(tmp_path / "seen.jsonl"), "--output_dir", str(tmp_path / "out")]
+    assert train_script.main(argv) == 0
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")] == [
+        "step 1/2", "step 2/2"]
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    assert len(seen) == 8 and all(len(r.completion_ids) <= 16 for r in seen)
+    assert all(len(r.prompt_ids) + len(r.completion_ids) <= 1024 for r in seen)  # the adapter's default max_seq_len
+    assert all("format_reward" in r.metrics for r in seen)
