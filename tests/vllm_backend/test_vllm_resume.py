@@ -1,5 +1,6 @@
 """A run resumed against a REAL vLLM server (CPU): the server gets the checkpoint's weights before the first batch
-after the resume, although it still holds the newer weights the interrupted run left in it."""
+after the resume, although it still holds the newer weights the interrupted run left in it; every request carries its
+rollout's seed, so the batch after the resume is the uninterrupted run's and so are the final parameters."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from test_vllm_training import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from verifiers_rl.rollouts import read_rollouts
@@ -55,3 +57,10 @@ def test_a_resumed_run_loads_the_checkpoint_into_the_server_before_its_first_bat
     # held when the run started (the second gap shows the check can tell them apart).
     assert max_gap(checkpoint, resumed) < 1e-4
     assert max_gap(tmp_path / "full", resumed) > 1e-3
+    # vLLM's per-request seed (its own generator per request) samples the same tokens as the uninterrupted run did.
+    full = read_rollouts(tmp_path / "full.jsonl")
+    assert len(full) == 16
+    assert [r.completion_ids for r in resumed] == [r.completion_ids for r in full[8:]]
+    got, want = load_file(tmp_path / "resumed" / "model.safetensors"), load_file(tmp_path / "full" / "model.safetensors")
+    worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
+    assert worst < 1e-6, f"max relative parameter difference {worst:.3e}"

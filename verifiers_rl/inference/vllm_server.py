@@ -10,7 +10,8 @@ In Python (tests): ``with VLLMServer(model_dir) as server: VLLMEngine(server.url
 The server runs ``<venv>/bin/python -m vllm.entrypoints.cli.main serve`` in its own process group with what weight
 sync and exact log-probs need: ``--logprobs-mode processed_logprobs`` (sampler log-probs at the sampling
 temperature), ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``), our worker extension on ``PYTHONPATH``, and
-``--generation-config vllm`` (the checkpoint's sampling defaults never apply). On CPU: ``--enforce-eager``,
+``--generation-config vllm`` (the checkpoint's sampling defaults never apply), ``--enable-prefix-caching`` (a
+group's samples share their prompt; the client resets the cache after every weight load). On CPU: ``--enforce-eager``,
 float32, both cores.
 
 Security: with ``$VLLM_API_KEY`` set, every route but ``/health`` needs the key (the client sends the same variable);
@@ -198,6 +199,8 @@ class VLLMServer:
             "--max-logprobs", str(self.max_logprobs),
             "--generation-config", "vllm",
             "--worker-extension-cls", WORKER_EXTENSION,
+            # A group's samples share their prompt: said here, not left to vLLM's per-platform default.
+            "--enable-prefix-caching",
         ]
         if self.api_key:
             cmd += ["--middleware", AUTH_MIDDLEWARE]
