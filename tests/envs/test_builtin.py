@@ -135,7 +135,8 @@ def test_load_environment_from_module_function_and_file(tokenizer, tmp_path, mon
     env = load_environment(str(tmp_path / "my_custom_env.py"), tokenizer=tokenizer)
     assert env.dataset[0].prompt[-1]["content"] == "hi"
 
-    with pytest.raises(TypeError, match="returned a int, not an Environment"):
+    with pytest.raises(TypeError, match="returned a int, which is neither a verifiers_rl Environment .* nor a classic "
+                                        "verifiers environment"):
         load_environment("my_custom_env:not_an_env")
     with pytest.raises(ValueError, match="module 'my_custom_env' has no 'missing'"):
         load_environment("my_custom_env:missing")

@@ -3,10 +3,11 @@
 import asyncio
 import copy
 import json
+import logging
 
 import pytest
 
-from verifiers_rl.envs import MultiTurnEnv, RolloutError, Rubric, Sample, SingleTurnEnv, TemplateError
+from verifiers_rl.envs import MultiTurnEnv, RolloutError, Row, Rubric, Sample, SingleTurnEnv, TemplateError
 
 from .scripted import ScriptedSampler
 
@@ -181,12 +182,21 @@ def test_sampler_breaking_its_contract_is_a_clear_error(tokenizer):
         asyncio.run(env.rollout(OverlongSampler(), env.dataset[0], 0))
 
 
-def test_prompt_longer_than_max_seq_len_is_a_clear_error(tokenizer):
-    env = SingleTurnEnv([{"question": "a fairly long question"}], Rubric(), tokenizer, max_seq_len=4)
-    with pytest.raises(
-        RolloutError, match=r"SingleTurnEnv failed on dataset row 0: ValueError: the prompt is \d+ tokens"
-    ):
-        asyncio.run(env.rollout(ScriptedSampler([]), env.dataset[0], 0))
+def test_rows_whose_prompt_cannot_fit_are_dropped_at_load(tokenizer, caplog):
+    short, long = {"question": "hi"}, {"question": "a fairly long question " * 4}
+    fits = len(SingleTurnEnv([short], Rubric(), tokenizer).prompt_ids([{"role": "user", "content": "hi"}]))
+    with caplog.at_level(logging.WARNING):
+        env = SingleTurnEnv([long, short, long], Rubric(), tokenizer, max_seq_len=fits + 1, eval_dataset=[long, short])
+    assert [row.index for row in env.dataset] == [1] and [row.index for row in env.eval_dataset] == [1]
+    assert f"SingleTurnEnv: dropped 2 of the 3 rows of its dataset whose rendered prompt leaves no room for a " \
+           f"completion within max_seq_len={fits + 1}" in caplog.text
+    assert "dropped 1 of the 2 rows of its eval_dataset" in caplog.text
+    with pytest.raises(ValueError, match=rf"no row of the dataset fits max_seq_len={fits}: every rendered prompt is "
+                                         rf"{fits} tokens or longer. Raise the environment's max_seq_len"):
+        SingleTurnEnv([short, long], Rubric(), tokenizer, max_seq_len=fits)
+    # Only rows that fit are rolled out; one that does not, given directly, is still a clear error.
+    with pytest.raises(RolloutError, match=r"SingleTurnEnv failed on dataset row 7: ValueError: the prompt is \d+ tokens"):
+        asyncio.run(env.rollout(ScriptedSampler([]), Row(7, [{"role": "user", "content": long["question"]}]), 0))
 
 
 def test_dataset_validation(tokenizer):

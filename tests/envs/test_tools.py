@@ -1,10 +1,12 @@
 """ToolEnv: tools are shown through the chat template, run on the model's calls, and their results fed back."""
 
 import asyncio
+import logging
 
 import pytest
 
 from verifiers_rl.envs import Parser, Rubric, ToolEnv, extract_boxed_answer, parse_tool_calls
+from verifiers_rl.envs.tools import default_tool_mode
 
 from .scripted import ScriptedSampler
 
@@ -83,15 +85,43 @@ def test_tool_env_runs_tools_and_feeds_results_back(tool_tokenizer):
     assert env_text.count("<tool_response>") == 5 and "<tool_call>" not in env_text
 
 
-def test_tool_env_needs_a_template_that_shows_tools(tokenizer, tool_tokenizer):
-    with pytest.raises(ValueError, match=r"does not show the tools \['add'\] to the model"):
-        ToolEnv([{"question": "q"}], Rubric(), tokenizer, tools=[add])
+def test_tool_modes_template_text_and_auto(tokenizer, tool_tokenizer, caplog):
+    """A template without tool support gets the tools described in the system prompt (auto, with a notice, or
+    tool_mode="text"); tool_mode="template" refuses it; a template with tool support shows them itself."""
+    with pytest.raises(ValueError, match=r"does not show the tools \['add'\] to the model; .*--tool_mode text"):
+        ToolEnv([{"question": "q"}], Rubric(), tokenizer, tools=[add], tool_mode="template")
+    with caplog.at_level(logging.WARNING):
+        auto = ToolEnv([{"question": "q"}], Rubric(), tokenizer, tools=[add], system_prompt="Use tools.")
+    assert auto.tool_mode == "text" and "no tool support" in caplog.text and "tool_mode='text'" in caplog.text
+    prompt = auto.render(auto.dataset[0].prompt, True)
+    assert prompt.startswith("<|im_start|>system\nUse tools.\n\n# Tools\n") and '"name": "add"' in prompt
+    assert '<tool_call>{"name": <function name>, "arguments": <JSON object>}</tool_call>' in prompt
+    with default_tool_mode("text"):
+        assert ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[add]).tool_mode == "text"
+    shown = ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[add])
+    assert shown.tool_mode == "template" and "# Tools\n<tools>" in shown.render(shown.dataset[0].prompt, True)
 
     def undocumented(x: int) -> int:
         return x
 
     with pytest.raises(ValueError, match="cannot describe a tool to the model: .*undocumented"):
         ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[undocumented])
+
+
+def test_text_mode_tool_env_runs_tools_from_the_text(tokenizer):
+    """The tiny tokenizer's template has no tool support: calls are still read from the sampled text, results come
+    back as tool messages (environment tokens), and the trained ids are the sampled ids."""
+    tok, eos = tokenizer, tokenizer.eos_token_id
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "It is \\boxed{5}."]
+    sampled = [tok.encode(t, add_special_tokens=False) + [eos] for t in turns]
+    sampler = ScriptedSampler(sampled)
+    env = ToolEnv([{"question": "2 + 3?"}], Rubric([boxed_five], parser=Parser(extract=extract_boxed_answer)), tok,
+                  tools=[add], max_new_tokens=512, max_seq_len=4096)
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    assert rollout.reward == 1.0 and [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
+    model_ids = [t for t, m in zip(rollout.completion_ids, rollout.completion_mask) if m == 1]
+    assert model_ids == sampled[0] + sampled[1]
+    assert "<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n" in tok.decode(sampler.calls[1][0])
 
 
 def test_parse_tool_calls_formats():

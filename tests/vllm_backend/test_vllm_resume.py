@@ -15,7 +15,7 @@ from test_vllm_training import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from verifiers_rl.rollouts import read_rollouts
 
 COMMON = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
-          "--num_generations", "4", "--max_completion_length", "8", "--max_seq_len", "128",
+          "--num_generations", "4", "--max_seq_len", "128",
           "--max_off_policy_steps", "0", "--learning_rate", "0.05", "--logging_steps", "1", "--print_samples_every", "0",
           "--report_to", "none", "--max_steps", "2", "--vllm_weight_transfer", "files"]
 

@@ -32,7 +32,7 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str
         "--main_process_port", str(free_port()), str(RUNNER),
         "--model", model_dir, "--env", "reverse_text", "--env_args", '{"num_examples": 64}',
         "--vllm_server_url", url, "--vllm_weight_transfer", transfer, "--max_steps", str(max_steps),
-        "--rollouts_per_step", "8", "--num_generations", "4", "--max_completion_length", "8", "--max_seq_len", "128",
+        "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "128",
         "--max_off_policy_steps", "0", "--learning_rate", "0.01", "--logging_steps", "1", "--print_samples_every", "0",
         "--save_rollouts_path", str(out / "rollouts.jsonl"), "--report_to", "none", "--save_strategy", "no",
         "--output_dir", str(out / "model"),
@@ -109,7 +109,7 @@ def test_launcher_starts_the_server_runs_training_against_it_and_stops_it(untied
                "--weight-transfer", "gloo", "--then",
                sys.executable, "examples/train.py", "--model", untied.model_dir, "--env", "reverse_text",
                "--env_args", '{"num_examples": 16}', "--max_steps", "1", "--rollouts_per_step", "8",
-               "--num_generations", "4", "--max_completion_length", "8", "--print_samples_every", "0",
+               "--num_generations", "4", "--print_samples_every", "0",
                "--output_dir", str(tmp_path / "model")]
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from ..rollouts import Rollout
 from .messages import Messages, check_messages
 from .rubric import Rubric
 from .sampler import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
@@ -47,9 +50,16 @@ class Environment(ABC):
     ``dataset`` is a list of dict rows (or a ``datasets.Dataset``) with ``prompt`` (chat messages) or ``question``
     (a string, sent as a user message), and optional ``answer`` and ``info`` (a dict). ``system_prompt``, when
     given, is put before every prompt that does not start with a system message. ``max_new_tokens`` bounds each
-    model turn and ``max_seq_len`` the whole sequence (prompt + completion). ``eval_dataset`` (same row format,
-    optional) is the held-out split evaluation uses: rows the training run never trains on.
+    model turn and ``max_seq_len`` the whole sequence (prompt + completion); a trainer run from
+    ``examples/train.py`` takes its ``--max_seq_len`` and ``--max_completion_length`` from them. Rows whose rendered
+    prompt leaves no room for a completion token within ``max_seq_len`` are dropped here, with a warning giving
+    their count (an error if no row remains). ``eval_dataset`` (same row format, optional) is the held-out split
+    evaluation uses: rows the training run never trains on.
     """
+
+    # Limits this environment does not state itself; it takes the trainer's (``adopt_limits``). Adapters of other
+    # libraries' environments set this, e.g. to {"max_seq_len"} for an environment without a sequence limit.
+    unstated_limits: frozenset[str] = frozenset()
 
     def __init__(
         self,
@@ -72,10 +82,47 @@ class Environment(ABC):
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.max_seq_len = max_seq_len
-        self.dataset = [self._row(index, record, system_prompt) for index, record in enumerate(dataset)]
-        if not self.dataset:
+        self._all_rows = [self._row(index, record, system_prompt) for index, record in enumerate(dataset)]
+        if not self._all_rows:
             raise ValueError(f"{self.name}: the dataset is empty; an environment needs at least one row.")
-        self.eval_dataset = [self._row(index, record, system_prompt) for index, record in enumerate(eval_dataset or ())]
+        self._all_eval_rows = [self._row(index, record, system_prompt) for index, record in enumerate(eval_dataset or ())]
+        self._keep_fitting_rows()
+
+    def adopt_limits(self, max_seq_len: int | None = None, max_new_tokens: int | None = None) -> None:
+        """Take the trainer's limits for those in ``unstated_limits`` (the rows are filtered again)."""
+        if max_seq_len is not None:
+            self.max_seq_len = max_seq_len
+        if max_new_tokens is not None:
+            self.max_new_tokens = max_new_tokens
+        self._keep_fitting_rows()
+
+    def _keep_fitting_rows(self) -> None:
+        self.dataset = self._fitting(self._all_rows, "dataset")
+        if not self.dataset:
+            raise ValueError(
+                f"{self.name}: no row of the dataset fits max_seq_len={self.max_seq_len}: every rendered prompt is "
+                f"{min(self._prompt_lengths(self._all_rows))} tokens or longer. Raise the environment's max_seq_len "
+                "(e.g. --env_args '{\"max_seq_len\": ...}')."
+            )
+        self.eval_dataset = self._fitting(self._all_eval_rows, "eval_dataset")
+
+    def _fitting(self, rows: list[Row], split: str) -> list[Row]:
+        """The rows whose prompt leaves room for at least one completion token within max_seq_len."""
+        kept = [row for row, length in zip(rows, self._prompt_lengths(rows)) if length < self.max_seq_len]
+        if len(kept) < len(rows):
+            logger.warning(
+                "%s: dropped %d of the %d rows of its %s whose rendered prompt leaves no room for a completion "
+                "within max_seq_len=%d.",
+                self.name,
+                len(rows) - len(kept),
+                len(rows),
+                split,
+                self.max_seq_len,
+            )
+        return kept
+
+    def _prompt_lengths(self, rows: list[Row]) -> list[int]:
+        return [len(self.prompt_ids(row.prompt)) for row in rows]
 
     def _row(self, index: int, record: Any, system_prompt: str | None) -> Row:
         where = f"{self.name}: dataset row {index}"
@@ -100,6 +147,10 @@ class Environment(ABC):
         """The chat template applied to ``messages`` (as text)."""
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
+    def prompt_ids(self, prompt: Messages) -> list[int]:
+        """The token ids of ``prompt`` rendered for the model's first turn."""
+        return self.encode(self.render(prompt, add_generation_prompt=True))
+
     def encode(self, text: str) -> list[int]:
         # No special tokens added: a chat template writes its own (bos included) into the text.
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -113,7 +164,7 @@ class Environment(ABC):
     async def rollout(self, sampler: Sampler, row: Row, group_id: str | int) -> Rollout:
         """Roll ``row`` out once and score it. Any failure is raised as a RolloutError naming the environment and row."""
         try:
-            prompt_ids = self.encode(self.render(row.prompt, add_generation_prompt=True))
+            prompt_ids = self.prompt_ids(row.prompt)
             if len(prompt_ids) >= self.max_seq_len:
                 raise ValueError(
                     f"the prompt is {len(prompt_ids)} tokens, leaving no room within max_seq_len={self.max_seq_len}"
@@ -156,12 +207,14 @@ class Environment(ABC):
         the group's tokens are then a function of the seed and the weights alone. ``temperature`` overrides the
         engine's (evaluation).
         """
+        samplings = self.group_samplings(n, seed, temperature)
+        return list(await asyncio.gather(*(self._rollout_under(s, sampler, row, group_id) for s in samplings)))
+
+    def group_samplings(self, n: int, seed: int | None, temperature: float | None) -> list[RolloutSampling]:
+        """The sampling settings of a group's ``n`` rollouts: rollout i's seed is ``derive_seed(seed, i)``."""
         if n < 1:
             raise ValueError(f"{self.name}: a group needs at least one rollout, got n={n}.")
-        samplings = [
-            RolloutSampling(None if seed is None else derive_seed(seed, i), temperature) for i in range(n)
-        ]
-        return list(await asyncio.gather(*(self._rollout_under(s, sampler, row, group_id) for s in samplings)))
+        return [RolloutSampling(None if seed is None else derive_seed(seed, i), temperature) for i in range(n)]
 
     async def _rollout_under(self, sampling: RolloutSampling, sampler: Sampler, row: Row, group_id) -> Rollout:
         # Inside the rollout's own task (gather made one), so the setting is this rollout's alone.

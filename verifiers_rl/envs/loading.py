@@ -1,14 +1,25 @@
-"""``load_environment(spec)``: a built-in name, ``"pkg.module:function"``, or a ``.py`` file with ``load_environment``."""
+"""``load_environment(spec)``: what ``--env`` accepts.
+
+- a built-in name (``BUILTINS``);
+- ``reasoning_gym:<task>[,<task>...]`` (optional weights ``<task>=<w>``): reasoning-gym tasks;
+- ``vf:<env_id>``: a verifiers environment, loaded with verifiers' own ``vf.load_environment(env_id, **env_args)``;
+- ``pkg.module:function`` or the path of a ``.py`` file defining ``load_environment(**kwargs)``.
+
+A loader may return a verifiers_rl ``Environment`` or a classic verifiers ``vf.Environment``, which is wrapped in
+``VerifiersEnv``.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
 from .environment import Environment
+from .tools import default_tool_mode
 
 BUILTINS = {
     "reverse_text": "verifiers_rl.envs.builtin.reverse_text:load_environment",
@@ -16,6 +27,8 @@ BUILTINS = {
     "calculator": "verifiers_rl.envs.builtin.calculator:load_environment",
 }
 DEFAULT_ENVIRONMENT = "reverse_text"
+REASONING_GYM_PREFIX = "reasoning_gym:"
+VERIFIERS_PREFIX = "vf:"
 
 
 def _from_module(spec: str) -> Any:
@@ -39,29 +52,76 @@ def _from_file(path: Path) -> Any:
     return module.load_environment
 
 
-def load_environment(spec: str, **kwargs: Any) -> Environment:
-    """Build the environment ``spec`` names, passing ``kwargs`` (e.g. ``tokenizer``, ``num_examples``) to its loader.
+def _takes_tokenizer(loader: Any) -> bool:
+    try:
+        parameters = inspect.signature(loader).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == "tokenizer" or p.kind is p.VAR_KEYWORD for p in parameters)
 
-    ``spec`` is a built-in name (see ``BUILTINS``), ``"pkg.module:function"``, or the path of a ``.py`` file that
-    defines ``load_environment(**kwargs)``.
+
+def _is_verifiers_environment(value: Any) -> bool:
+    """A classic verifiers environment (its class is only loaded if verifiers is)."""
+    module = sys.modules.get("verifiers.legacy.envs.environment")
+    return module is not None and isinstance(value, module.Environment)
+
+
+def _is_verifiers_v1(value: Any) -> bool:
+    return type(value).__module__.startswith("verifiers.v1")
+
+
+def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto", **kwargs: Any) -> Environment:
+    """Build the environment ``spec`` names (module docstring), passing ``kwargs`` (e.g. ``num_examples``) to its
+    loader, and ``tokenizer`` too where the loader takes one (a verifiers loader does not: the wrapper gets it).
+
+    ``tool_mode`` (``auto``, ``template`` or ``text``) is the default of the tool environments built here.
     """
+    with default_tool_mode(tool_mode):
+        if spec.startswith(VERIFIERS_PREFIX):
+            from .adapters.verifiers_env import import_verifiers
+
+            environment = import_verifiers().load_environment(spec[len(VERIFIERS_PREFIX) :], **kwargs)
+        elif spec.startswith(REASONING_GYM_PREFIX):
+            from .adapters.reasoning_gym import load_environment as load_reasoning_gym
+
+            environment = load_reasoning_gym(tasks=spec[len(REASONING_GYM_PREFIX) :], tokenizer=tokenizer, **kwargs)
+        else:
+            loader = _loader(spec)
+            given = {"tokenizer": tokenizer} if tokenizer is not None and _takes_tokenizer(loader) else {}
+            environment = loader(**given, **kwargs)
+        if _is_verifiers_environment(environment):
+            from .adapters.verifiers_env import VerifiersEnv
+
+            if tokenizer is None:
+                raise ValueError(f"Environment {spec!r} is a verifiers environment: pass the policy's tokenizer.")
+            environment = VerifiersEnv(environment, tokenizer)
+    if isinstance(environment, Environment):
+        return environment
+    if _is_verifiers_v1(environment):
+        raise TypeError(
+            f"Environment {spec!r}: the loader returned a verifiers.v1 {type(environment).__name__}; verifiers_rl "
+            "trains classic verifiers environments (verifiers 0.2-0.3: vf.SingleTurnEnv, vf.MultiTurnEnv, "
+            "vf.ToolEnv, ...). verifiers.v1 runs its agents as separate programs that reach the model over HTTP."
+        )
+    raise TypeError(
+        f"Environment {spec!r}: the loader returned a {type(environment).__name__}, which is neither a verifiers_rl "
+        "Environment (verifiers_rl.envs: SingleTurnEnv, MultiTurnEnv, ToolEnv) nor a classic verifiers environment "
+        "(vf.SingleTurnEnv, vf.MultiTurnEnv, vf.ToolEnv, ...)."
+    )
+
+
+def _loader(spec: str) -> Any:
     if spec.endswith(".py") or Path(spec).is_file():
         path = Path(spec)
         if not path.is_file():
             raise FileNotFoundError(f"Environment file {spec!r} does not exist.")
-        loader = _from_file(path)
-    elif ":" in spec:
-        loader = _from_module(spec)
-    elif spec in BUILTINS:
-        loader = _from_module(BUILTINS[spec])
-    else:
-        raise ValueError(
-            f"Unknown environment {spec!r}. Built-ins: {', '.join(BUILTINS)}; or pass 'pkg.module:function' or the "
-            "path of a .py file that defines load_environment(**kwargs)."
-        )
-    environment = loader(**kwargs)
-    if not isinstance(environment, Environment):
-        raise TypeError(
-            f"Environment {spec!r}: the loader returned a {type(environment).__name__}, not an Environment."
-        )
-    return environment
+        return _from_file(path)
+    if ":" in spec:
+        return _from_module(spec)
+    if spec in BUILTINS:
+        return _from_module(BUILTINS[spec])
+    raise ValueError(
+        f"Unknown environment {spec!r}. Built-ins: {', '.join(BUILTINS)}; or pass 'reasoning_gym:<task>', "
+        "'vf:<verifiers env id>', 'pkg.module:function', or the path of a .py file that defines "
+        "load_environment(**kwargs)."
+    )

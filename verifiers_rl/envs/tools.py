@@ -1,8 +1,12 @@
-"""ToolEnv: plain Python functions offered to the model as tools through its chat template's tool calling."""
+"""ToolEnv: plain Python functions offered to the model as tools, through its chat template's tool calling or,
+for a template without tool support, described in the system prompt (``tool_mode``)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,7 +15,96 @@ from .awaitable import maybe_await
 from .messages import Message, Messages
 from .multiturn import MultiTurnEnv
 
+logger = logging.getLogger(__name__)
+
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_MODES = ("auto", "template", "text")
+_DEFAULT_TOOL_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("verifiers_rl_tool_mode", default="auto")
+
+
+@contextlib.contextmanager
+def default_tool_mode(mode: str):
+    """Tool environments built inside this block default to ``mode`` (how ``--tool_mode`` reaches any loader)."""
+    if mode not in TOOL_MODES:
+        raise ValueError(f"Unknown tool mode {mode!r}; expected one of {', '.join(TOOL_MODES)} (--tool_mode).")
+    token = _DEFAULT_TOOL_MODE.set(mode)
+    try:
+        yield
+    finally:
+        _DEFAULT_TOOL_MODE.reset(token)
+
+
+def current_tool_mode() -> str:
+    """The tool mode tool environments built now default to (``default_tool_mode``; ``auto`` outside one)."""
+    return _DEFAULT_TOOL_MODE.get()
+
+
+def describe_tools(schemas: Sequence[dict[str, Any]]) -> str:
+    """The system-prompt text of ``tool_mode="text"``: the tools' JSON schemas and the call format that
+    ``parse_tool_calls`` reads."""
+    listed = "\n".join(json.dumps(schema) for schema in schemas)
+    return (
+        "# Tools\nYou may call the functions below. Their JSON schemas:\n<tools>\n" + listed + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": <function name>, "arguments": <JSON object>}</tool_call>; '
+        "its result comes back in the next message."
+    )
+
+
+class ToolRenderer:
+    """Renders chats that offer ``schemas`` (OpenAI-style tool schemas) to the model, in one of two modes:
+
+    - ``template``: the tokenizer's chat template shows the tools (``apply_chat_template(tools=...)``);
+    - ``text``: for templates without tool support, the tools are described in the system message
+      (``describe_tools``) and the chat is rendered without them.
+
+    ``auto`` (the default, or the ``default_tool_mode`` in force) picks ``template`` when the template shows every
+    tool's name, else ``text`` with a one-line notice. Either way the model writes calls as ``<tool_call>`` blocks.
+    """
+
+    def __init__(self, tokenizer: Any, schemas: Sequence[dict[str, Any]], mode: str | None = None, name: str = "ToolEnv"):
+        mode = _DEFAULT_TOOL_MODE.get() if mode is None else mode
+        if mode not in TOOL_MODES:
+            raise ValueError(f"{name}: unknown tool_mode {mode!r}; expected one of {', '.join(TOOL_MODES)} (--tool_mode).")
+        self.tokenizer = tokenizer
+        self.schemas = list(schemas)
+        self.mode = "template"
+        if mode == "text" or (mode == "auto" and self._hidden_tools()):
+            self.mode = "text"
+            if mode == "auto":
+                logger.warning(
+                    "%s: the chat template has no tool support, so the tools are described in the system prompt and "
+                    "calls are read from <tool_call> blocks in the text (tool_mode='text').",
+                    name,
+                )
+        elif mode == "template" and self._hidden_tools():
+            raise ValueError(
+                f"{name}: the tokenizer's chat template does not show the tools {self._hidden_tools()} to the model; "
+                "use a chat template with tool support, or tool_mode='text' (--tool_mode text) to describe them in "
+                "the system prompt."
+            )
+
+    def _hidden_tools(self) -> list[str]:
+        """Tools whose names the chat template leaves out of a rendered prompt."""
+        probe = self._template([{"role": "user", "content": "?"}], True)
+        return [schema["function"]["name"] for schema in self.schemas if schema["function"]["name"] not in probe]
+
+    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
+        if self.mode == "text" and self.schemas:
+            return self.tokenizer.apply_chat_template(
+                self._with_description(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        return self._template(messages, add_generation_prompt)
+
+    def _template(self, messages: Messages, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.schemas or None, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _with_description(self, messages: Messages) -> Messages:
+        description = describe_tools(self.schemas)
+        if messages and messages[0]["role"] == "system":
+            return [{**messages[0], "content": f"{messages[0]['content']}\n\n{description}"}, *messages[1:]]
+        return [{"role": "system", "content": description}, *messages]
 
 
 def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
@@ -37,10 +130,20 @@ def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
 class ToolEnv(MultiTurnEnv):
     """The model may call ``tools`` (functions with type hints and a Google-style docstring, plain or ``async def``);
     each call's result, or its error as text, comes back as a ``{"role": "tool"}`` message. The rollout is complete
-    when the model answers without a tool call. Takes the arguments of ``MultiTurnEnv`` plus ``tools``.
+    when the model answers without a tool call. Takes the arguments of ``MultiTurnEnv`` plus ``tools`` and
+    ``tool_mode`` (``auto``, ``template`` or ``text``: see ``ToolRenderer``).
     """
 
-    def __init__(self, *args: Any, tools: Sequence[Callable[..., Any]], **kwargs: Any):
+    def __init__(
+        self,
+        dataset: Any,
+        rubric: Any,
+        tokenizer: Any,
+        *,
+        tools: Sequence[Callable[..., Any]],
+        tool_mode: str | None = None,
+        **kwargs: Any,
+    ):
         from transformers.utils import get_json_schema  # here, not at import: only tool environments need transformers
 
         self.tools = {tool.__name__: tool for tool in tools}
@@ -48,19 +151,17 @@ class ToolEnv(MultiTurnEnv):
             self.tool_schemas = [get_json_schema(tool) for tool in tools]
         except Exception as error:  # transformers raises several exception types, all meaning "cannot describe it"
             raise ValueError(f"ToolEnv: cannot describe a tool to the model: {error}") from error
-        super().__init__(*args, **kwargs)
-        probe = self.render([{"role": "user", "content": "?"}], add_generation_prompt=True)
-        missing = [name for name in self.tools if name not in probe]
-        if missing:
-            raise ValueError(
-                f"{self.name}: the tokenizer's chat template does not show the tools {missing} to the model; "
-                "use a chat template with tool support."
-            )
+        # Before Environment.__init__, which renders every prompt to check its length.
+        self.tool_renderer = ToolRenderer(tokenizer, self.tool_schemas, tool_mode, kwargs.get("name") or "ToolEnv")
+        super().__init__(dataset, rubric, tokenizer, **kwargs)
+
+    @property
+    def tool_mode(self) -> str:
+        """``template`` or ``text``: how the tools reach the model."""
+        return self.tool_renderer.mode
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=self.tool_schemas, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tool_renderer.render(messages, add_generation_prompt)
 
     def is_completed(self, messages: Messages, state: dict[str, Any]) -> bool:
         return not parse_tool_calls(messages[-1]["content"])

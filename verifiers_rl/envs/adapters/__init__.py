@@ -1,0 +1,1 @@
+"""Environments from other libraries: reasoning-gym tasks, and verifiers (Environments Hub) environments."""
