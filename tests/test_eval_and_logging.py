@@ -159,8 +159,8 @@ def test_folders_without_weights_are_clear_errors(run, tmp_path):
     (root / "checkpoint-10").mkdir()
     with pytest.raises(eval_cli.ModelFolderError, match=r"holds checkpoints; evaluate one of them, e\.g\. --model .*checkpoint-10"):
         eval_cli.main(["--model", str(root)])
-    with pytest.raises(eval_cli.ModelFolderError, match="no such folder"):
-        eval_cli.main(["--model", str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError, match="no such folder, and it is not a Hugging Face Hub id"):
+        eval_cli.main(["--model", str(tmp_path / "missing")])  # models.resolve_model, as examples/train.py says it
     with pytest.raises(ValueError, match=r"-n 5 is larger than the held-out split of reverse_text \(4 rows\)"):
         eval_cli.main(["--model", str(run / "out"), "--env_args", json.dumps(ENV_ARGS), "-n", "5"])
 
@@ -169,7 +169,8 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "verifiers_rl.eval", "--model", str(tmp_path / "nothing")],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == f"error: --model {str(tmp_path / 'nothing')!r}: no such folder."
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
 
 
 def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_ours(tmp_path):
