@@ -116,10 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     progress.plain_output_when_redirected()  # no carriage-return bars in a log file
     parser = build_parser()
     script_args, config = parser.parse_args_and_config(args=argv)
-    try:
-        env_args = json.loads(script_args.env_args)
-    except json.JSONDecodeError as error:
-        parser.error(f"--env_args is not valid JSON: {error}")
+    env_args = json_flag(parser, "--env_args", script_args.env_args)
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)
     live = {}
@@ -153,6 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def json_flag(parser, flag: str, text: str) -> dict:
+    """A flag's JSON value; invalid JSON is a usage error naming the flag."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        parser.error(f"{flag} is not valid JSON: {error}")
+
+
 def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: dict) -> dict:
     """RLTrainer's eval_environment (--eval_env; default the training environment) and, for a replay run, the engine
     evaluation generates with (main process only)."""
@@ -164,10 +169,7 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
     if script_args.eval_env or "environment" not in live:
         own = script_args.eval_env is not None
         flag, text = ("--eval_env_args", script_args.eval_env_args) if own else ("--env_args", script_args.env_args)
-        try:
-            kwargs = json.loads(text)
-        except json.JSONDecodeError as error:
-            parser.error(f"{flag} is not valid JSON: {error}")
+        kwargs = json_flag(parser, flag, text)
         spec = script_args.eval_env if own else script_args.env
         inputs["eval_environment"] = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode,
                                                       **kwargs)
