@@ -243,22 +243,26 @@ def test_two_live_steps_with_the_tiny_model(tiny_model_dir, tmp_path, kind):
 
 
 @pytest.mark.distributed
-def test_environment_error_stops_every_rank_with_our_error(tiny_model_dir, tmp_path):
-    """2-process DDP: the verifiers environment fails mid-rollout on the main process (where generation runs);
-    both ranks stop with the RolloutError naming it (a rubric error takes the same path: a RolloutError,
-    test_failures_are_clear_errors)."""
+@pytest.mark.parametrize("kind, error", [
+    ("broken_env", "RolloutError: tests.envs.vf_envs failed on dataset row .*the game server went away"),
+    ("broken_rubric", "RolloutError: tests.envs.vf_envs: the verifiers rubric failed on dataset row .*IndexError"),
+])
+def test_environment_error_stops_every_rank_with_our_error(tiny_model_dir, tmp_path, kind, error):
+    """2-process DDP: the verifiers environment fails mid-rollout, or its rubric fails while scoring, on the main
+    process (where generation runs); both ranks stop with the RolloutError naming it."""
     import json
+    import re
 
     from test_distributed_equivalence import ROOT, accelerate, launch
 
-    env_args = {"kind": "broken_env", "fail_after": 4, "max_seq_len": 64, "sampling_args": {"max_tokens": 8}}
+    env_args = {"kind": kind, "fail_after": 4, "max_seq_len": 64, "sampling_args": {"max_tokens": 8}}
     result = launch(accelerate("ddp_cpu.yaml"),
                     [str(ROOT / "tests" / "live" / "live_run.py"), "--model", tiny_model_dir, "--out", str(tmp_path),
                      "--k", "1", "--steps", "3", "--env", SPEC, "--env_args", json.dumps(env_args)],
                     tmp_path / "run.log")
     log = (tmp_path / "run.log").read_text()
     assert result.returncode != 0
-    assert "RolloutError: tests.envs.vf_envs failed on dataset row" in log and "the game server went away" in log
+    assert re.search(error, log), log[-3000:]
     assert "The main process failed:" in log  # rank 1 stopped with the same error instead of waiting
 
 
