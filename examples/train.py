@@ -33,7 +33,7 @@ from trl import TrlParser
 from verifiers_rl import progress
 from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
-from verifiers_rl.envs.limits import LIMIT_FLAGS, resolve_limits
+from verifiers_rl.envs.limits import LIMIT_FLAGS, LengthContractError, resolve_limits
 from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.models import load_tokenizer, resolve_model
@@ -120,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)
     live = {}
+    given = flags_given(parser, argv, config, LIMIT_FLAGS)
     if not config.rollouts_path:
         environment = load_environment(script_args.env, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **env_args)
         current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
-        lengths = resolve_limits(environment, current, flags_given(parser, argv, config, LIMIT_FLAGS))
+        lengths = resolve_limits(environment, current, given)
         if lengths != current:
             # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
             parser.set_defaults(**lengths)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
         engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
         live = {"environment": environment, "engine": engine}
-    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live))
+    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live, given))
     trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
     try:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
@@ -158,9 +159,9 @@ def json_flag(parser, flag: str, text: str) -> dict:
         parser.error(f"{flag} is not valid JSON: {error}")
 
 
-def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: dict) -> dict:
+def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: dict, given: set[str]) -> dict:
     """RLTrainer's eval_environment (--eval_env; default the training environment) and, for a replay run, the engine
-    evaluation generates with (main process only)."""
+    evaluation generates with (main process only). ``given``: the length flags the user set (``keep_eval_limits``)."""
     if config.eval_strategy == "no":
         return {}
     inputs = {}
@@ -171,9 +172,24 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
         flag, text = ("--eval_env_args", script_args.eval_env_args) if own else ("--env_args", script_args.env_args)
         kwargs = json_flag(parser, flag, text)
         spec = script_args.eval_env if own else script_args.env
-        inputs["eval_environment"] = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode,
-                                                      **kwargs)
+        environment = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **kwargs)
+        keep_eval_limits(environment, config, given, flag)
+        inputs["eval_environment"] = environment
     return inputs
+
+
+def keep_eval_limits(environment, config: RLConfig, given: set[str], args_flag: str = "--eval_env_args") -> None:
+    """The evaluation environment under the length contract: a limit it does not state takes the trainer's value; a
+    stated one must agree with a length flag the user gave (LengthContractError at start-up, naming ``args_flag``).
+    A stated limit the user left alone stays the environment's own: its rollouts are scored, never trained."""
+    unstated = {flag for flag, limit in LIMIT_FLAGS.items() if limit in environment.unstated_limits}
+    try:
+        resolve_limits(environment, {flag: getattr(config, flag) for flag in LIMIT_FLAGS}, given | unstated)
+    except LengthContractError as error:
+        if args_flag == "--env_args":
+            raise
+        raise LengthContractError(f"The evaluation environment (--eval_env): {error}".replace(
+            "--env_args", args_flag)) from None
 
 
 if __name__ == "__main__":

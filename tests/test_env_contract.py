@@ -96,6 +96,45 @@ def test_lengths_default_to_the_environment_and_a_disagreeing_flag_fails_before_
     assert not (tmp_path / "out").exists()
 
 
+def test_the_evaluation_environment_keeps_the_length_contract(tmp_path, tokenizer_dir):
+    """--eval_env: a limit it does not state takes the trainer's; a stated one must agree with a length flag given
+    (an error at start-up naming --eval_env and --eval_env_args), and is its own when no flag is given."""
+    from transformers import AutoTokenizer
+
+    env_file = tmp_path / "my_env.py"
+    env_file.write_text(ENV_FILE)
+    evaluate = ["--model", tokenizer_dir, "--env", "reverse_text", "--eval_strategy", "steps", "--eval_steps", "1",
+                "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(LengthContractError, match=r"The evaluation environment \(--eval_env\): --max_seq_len=128 "
+                                                  r"disagrees .* max_seq_len is 384.*--eval_env_args '\{\"max_seq_len"):
+        train_script.main(evaluate + ["--eval_env", str(env_file), "--max_seq_len", "128"])
+    assert not (tmp_path / "out").exists()
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    no_engine = {"environment": None, "engine": None}  # a live run's: evaluation_inputs builds nothing else
+
+    def eval_env(argv):
+        parser = train_script.build_parser()
+        script_args, config = parser.parse_args_and_config(args=evaluate + argv)
+        given = train_script.flags_given(parser, evaluate + argv, config, LIMIT_FLAGS)
+        inputs = train_script.evaluation_inputs(parser, script_args, config, tokenizer_dir, tokenizer, no_engine, given)
+        return inputs["eval_environment"]
+
+    own = eval_env(["--eval_env", str(env_file)])
+    assert (own.max_seq_len, own.max_new_tokens) == (384, 64) and len(own.eval_dataset) == 0
+    # A verifiers environment states neither limit: it takes the trainer's (the quickstart's, or the flags given).
+    vf_spec = ["--eval_env", "vf:tests.envs.vf_envs"]
+    adopted = eval_env(vf_spec)
+    assert (adopted.max_seq_len, adopted.max_new_tokens) == (128, 16)
+    adopted = eval_env(vf_spec + ["--max_seq_len", "96", "--max_completion_length", "12"])
+    assert (adopted.max_seq_len, adopted.max_new_tokens) == (96, 12)
+    # ... unless its sampling_args state max_tokens, which must then agree with --max_completion_length.
+    stated = vf_spec + ["--eval_env_args", '{"sampling_args": {"max_tokens": 8}}']
+    assert eval_env(stated).max_new_tokens == 8
+    with pytest.raises(LengthContractError, match=r"--max_completion_length=12 disagrees .* max_new_tokens is 8"):
+        eval_env(stated + ["--max_completion_length", "12"])
+
+
 def test_an_environment_without_a_stated_limit_adopts_the_flag(tokenizer_dir):
     from transformers import AutoTokenizer
 
