@@ -169,15 +169,21 @@ def test_a_groups_prompt_is_prefilled_once_and_sampling_is_unchanged(tiny_model_
     seeds = list(range(100, 100 + len(prompts)))
     shared = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64)
     alone = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64, share_prompt_prefill=False)
-    prefilled = []  # the input shape of every forward (a hook: replacing forward would change generate's behaviour)
-    shared.model.register_forward_pre_hook(lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    # The input shape of every forward of the decoder (a hook: replacing forward would change generate's
+    # behaviour) and of the whole model (with the output layer: generate's forwards only).
+    prefilled, with_head = [], []
+    shared.model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape), with_kwargs=True)
+    shared.model.register_forward_pre_hook(
+        lambda module, args, kwargs: with_head.append(kwargs["input_ids"].shape), with_kwargs=True)
     with_sharing = sample_seeded(shared, prompts, seeds, 12)
     without = sample_seeded(alone, prompts, seeds, 12)
     assert shared.health()["prefills_shared"] == 15 and alone.health()["prefills_shared"] == 0
     width = max(len(p) for p in prompts)
     # The first forward is the shared prefill: 5 distinct prompts, all but the last position.
     assert prefilled[0] == (5, width - 1)
+    # ... which skips the output layer: the whole model first runs on the prompts' last positions.
+    assert len(with_head) == len(prefilled) - 1 and with_head[0] == (20, 1)
     assert [s.token_ids for s in with_sharing] == [s.token_ids for s in without]
     for a, b in zip(with_sharing, without):
         assert a.finish_reason == b.finish_reason
