@@ -1,6 +1,7 @@
 """Batching rules (counts before splitting, truncation before counts, balanced ranks) and clear errors on bad input."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,8 +10,11 @@ from verifiers_rl.batching import (
     BatchingConfig,
     SequenceTooLongError,
     assign_to_ranks,
+    cheapest_layout,
     compute_advantages,
+    layout,
     plan_batch,
+    prepare_sequences,
 )
 from verifiers_rl.config import RLConfig
 from verifiers_rl.generator import split_into_batches
@@ -259,6 +263,38 @@ def test_auto_shares_short_completions_and_not_long_ones():
     (long_batch,) = plan_batch(long, BatchingConfig(**config))
     assert short_batch.micro_batches[0].shared is not None and short_batch.stats.computed_tokens == 40 + 4 * 16
     assert long_batch.micro_batches[0].shared is None and long_batch.stats.computed_tokens == 4 * 1100
+
+
+def test_auto_micro_batching_takes_the_layout_of_lower_modelled_cost():
+    """Without a varlen kernel, ``auto`` lays each batch out padded or packed, whichever the cost model says is
+    cheaper, and the micro-batches are exactly those of the mode it chose."""
+    cost = 3.3e-4
+
+    def groups(prompt_lengths, completion_len):
+        return [Rollout([3 + g] * p, [10 + i] * completion_len, [1] * completion_len, float(i % 2), f"g{g}")
+                for g, p in enumerate(prompt_lengths) for i in range(4)]
+
+    # Groups of unequal prompts in short rows: padded rows would pad three groups to the longest, one packed row
+    # pads nothing and its dense attention is cheap (the quickstart's shape).
+    short = groups([20, 40, 60, 80], 16)
+    # Long rows: one packed row's attention over every group costs more than the padding of separate rows.
+    long = groups([400, 420], 300)
+    config = BatchingConfig(mode="auto", rows_per_micro_batch=16, max_seq_len=2048, max_tokens_per_microbatch=8192,
+                            attention_cost=cost, share_prompt_training="on")
+    for rollouts, expected in [(short, "packed"), (long, "padded")]:
+        sequences = prepare_sequences(rollouts, [0.0] * len(rollouts), config.max_seq_len)
+        options = {mode: layout(sequences, config, mode).modelled_cost(cost) for mode in ("padded", "packed")}
+        assert min(options, key=options.get) == expected, options
+        assert cheapest_layout(sequences, config).mode == expected
+        (chosen,) = plan_batch(rollouts, config)
+        (explicit,) = plan_batch(rollouts, replace(config, mode=expected))
+        assert chosen.stats.extra["packed_micro_batches"] == float(expected == "packed")
+        assert len(chosen.micro_batches) == len(explicit.micro_batches)
+        for a, b in zip(chosen.micro_batches, explicit.micro_batches):
+            assert a.packed == b.packed and a.batch_positions == b.batch_positions
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.shared.input_ids, b.shared.input_ids)
+    padded = layout(prepare_sequences(short, [0.0] * 16, 2048), config, "padded")
+    assert padded.modelled_cost(cost) == pytest.approx(4 * (80 + 64 + cost * (80 + 64) ** 2))  # one micro-batch
 
 
 def test_shared_prefix_is_compared_not_assumed():

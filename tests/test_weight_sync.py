@@ -298,7 +298,8 @@ def trainer(tmp_path_factory, tiny_model_dir):
     write_rollouts(work / "rollouts.jsonl", random_rollouts(2, 4, vocab_size=390, seed=1))
     args = RLConfig(output_dir=str(work / "out"), use_cpu=True, report_to="none", save_strategy="no", max_steps=1,
                     rollouts_path=str(work / "rollouts.jsonl"), rollouts_per_step=8, max_seq_len=64,
-                    gradient_checkpointing=False, disable_tqdm=True, weight_sync_bucket_mb=0.02)
+                    gradient_checkpointing=False, disable_tqdm=True, weight_sync_bucket_mb=0.02,
+                    weight_sync_probe_every=1)  # these tests look at the probe of each sync
     trainer = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
     perturb(trainer.model, seed=5, scale=0.2)  # the trainer's policy moved away from the checkpoint
     return trainer
@@ -316,6 +317,22 @@ def test_sync_loads_the_trainers_weights_and_the_probe_passes(trainer, tiny_mode
     assert len(gaps) == 1 and gaps[0] < 1e-5
     assert not [w for w in recwarn if issubclass(w.category, WeightSyncWarning)]
     assert trainer._metrics["train"]["weight_sync_s"]
+
+
+def test_the_probe_runs_at_the_first_sync_and_every_nth(trainer, tiny_model_dir, monkeypatch):
+    trainer.engine = EmbeddedEngine(tiny_model_dir)
+    monkeypatch.setattr(trainer.args, "weight_sync_probe_every", 3)
+    monkeypatch.setattr(trainer, "_syncs", 0)
+    probed = []
+    monkeypatch.setattr(trainer.engine, "prompt_logprobs",
+                        lambda ids, original=trainer.engine.prompt_logprobs: probed.append(1) or original(ids))
+    for step in range(1, 8):
+        trainer.state.global_step = step
+        trainer._metrics["train"].clear()
+        trainer.sync_weights()
+        assert trainer.engine.policy_version == step  # every sync loads the weights
+        assert ("weight_sync_probe_gap" in trainer._metrics["train"]) == (step in (1, 4, 7)), step
+    assert len(probed) == 3
 
 
 def test_a_bf16_engine_gets_the_16bit_tolerance_under_a_float32_trainer(trainer, tiny_model_dir, recwarn):

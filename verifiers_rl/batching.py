@@ -18,6 +18,7 @@ import torch
 from .loss import GlobalCounts, check_choice
 from .prefix import (
     Part,
+    modelled_cost,
     SharedPrefixRows,
     best_part_size,
     common_prefix_length,
@@ -205,22 +206,68 @@ def unique_tokens(sequences: list[TrainSequence]) -> int:
     return sum(group_unique_tokens([sequences[i].input_ids for i in members]) for members in groups_of(sequences))
 
 
-def plan_parts(sequences: list[TrainSequence], config: "BatchingConfig") -> list[Part]:
+def plan_parts(sequences: list[TrainSequence], config: "BatchingConfig", mode: str | None = None) -> list[Part]:
     """The units ranks and micro-batches are made of: one sequence each (``share_prompt_training`` off), or parts of groups
     that forward their common prefix once (``on``: as large as a micro-batch allows; ``auto``: the size with the
-    lowest modelled cost, ``prefix.best_part_size``)."""
+    lowest modelled cost, ``prefix.best_part_size``). ``mode``: the micro-batching, default ``config.mode``."""
+    mode = mode or config.mode
     token_lists = [s.input_ids for s in sequences]
     if config.share_prompt_training == "off":
         return [Part([i], len(s), len(s)) for i, s in enumerate(sequences)]
     parts = []
     for members in groups_of(sequences):
         prefix = common_prefix_length([token_lists[i] for i in members])
-        size = len(members) if config.mode == "packed" else min(len(members), config.rows_per_micro_batch)
+        size = len(members) if mode == "packed" else min(len(members), config.rows_per_micro_batch)
         if config.share_prompt_training == "auto":
             branches = [len(token_lists[i]) - prefix for i in members]
             size = min(size, best_part_size(prefix, branches, config.attention_cost))
         parts += split_group(members, token_lists, prefix, size, config.max_tokens_per_microbatch)
     return split_for_ranks(parts, config.world_size, token_lists)
+
+
+@dataclass
+class Layout:
+    """Where a batch's parts go: ``micro_batches[rank]`` lists each micro-batch's part indices."""
+
+    mode: MicroBatchingMode
+    parts: list[Part]
+    micro_batches: list[list[list[int]]]
+
+    def modelled_cost(self, attention_cost: float) -> float:
+        """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row): a padded micro-batch is
+        one row per part, each as wide as its widest; a packed one is one row of all its parts' tokens."""
+        def row_costs(group: list[int]) -> float:
+            tokens = [self.parts[p].tokens for p in group]
+            if self.mode == "packed":
+                return modelled_cost(sum(tokens), attention_cost)
+            return len(tokens) * modelled_cost(max(tokens), attention_cost)
+
+        return max(sum(row_costs(group) for group in groups if group) for groups in self.micro_batches)
+
+
+def layout(sequences: list[TrainSequence], config: "BatchingConfig", mode: MicroBatchingMode) -> Layout:
+    """Parts (``plan_parts``), balanced over ranks by forwarded tokens, then grouped into ``mode`` micro-batches."""
+    parts = plan_parts(sequences, config, mode)
+    costs = [part.tokens for part in parts]
+    sizes = [len(part.members) for part in parts]
+    per_rank = assign_to_ranks(costs, config.world_size)
+    return Layout(mode, parts, [
+        group_packed(indices, costs, config.max_tokens_per_microbatch)
+        if mode == "packed"
+        else group_padded(indices, costs, config.rows_per_micro_batch, sizes)
+        for indices in per_rank
+    ])
+
+
+def cheapest_layout(sequences: list[TrainSequence], config: "BatchingConfig") -> Layout:
+    """``config.mode`` itself, or for ``auto`` the padded or packed layout of lower modelled cost (padded on a tie).
+    Both are exact; the cost model (``BatchingConfig.attention_cost``) decides which forwards fewer token units."""
+    if config.mode != "auto":
+        return layout(sequences, config, config.mode)
+    candidates = [layout(sequences, config, "padded")]
+    if config.max_tokens_per_microbatch >= config.max_seq_len:
+        candidates.append(layout(sequences, config, "packed"))
+    return min(candidates, key=lambda option: option.modelled_cost(config.attention_cost))
 
 
 @dataclass
@@ -371,7 +418,7 @@ class RankBatch:
 @dataclass
 class BatchingConfig:
     world_size: int = 1
-    mode: MicroBatchingMode = "padded"
+    mode: MicroBatchingMode | Literal["auto"] = "padded"  # auto: the cheaper of the two per batch (cheapest_layout)
     rows_per_micro_batch: int = 1
     max_tokens_per_microbatch: int = 4096
     max_seq_len: int = 1024
@@ -384,7 +431,7 @@ class BatchingConfig:
     attention_cost: float = 0.0  # one attention cell's cost in token units (``prefix.modelled_cost``), for auto
 
     def __post_init__(self):
-        check_choice("micro_batching", self.mode, MICRO_BATCHING_MODES)
+        check_choice("micro_batching", self.mode, MICRO_BATCHING_MODES + ("auto",))
         check_choice("share_prompt_training", self.share_prompt_training, SHARE_PROMPT_MODES)
         if self.world_size < 1 or self.rows_per_micro_batch < 1:
             raise ValueError("world_size and rows_per_micro_batch must be >= 1.")
@@ -412,16 +459,8 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
     )
     counts = global_counts(sequences, config.horizon or config.max_seq_len)
     lengths = [len(s) for s in sequences]
-    parts = plan_parts(sequences, config)
-    costs = [part.tokens for part in parts]
-    sizes = [len(part.members) for part in parts]
-    per_rank = assign_to_ranks(costs, config.world_size)
-    grouped = [
-        group_packed(indices, costs, config.max_tokens_per_microbatch)
-        if config.mode == "packed"
-        else group_padded(indices, costs, config.rows_per_micro_batch, sizes)
-        for indices in per_rank
-    ]
+    chosen = cheapest_layout(sequences, config)
+    parts, grouped, packed = chosen.parts, chosen.micro_batches, chosen.mode == "packed"
     # Collectives need the same number of passes on every rank; the short ranks get zero-weight passes.
     num_micro_batches = max(len(groups) for groups in grouped)
     rank_batches = []
@@ -433,8 +472,7 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
             members = [i for p in group for i in parts[p].members]
             shape = [(len(parts[p].members), parts[p].prefix_len) for p in group]
             micro_batches.append(
-                collate([sequences[i] for i in members], counts, config.mode == "packed", config.pad_token_id,
-                        members, shape)
+                collate([sequences[i] for i in members], counts, packed, config.pad_token_id, members, shape)
             )
         micro_batches_all.extend(micro_batches)
         rank_batches.append(micro_batches)
@@ -449,4 +487,6 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
         unique_tokens=unique_tokens(sequences),
         padding_tokens=sum(mb.padding_tokens for mb in micro_batches_all),
     )
+    if config.mode == "auto":
+        stats.extra["packed_micro_batches"] = float(packed)  # what auto chose for this batch
     return [RankBatch(mbs, counts, stats, batch_index) for mbs in rank_batches]

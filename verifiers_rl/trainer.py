@@ -453,6 +453,7 @@ class RLTrainer(GRPOTrainer):
 
     _probe_ids: list[int] | None = None  # the probe's tokens, once the first sync found the engine can be probed
     _probe_checked = False
+    _syncs = 0  # weight syncs so far (the probe runs on the first and every weight_sync_probe_every-th)
 
     def _zero3(self) -> bool:
         return bool(self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3)
@@ -532,8 +533,10 @@ class RLTrainer(GRPOTrainer):
         )
 
     def _probe_engine(self, version: int) -> None:
-        """Compare the engine's log-probs of a fixed sequence with the trainer's; warn loudly on a gap."""
-        if self.args.weight_sync_probe_tokens == 0:
+        """Compare the engine's log-probs of a fixed sequence with the trainer's; warn loudly on a gap. Runs at the
+        first sync and then at every ``weight_sync_probe_every``-th (the same syncs on every rank)."""
+        self._syncs += 1
+        if self.args.weight_sync_probe_tokens == 0 or (self._syncs - 1) % self.args.weight_sync_probe_every:
             return
         if not self._probe_checked:
             # Only the main process holds the engine; every rank must agree on running the (collective) forward.
@@ -609,10 +612,11 @@ class RLTrainer(GRPOTrainer):
         )
 
     def micro_batching_mode(self) -> str:
-        """``auto`` packs only when the attention kernel splits packed rows by position ids (flash/varlen)."""
+        """``auto`` packs when the attention kernel splits packed rows by position ids (flash/varlen); otherwise a
+        packed row's mask is dense over the row, and ``batching.cheapest_layout`` picks per batch by modelled cost."""
         if self.args.micro_batching != "auto":
             return self.args.micro_batching
-        return "packed" if splits_packed_rows(self.model) else "padded"
+        return "packed" if splits_packed_rows(self.model) else "auto"
 
     def _plan(self, batch_index: int) -> list[RankBatch]:
         waited = time.perf_counter()
