@@ -3,7 +3,8 @@
 What it measures: one optimizer step's rollouts (16 groups x 4 = 64 by default) with a long-tailed completion
 length (lognormal body of 20-100 tokens, a tail up to ~1000; prompts of 20-60 tokens) are planned by
 ``verifiers_rl.batching.plan_batch`` either as padded micro-batches (R rows each, sequences sorted by length)
-or as packed micro-batches (one row of at most T tokens each, first-fit decreasing). For every configuration
+or as packed micro-batches (one row of at most T tokens each, first-fit decreasing), or as ``auto`` chooses
+(without a varlen kernel: the padded or packed layout of lower modelled cost). For every configuration
 the table gives the number of micro-batches, real tokens, computed tokens (rows x width, summed), the
 real-token fraction, and the wall time of one real forward + backward over all micro-batches of a small
 random Llama model (``verifiers_rl.models.build_tiny_model``: hidden 128, 4 layers, ~400-token vocabulary)
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 
 from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
 from verifiers_rl.models import build_tiny_model  # noqa: E402
-from verifiers_rl.policy import micro_batch_logprobs  # noqa: E402
+from verifiers_rl.policy import attention_cost, micro_batch_logprobs  # noqa: E402
 from verifiers_rl.rollouts import Rollout  # noqa: E402
 
 MAX_SEQ_LEN = 1100
@@ -126,6 +127,10 @@ def main() -> None:
 
     configs = [("padded", f"rows={r}", dict(mode="padded", rows_per_micro_batch=r)) for r in padded_rows]
     configs += [("packed", f"tokens={t}", dict(mode="packed", max_tokens_per_microbatch=t)) for t in packed_budgets]
+    # What --micro_batching auto chooses without a varlen kernel: the padded or packed layout of lower modelled cost.
+    configs += [("auto", f"rows={r}, tokens={packed_budgets[0]}",
+                 dict(mode="auto", rows_per_micro_batch=r, max_tokens_per_microbatch=packed_budgets[0],
+                      attention_cost=attention_cost(model))) for r in padded_rows[-2:]]
 
     results = []
     for mode, label, kwargs in configs:
@@ -139,6 +144,8 @@ def main() -> None:
         # Query-key pairs the (dense-mask) attention computes: rows x width^2 per micro-batch.
         attention_cells = sum(rows * width * width for rows, width in shapes)
         seconds = step_seconds(model, mbs, repeats)
+        if mode == "auto":
+            mode = "auto -> " + ("packed" if rank_batch.stats.extra["packed_micro_batches"] else "padded")
         results.append(dict(mode=mode, label=label, mbs=len(mbs), real=real, computed=computed, seconds=seconds,
                             shapes=shapes, attention_cells=attention_cells))
 

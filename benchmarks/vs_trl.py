@@ -13,9 +13,10 @@ What it measures: these trainers, run one after the other in this one process, o
 
 Workloads (``--workload``): ``tiny`` (default) is described below; ``quickstart`` is the README's quickstart run:
 SmolLM2-135M-Instruct (``verifiers_rl.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
-``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, and our micro-batch packed (one row holding every
-group's shared prompt once and its completions: no padding between groups of different lengths, which padded
-shared rows have, ~1.2x the unique tokens), the rest as below. Any of its settings can be overridden by the flags.
+``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, and our micro-batching left at its default ``auto``
+(the quickstart's: on CPU it picks, per batch, one packed row holding every group's shared prompt once and its
+completions when the cost model finds that cheaper than padded shared rows, ~1.2x the unique tokens between
+groups of different prompt lengths), the rest as below. Any of its settings can be overridden by the flags.
 
 Same for all of them: the model (``tiny``: a random Llama from ``verifiers_rl.models.build_tiny_model``, hidden
 256, 4 layers, loaded from the same folder), the prompts (the ``reverse_text`` dataset, system prompt included, in the order our
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import statistics
 from collections import defaultdict
@@ -94,9 +96,9 @@ WORKLOADS = {
     "tiny": dict(model="tiny", hidden=256, layers=4, prompts=4, num_generations=8, max_completion_length=48,
                  max_seq_len=160, learning_rate=1e-3, threads=[1, 2], micro_batching="padded"),
     "quickstart": dict(model="smollm2", prompts=4, num_generations=4, max_completion_length=16, max_seq_len=128,
-                       learning_rate=2e-5, threads=[2], micro_batching="packed"),
+                       learning_rate=2e-5, threads=[2], micro_batching="auto"),
 }
-LOGGED = ("generation_time", "wait_time", "step_time", "tokens_forwarded", "tokens_unique")
+LOGGED = ("generation_time", "wait_time", "step_time", "tokens_forwarded", "tokens_unique", "packed_micro_batches")
 
 
 class SplitRecorder(StepRecorder):
@@ -122,7 +124,11 @@ class SplitRecorder(StepRecorder):
             train = [step - gen for step, gen in zip(self.intervals()[skip:], logged["generation_time"])]
         values = {"gen": logged["generation_time"], "train": train, "forwarded": logged["tokens_forwarded"],
                   "unique": logged["tokens_unique"]}
-        return {key: statistics.median(v) if v else float("nan") for key, v in values.items()}
+        split = {key: statistics.median(v) if v else float("nan") for key, v in values.items()}
+        # The share of steps whose micro-batches micro_batching=auto packed (absent: a fixed mode, or TRL).
+        packed = logged.get("packed_micro_batches")
+        split["packed"] = statistics.mean(packed) if packed else float("nan")
+        return split
 
 
 def watch_trl(trainer: GRPOTrainer, recorder: SplitRecorder, num_generations: int) -> None:
@@ -238,9 +244,9 @@ def main() -> None:
     parser.add_argument("--max_completion_length", type=int, default=None)
     parser.add_argument("--max_seq_len", type=int, default=None)
     parser.add_argument("--learning_rate", type=float, default=None)
-    parser.add_argument("--micro_batching", choices=["padded", "packed"], default=None,
-                        help="our trainer's micro-batches (TRL always pads): padded rows, or packed rows of at most "
-                        "4 x max_seq_len tokens")
+    parser.add_argument("--micro_batching", choices=["padded", "packed", "auto"], default=None,
+                        help="our trainer's micro-batches (TRL always pads): padded rows, packed rows of at most "
+                        "4 x max_seq_len tokens, or auto (the cheaper per batch by the cost model)")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each trainer's run")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
@@ -321,12 +327,14 @@ def main() -> None:
             f"{statistics.median(timed):.2f} | {reward:.3f} | {cores:.2f} |"
         )
     print("\n| torch threads | trainer | median s/step | gen s | train s | tokens forwarded/step | unique tokens/step "
-          "| forwarded / unique |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| forwarded / unique | steps packed (auto) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for (threads, name), (timed, _, _) in results.items():
         split = splits[threads, name]
+        packed = "n/a" if math.isnan(split["packed"]) else f"{split['packed']:.0%}"
         print(f"| {threads} | {NAMES[name]} | {statistics.median(timed):.2f} | {split['gen']:.2f} | {split['train']:.2f} | "
-              f"{split['forwarded']:.0f} | {split['unique']:.0f} | {split['forwarded'] / split['unique']:.2f}x |")
+              f"{split['forwarded']:.0f} | {split['unique']:.0f} | {split['forwarded'] / split['unique']:.2f}x | "
+              f"{packed} |")
 
 
 if __name__ == "__main__":
