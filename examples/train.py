@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingPreempted as stopped:
         # Every rank says where the checkpoint is; the exit status tells a scheduler the run was stopped, not done.
         print(f"[rank {trainer.accelerator.process_index}] {stopped}", flush=True)
+        leave_process_group()
         return stopped.exit_code
     finally:
         if live.get("engine") is not None:
@@ -148,7 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer.save_model(config.output_dir)
     if trainer.accelerator.is_main_process:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)
+    leave_process_group()
     return 0
+
+
+def leave_process_group() -> None:
+    """Once every rank is done, leave the process group explicitly: a gloo group left to interpreter exit once
+    aborted a finished DDP rank ("terminate called without an active exception", exit -6)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def json_flag(parser, flag: str, text: str) -> dict:

@@ -18,10 +18,10 @@ import torch
 from .loss import GlobalCounts, check_choice
 from .prefix import (
     Part,
-    modelled_cost,
     SharedPrefixRows,
     best_part_size,
     common_prefix_length,
+    modelled_cost,
     shared_prefix_rows,
     split_for_ranks,
     split_group,
