@@ -33,7 +33,7 @@ from trl import TrlParser
 from verifiers_rl import progress
 from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
-from verifiers_rl.envs.limits import LIMIT_FLAGS, LengthContractError, resolve_limits
+from verifiers_rl.envs.limits import LIMIT_FLAGS, resolve_limits
 from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.models import load_tokenizer, resolve_model
@@ -188,18 +188,14 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
     return inputs
 
 
-def keep_eval_limits(environment, config: RLConfig, given: set[str], args_flag: str = "--eval_env_args") -> None:
+def keep_eval_limits(environment, config: RLConfig, given: set[str], args_flag: str) -> None:
     """The evaluation environment under the length contract: a limit it does not state takes the trainer's value; a
     stated one must agree with a length flag the user gave (LengthContractError at start-up, naming ``args_flag``).
     A stated limit the user left alone stays the environment's own: its rollouts are scored, never trained."""
     unstated = {flag for flag, limit in LIMIT_FLAGS.items() if limit in environment.unstated_limits}
-    try:
-        resolve_limits(environment, {flag: getattr(config, flag) for flag in LIMIT_FLAGS}, given | unstated)
-    except LengthContractError as error:
-        if args_flag == "--env_args":
-            raise
-        raise LengthContractError(f"The evaluation environment (--eval_env): {error}".replace(
-            "--env_args", args_flag)) from None
+    context = "" if args_flag == "--env_args" else "The evaluation environment (--eval_env): "
+    resolve_limits(environment, {flag: getattr(config, flag) for flag in LIMIT_FLAGS}, given | unstated, args_flag,
+                   context)
 
 
 if __name__ == "__main__":

@@ -265,7 +265,7 @@ def cheapest_layout(sequences: list[TrainSequence], config: "BatchingConfig") ->
     if config.mode != "auto":
         return layout(sequences, config, config.mode)
     candidates = [layout(sequences, config, "padded")]
-    if config.max_tokens_per_microbatch >= config.max_seq_len:
+    if packed_row_fits(config.max_tokens_per_microbatch, config.max_seq_len):
         candidates.append(layout(sequences, config, "packed"))
     return min(candidates, key=lambda option: option.modelled_cost(config.attention_cost))
 
@@ -439,9 +439,14 @@ class BatchingConfig:
             check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
 
 
+def packed_row_fits(max_tokens_per_microbatch: int, max_seq_len: int) -> bool:
+    """Whether a packed row holds the longest sequence."""
+    return max_tokens_per_microbatch >= max_seq_len
+
+
 def check_packed_row_fits(max_tokens_per_microbatch: int, max_seq_len: int) -> None:
     """A packed row must hold the longest sequence."""
-    if max_tokens_per_microbatch < max_seq_len:
+    if not packed_row_fits(max_tokens_per_microbatch, max_seq_len):
         raise ValueError(
             f"max_tokens_per_microbatch ({max_tokens_per_microbatch}) must be >= max_seq_len ({max_seq_len}) so "
             "every sequence fits a packed row."

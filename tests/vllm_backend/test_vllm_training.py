@@ -34,8 +34,8 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str
         "--vllm_server_url", url, "--vllm_weight_transfer", transfer, "--max_steps", str(max_steps),
         "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "128",
         "--max_off_policy_steps", "0", "--learning_rate", "0.01", "--logging_steps", "1", "--print_samples_every", "0",
-        "--weight_sync_probe_every", "1", "--save_rollouts_path", str(out / "rollouts.jsonl"), "--report_to", "none", "--save_strategy", "no",
-        "--output_dir", str(out / "model"),
+        "--weight_sync_probe_every", "1", "--save_rollouts_path", str(out / "rollouts.jsonl"), "--report_to", "none",
+        "--save_strategy", "no", "--output_dir", str(out / "model"),
     ]
 
 

@@ -45,15 +45,13 @@ def test_a_verifiers_multi_turn_env_trains_through_the_vllm_server(untied, tmp_p
     # Every model turn was a server request (no other sampler exists in this run): at least one per rollout.
     assert state["requests_served"] == sum(len(t) for t in turns) and all(turns)
     assert any(0 in r.completion_mask for r in seen)  # the environment's turns, masked out of the loss
-    text = " ".join(r.completion[i]["content"] for r in seen for i in range(len(r.completion))
-                    if r.completion[i]["role"] == "user")
-    assert "Go on (1)." in text
+    assert "Go on (1)." in " ".join(m["content"] for r in seen for m in r.completion if m["role"] == "user")
     # The first batch was sampled by the model's own weights: the server's log-prob of every sampled token (mask 1)
     # is HF's log softmax for that id after the sequence before it.
-    for rollout in seen[:8]:
+    for rollout, rollout_turns in zip(seen[:8], turns[:8]):
         sequence = rollout.prompt_ids + rollout.completion_ids
         hf = hf_prompt_logprobs(untied.model_dir, sequence)
-        for start, ids, logprobs in turns[seen.index(rollout)]:
+        for start, ids, logprobs in rollout_turns:
             assert sequence[start : start + len(ids)] == ids
             gap = (hf[start - 1 : start - 1 + len(ids)] - torch.tensor(logprobs)).abs().max()
             assert float(gap) < 1e-4, (rollout.group_id, start, float(gap))

@@ -18,13 +18,16 @@ class LengthContractError(ValueError):
     """A length flag disagrees with the environment's own limit."""
 
 
-def resolve_limits(environment: Any, flags: dict[str, int], given: set[str]) -> dict[str, int]:
+def resolve_limits(
+    environment: Any, flags: dict[str, int], given: set[str], args_flag: str = "--env_args", context: str = ""
+) -> dict[str, int]:
     """The values the trainer's length flags must take for ``environment``.
 
     ``flags`` holds the trainer's current values of ``LIMIT_FLAGS``, ``given`` the flags the user set (on the
     command line or in a config file). A given flag for a limit the environment does not state is adopted by the
     environment (its rows are filtered again); a given flag that differs from a stated limit raises
-    LengthContractError naming both values and the flags that fix it.
+    LengthContractError naming both values and the flags that fix it (``args_flag``: the flag of the environment's
+    loader arguments; ``context`` opens the message, e.g. which environment it is).
     """
     resolved: dict[str, int] = {}
     adopted: dict[str, int] = {}
@@ -34,9 +37,9 @@ def resolve_limits(environment: Any, flags: dict[str, int], given: set[str]) -> 
             adopted[limit] = resolved[flag] = flags[flag]
         elif flag in given and flags[flag] != stated:
             raise LengthContractError(
-                f"--{flag}={flags[flag]} disagrees with the environment {environment.name!r}, whose {limit} is "
-                f"{stated}. Leave out --{flag} (it defaults to the environment's {stated}), or change the "
-                f"environment's own limit, e.g. --env_args '{{\"{limit}\": {flags[flag]}}}' for a built-in "
+                f"{context}--{flag}={flags[flag]} disagrees with the environment {environment.name!r}, whose {limit} "
+                f"is {stated}. Leave out --{flag} (it defaults to the environment's {stated}), or change the "
+                f"environment's own limit, e.g. {args_flag} '{{\"{limit}\": {flags[flag]}}}' for a built-in "
                 "environment."
             )
         else:
