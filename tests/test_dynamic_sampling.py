@@ -53,7 +53,8 @@ def test_live_batches_keep_exactly_the_informative_groups_and_stay_full(tiny_mod
     gen = generator(tiny_model_dir, environment(tokenizer, informative), k=k)
     try:
         for index in range(2):
-            batch = gen.batch(index)
+            record = gen.batch(index)
+            batch = record.rollouts
             if k:
                 gen.engine.policy_version = index + 1  # as a weight load would (the next batch waits for it)
                 gen.weights_updated()
@@ -62,7 +63,7 @@ def test_live_batches_keep_exactly_the_informative_groups_and_stay_full(tiny_mod
             for members in groups.values():
                 assert len(members) == 4 and has_signal(members)
                 assert members[0].prompt[-1]["content"] in {f"Say something ({i})." for i in informative}
-            stats = gen.filter_stats[index]
+            stats = record.stats
             assert stats["groups_kept"] == 4
             # Every constant row that was generated was dropped: at least those of the first pick.
             first_pick = [row for _, row in gen._rows_of(index)]
@@ -77,17 +78,18 @@ def test_a_batch_without_enough_signal_is_trained_as_it_is_with_a_warning(tiny_m
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     gen = generator(tiny_model_dir, environment(tokenizer, informative_rows=[5]), refills=2)
     with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
-        batch = gen.batch(0)
+        record = gen.batch(0)
+    batch = record.rollouts
     groups = groups_of(batch)
     # One informative row: at most once per round (3 rounds: the batch and 2 refills), never a constant group.
     assert 1 <= len(groups) <= 3 and all(has_signal(g) for g in groups.values())
-    assert gen.filter_stats[0]["refill_generations"] == 2
+    assert record.stats["refill_generations"] == 2 and record.generation_s > 0
     assert "groups have reward variance after 2 refill round(s) (--max_refill_batches); training on them" in caplog.text
 
     nothing = generator(tiny_model_dir, environment(tokenizer, informative_rows=[]), refills=1)
     with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
-        batch = nothing.batch(0)
-    assert len(batch) == 16 and nothing.filter_stats[0]["groups_kept"] == 0  # the unfiltered batch
+        record = nothing.batch(0)
+    assert len(record.rollouts) == 16 and record.stats["groups_kept"] == 0  # the unfiltered batch
     assert "none has any, so the unfiltered batch is trained" in caplog.text
 
 

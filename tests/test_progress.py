@@ -15,10 +15,14 @@ from verifiers_rl.rollouts import Rollout
 
 def test_step_line_shows_present_metrics_in_order_and_skips_absent_ones():
     logs = {"reward": 0.2314, "reward_std": 0.1, "loss": 0.01234, "staleness_max": 1.0, "step_time": 5.44,
-            "generation_time": 3.06, "wait_time": 0.0, "entropy": 3.2}
+            "generation_time": 3.06, "wait_time": 0.0, "train_time": 4.5, "weight_sync_time": 0.92,
+            "between_steps_time": 0.02, "entropy": 3.2}
     line = format_step_line(12, 60, logs)
     assert line == ("step 12/60 | reward 0.231 ± 0.100 | loss 0.0123 | staleness 1 | gen 3.1s | wait 0.0s"
-                    " | step 5.4s")
+                    " | train 4.5s | sync 0.9s | step 5.4s")
+    # A checkpoint or an evaluation after the previous step shows as its own part of the step.
+    logs["between_steps_time"] = 2.0
+    assert " | sync 0.9s | log/save/eval 2.0s | step 5.4s" in format_step_line(12, 60, logs)
     # Replay without sampler log-probs: no is_ratio, no generation timing.
     assert format_step_line(1, 2, {"reward": 1.0}) == "step 1/2 | reward 1.000"
 

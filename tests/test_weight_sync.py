@@ -322,7 +322,7 @@ def test_sync_loads_the_trainers_weights_and_the_probe_passes(trainer, tiny_mode
 def test_the_probe_runs_at_the_first_sync_and_every_nth(trainer, tiny_model_dir, monkeypatch):
     trainer.engine = EmbeddedEngine(tiny_model_dir)
     monkeypatch.setattr(trainer.args, "weight_sync_probe_every", 3)
-    monkeypatch.setattr(trainer, "_syncs", 0)
+    monkeypatch.setattr(trainer.weight_sync, "syncs", 0)
     probed = []
     monkeypatch.setattr(trainer.engine, "prompt_logprobs",
                         lambda ids, original=trainer.engine.prompt_logprobs: probed.append(1) or original(ids))
@@ -350,12 +350,12 @@ def test_a_bf16_engine_gets_the_16bit_tolerance_under_a_float32_trainer(trainer,
 def test_probe_warns_loudly_when_the_engine_skipped_a_layer(trainer, tiny_model_dir, caplog):
     trainer.engine = SkippingEngine(tiny_model_dir)
     trainer._metrics["train"].clear()
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.weight_sync"):
         with pytest.warns(WeightSyncWarning) as caught:
             trainer.sync_weights()
     message = str(caught[0].message)
     gap = trainer._metrics["train"]["weight_sync_probe_gap"][0]
-    assert gap > trainer._probe_tolerance()
+    assert gap > trainer.weight_sync.probe_tolerance()
     assert "probe FAILED" in message and f"{gap:.4g} nats" in message and "token position" in message
     assert "tied output layer (lm_head)" in message
     assert message in caplog.text  # logged as well as warned
@@ -378,19 +378,20 @@ def test_probe_runs_under_the_batch_lock_so_k1_generation_overlaps_training(trai
     engine = RecordingEngine(tiny_model_dir, tokenizer)
     environment = load_environment("reverse_text", tokenizer=tokenizer, num_examples=8, max_new_tokens=4)
     trainer.engine = engine
-    trainer.generator = AsyncGenerator(environment, engine, rollouts_per_step=8, num_generations=4,
-                                       max_off_policy_steps=1, timeout_s=60)
+    # The weight sync reads the generator it was built with (the trainer's fixture is a replay run).
+    trainer.generator = trainer.weight_sync.generator = AsyncGenerator(
+        environment, engine, rollouts_per_step=8, num_generations=4, max_off_policy_steps=1, timeout_s=60)
     try:
-        assert len(trainer.generator.batch(0)) == 8
+        assert len(trainer.generator.batch(0).rollouts) == 8
         for step in (1, 2):
             trainer.state.global_step = step
             trainer.sync_weights()
         assert engine.lock_held_at_probe == [True, True] and engine.policy_version == 2
         assert not trainer.generator.hold_weights().locked()  # released afterwards: generation goes on
-        assert len(trainer.generator.batch(1)) == 8
+        assert len(trainer.generator.batch(1).rollouts) == 8
     finally:
         trainer.generator.close()
-        trainer.generator = None
+        trainer.generator = trainer.weight_sync.generator = None
 
 
 def test_engine_failures_are_clear_errors(trainer, tiny_model_dir, caplog):
@@ -410,14 +411,13 @@ def test_engine_failures_are_clear_errors(trainer, tiny_model_dir, caplog):
 
 def test_engines_without_prompt_logprobs_skip_the_probe(tiny_model_dir, trainer, caplog):
     trainer.engine = NoProbeEngine()
-    trainer._probe_checked, trainer._probe_ids = False, None  # a fresh trainer would decide at its first sync
+    trainer.weight_sync.probe_checked, trainer.weight_sync.probe_ids = False, None  # a fresh trainer would decide at its first sync
     trainer._metrics["train"].clear()
-    with caplog.at_level(logging.INFO, logger="verifiers_rl.trainer"):
+    with caplog.at_level(logging.INFO, logger="verifiers_rl.weight_sync"):
         trainer.sync_weights()
     assert "no prompt_logprobs: no post-sync probe" in caplog.text
     assert "weight_sync_probe_gap" not in trainer._metrics["train"]
-    del trainer._probe_checked, trainer._probe_ids
-
+    
 
 # --- ZeRO-3, two processes: one launch ----------------------------------------------------------------------------
 

@@ -213,3 +213,25 @@ def publish(root: Path, final: Path) -> None:
     shutil.rmtree(root, ignore_errors=True)
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+# --- a rank's slice of a batch part-way through its updates --------------------------------------------------------
+
+
+def _rank_batch_file(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"rank_batch-{rank}.pt"
+
+
+def save_rank_batch(folder: Path, rank: int, rank_batch) -> None:
+    """Keep rank ``rank``'s slice of a batch part-way through its updates (its proximal log-probs came from
+    weights older than the checkpoint's, so it cannot be planned again)."""
+    import torch
+
+    torch.save(rank_batch, _rank_batch_file(folder, rank))
+
+
+def load_rank_batch(folder: Path, rank: int):
+    """The slice ``save_rank_batch`` kept for ``rank``, on the CPU."""
+    import torch
+
+    return torch.load(_rank_batch_file(folder, rank), map_location="cpu", weights_only=False)

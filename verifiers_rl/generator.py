@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -24,12 +25,31 @@ from .rollouts import Rollout, RolloutFormatError, read_rollouts
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class Batch:
+    """What a rollout source hands the trainer for one batch: its rollouts (whole groups), the source's counts
+    (``stats``: groups kept / dropped by the filter, refill rounds, reward errors; logged per step) and how long the
+    batch took to generate (None when replayed)."""
+
+    index: int
+    rollouts: list[Rollout]
+    stats: dict[str, float] = field(default_factory=dict)
+    generation_s: float | None = None
+
+
 class RolloutSource(Protocol):
     def __len__(self) -> int:
         """Batches in one pass over the source."""
 
-    def batch(self, index: int) -> list[Rollout]:
-        """The rollouts of batch ``index`` (whole groups)."""
+    def batch(self, index: int) -> Batch | list[Rollout]:
+        """Batch ``index`` (whole groups); a plain list of rollouts is taken as a ``Batch`` without stats."""
+
+
+def as_batch(index: int, result: Batch | list[Rollout]) -> Batch:
+    """A source's answer as a ``Batch`` with its reward-error count (sources of the user's may return a list)."""
+    batch = result if isinstance(result, Batch) else Batch(index, list(result))
+    batch.stats.setdefault("reward_errors", float(sum(r.metrics.get("reward_errors", 0.0) for r in batch.rollouts)))
+    return batch
 
 
 def split_into_batches(rollouts: list[Rollout], rollouts_per_step: int) -> list[list[Rollout]]:
@@ -84,18 +104,30 @@ def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], i
 
 
 class ReplaySource:
-    """Replays a rollouts file (SPEC §4 line format) through the same batching and loss as live generation."""
+    """Replays a rollouts file (SPEC §4 line format) through the same batching and loss as live generation.
 
-    def __init__(self, path: str | Path, rollouts_per_step: int):
+    With ``filter_groups`` (DAPO's dynamic sampling) each batch keeps only its groups with reward variance; there is
+    nothing to refill from, so a batch loses them (and one without any is trained unfiltered, with a warning).
+    """
+
+    def __init__(self, path: str | Path, rollouts_per_step: int, filter_groups: bool = False):
         self.path = Path(path)
         self.batches = split_into_batches(read_rollouts(self.path), rollouts_per_step)
         self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()  # a resumed run checks it is the same file
+        self.filter_groups = filter_groups
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def batch(self, index: int) -> list[Rollout]:
-        return self.batches[index % len(self.batches)]
+    def batch(self, index: int) -> Batch:
+        rollouts = self.batches[index % len(self.batches)]
+        if not self.filter_groups:
+            return Batch(index, rollouts)
+        kept, dropped = drop_zero_variance_groups(rollouts)
+        if not kept:
+            logger.warning("Batch %d: no group has reward variance; training on it unfiltered.", index)
+        stats = {"groups_kept": float(len({r.group_id for r in kept})), "groups_dropped": float(dropped)}
+        return Batch(index, kept or rollouts, stats)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -160,13 +192,13 @@ class AsyncGenerator:
         self.steps_per_batch = steps_per_batch
         self.filter_groups = filter_groups
         self.max_refill_batches = max_refill_batches
-        self.filter_stats: dict[int, dict[str, float]] = {}  # batch index -> groups kept / dropped, refill rounds
+        self._filter_stats: dict[int, dict[str, float]] = {}  # batch index -> groups kept / dropped, refill rounds
         self.timeout_s = timeout_s
         self.seed = seed
         self.total_batches: int | None = None  # batches the run will train on; none is generated beyond them
         self._ready: dict[int, list[Rollout]] = {}
         self._next_index = 0  # the next batch to generate; every batch before it is generated
-        self.generation_seconds: dict[int, float] = {}  # batch index -> seconds its generation took
+        self._generation_s: dict[int, float] = {}  # batch index -> seconds its generation took
         self._error: BaseException | None = None
         self._condition = threading.Condition()
         self._batch_lock = threading.Lock()
@@ -185,17 +217,19 @@ class AsyncGenerator:
 
     # --- the trainer's side -------------------------------------------------------------------------------------
 
-    def batch(self, index: int) -> list[Rollout]:
+    def batch(self, index: int) -> Batch:
         """Batch ``index``; waits at most ``timeout_s``; re-raises what went wrong in generation.
 
         With k = 0 there is nothing to run ahead: the batch is generated here, on the caller's thread.
         """
         if self.max_off_policy_steps == 0 and index not in self._ready:
-            return self._generate_here(index)
-        self.start()
-        with self._condition:
-            self._wait(lambda: index in self._ready, index)
-            return self._ready.pop(index)
+            rollouts = self._generate_here(index)
+        else:
+            self.start()
+            with self._condition:
+                self._wait(lambda: index in self._ready, index)
+                rollouts = self._ready.pop(index)
+        return Batch(index, rollouts, self._filter_stats.pop(index, {}), self._generation_s.pop(index, None))
 
     def _wait(self, done, index: int) -> None:
         """Wait (holding the condition) until ``done()``, the generator's error, or ``timeout_s``."""
@@ -221,7 +255,7 @@ class AsyncGenerator:
             raise GenerationError(f"Generation failed: {type(error).__name__}: {error}") from error
         finally:
             _close_loop(loop)
-        self.generation_seconds[index] = time.perf_counter() - started
+        self._generation_s[index] = time.perf_counter() - started
         self._next_index = max(self._next_index, index + 1)
         return rollouts
 
@@ -324,7 +358,7 @@ class AsyncGenerator:
                     rollouts = self._loop.run_until_complete(self._task)
                 with self._condition:
                     self._ready[index] = rollouts
-                    self.generation_seconds[index] = time.perf_counter() - started
+                    self._generation_s[index] = time.perf_counter() - started
                     self._next_index = index + 1
                     self._condition.notify_all()
         except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank
@@ -370,7 +404,7 @@ class AsyncGenerator:
             useful = [group for group in more if has_signal(group)]
             dropped += len(more) - len(useful)
             kept += useful[: self.prompts_per_batch - len(kept)]
-        self.filter_stats[index] = {"groups_kept": float(len(kept)), "groups_dropped": float(dropped),
+        self._filter_stats[index] = {"groups_kept": float(len(kept)), "groups_dropped": float(dropped),
                                     "refill_generations": float(rounds)}
         if len(kept) < self.prompts_per_batch:
             logger.warning(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .batching import MicroBatch
+from .compat import replaced_forward
 
 
 @dataclass
@@ -223,11 +224,8 @@ def _output_layer_as_logprobs(model, targets, select, sources, temperature, chun
         # Returned as "logits": the wrapper's autograd graph runs through it.
         return out
 
-    head.forward = forward
-    try:
+    with replaced_forward(head, forward):
         yield
-    finally:
-        del head.forward
 
 
 def micro_batch_logprobs(

@@ -16,6 +16,10 @@ import sys
 import threading
 import time
 
+from transformers import TrainerCallback
+
+from .distributed import agreed_max
+
 logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -70,3 +74,23 @@ class PreemptionSignal:
             sys.stderr.flush()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+
+class PreemptionCallback(TrainerCallback):
+    """At the end of each optimizer step: if any rank got SIGTERM/SIGINT (one all-reduce, so every rank agrees),
+    ask for a checkpoint and stop; ``stopped_by`` is the signal."""
+
+    def __init__(self, signal: PreemptionSignal, device):
+        self.signal = signal
+        self.device = device
+        self.stopped_by: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stopped_by = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        signum = agreed_max(self.signal.received or 0, self.device)
+        if signum:
+            self.stopped_by = signum
+            control.should_save = True
+            control.should_training_stop = True

@@ -14,7 +14,8 @@ from transformers import TrainerCallback
 from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
 # (log key, label, format); a key missing from the logs (e.g. is_ratio when replaying without sampler log-probs)
-# is left out of the line.
+# is left out of the line. wait + train + sync (+ log/save/eval, shown when it took time) add up to step: the wall
+# time between two optimizer steps (step_metrics.py).
 STEP_FIELDS = (
     ("reward", "reward", "{:.3f}"),
     ("reward_std", "±", "{:.3f}"),
@@ -25,8 +26,12 @@ STEP_FIELDS = (
     ("weight_sync_probe_gap", "probe_gap", "{:.1e}"),
     ("generation_time", "gen", "{:.1f}s"),
     ("wait_time", "wait", "{:.1f}s"),
+    ("train_time", "train", "{:.1f}s"),
+    ("weight_sync_time", "sync", "{:.1f}s"),
+    ("between_steps_time", "log/save/eval", "{:.1f}s"),
     ("step_time", "step", "{:.1f}s"),
 )
+_SHOWN_WHEN_NONZERO = {"between_steps_time"}
 
 
 @dataclass
@@ -65,10 +70,13 @@ def _shorten(text: str, width: int) -> str:
 
 
 def format_step_line(step: int, max_steps: int, logs: dict[str, float]) -> str:
-    """``step 12/60 | reward 0.231 ± 0.104 | is_ratio 1.000 | staleness 1 | gen 3.1s | wait 0.2s | step 5.4s``."""
+    """``step 12/60 | reward 0.231 ± 0.104 | is_ratio 1.000 | staleness 1 | gen 3.1s | wait 0.2s | train 4.1s | sync
+    1.1s | step 5.4s``."""
     parts = [f"step {step}/{max_steps}"]
     for key, label, fmt in STEP_FIELDS:
         value = logs.get(key)
+        if key in _SHOWN_WHEN_NONZERO and isinstance(value, (int, float)) and value < 0.05:
+            continue
         if isinstance(value, (int, float)):
             if key == "reward_std":
                 parts[-1] += f" ± {fmt.format(value)}"

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, TrackioCallback, WandbCallback
 
+from .compat import reporting_backend
 from .envs.rubric import ERRORS_METRIC
 from .progress import last_text
 
@@ -73,10 +74,8 @@ class CompletionTableCallback(TrainerCallback):
             if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
                 callback.tb_writer.add_text(key, markdown_table(columns), step)
                 callback.tb_writer.flush()
-            elif isinstance(callback, TrackioCallback) and callback._initialized:
-                self._log_frame(callback._trackio, columns, step, key)
-            elif isinstance(callback, WandbCallback) and callback._wandb is not None and callback._wandb.run is not None:
-                self._log_frame(callback._wandb, columns, step, key)
+            elif reporting_backend(callback) is not None:  # trackio, wandb
+                self._log_frame(reporting_backend(callback), columns, step, key)
 
     @staticmethod
     def _log_frame(backend, columns: dict[str, list[Any]], step: int, key: str) -> None:

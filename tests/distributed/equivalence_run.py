@@ -119,7 +119,7 @@ def process_topology(accelerator) -> dict:
 
 def rank_loss_tokens(trainer) -> int:
     """Loss tokens in this rank's share of the last batch."""
-    return int(sum(int(mb.loss_mask.sum()) for mb in trainer._rank_batch.micro_batches))
+    return int(sum(int(mb.loss_mask.sum()) for mb in trainer.steps.rank_batch.micro_batches))
 
 
 def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: Path, extra: dict) -> None:

@@ -1,0 +1,78 @@
+"""Every place verifiers_rl reaches into a private part of TRL, transformers, Accelerate or DeepSpeed.
+
+Each function below exists because the library has no public API for what we need; its comment names the version
+it was written against. ``tests/test_compat.py`` checks each assumption against the installed versions, so an
+upgrade that changes one fails there, by name, rather than somewhere in a training run.
+Imports stay inside the functions: the vLLM worker (another venv, without TRL) imports this module too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+_MISSING = object()
+
+
+def step_metrics(trainer, mode: str = "train") -> dict[str, list[float]]:
+    """The lists GRPOTrainer averages into each log entry (and then clears).
+
+    trl 1.16: ``GRPOTrainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}``; ``GRPOTrainer.log``
+    logs the mean of each list under its key and clears them.
+    """
+    return trainer._metrics[mode]
+
+
+def log_outside_training(trainer, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` as the plain HF Trainer does, without the training metrics gathered since the last log.
+
+    trl 1.16: ``GRPOTrainer.log`` merges (and clears) ``_metrics["train"]`` into every log call, so an evaluation
+    logged through it would flush half a logging window; transformers 5.23's ``Trainer.log`` does not.
+    """
+    from transformers import Trainer
+
+    Trainer.log(trainer, metrics)
+
+
+def set_sync_gradients(accelerator, value: bool) -> None:
+    """Tell Accelerate whether the coming backward is the last of the step (DDP all-reduces, DeepSpeed steps).
+
+    accelerate 1.15: ``GradientState._set_sync_gradients`` (its public ``accumulate`` context sets it from a step
+    counter that our one-call-per-step loop does not advance).
+    """
+    accelerator.gradient_state._set_sync_gradients(value)
+
+
+@contextlib.contextmanager
+def replaced_forward(module, forward):
+    """Run ``module`` with ``forward`` in place of its forward, then put back exactly what was there.
+
+    torch 2.13: an instance attribute ``forward`` shadows the class's. trl 1.16's ``cast_lm_head_to_fp32`` installs
+    one on the output layer, so deleting ours afterwards would also delete TRL's: restore the previous attribute.
+    """
+    previous = module.__dict__.get("forward", _MISSING)
+    module.forward = forward
+    try:
+        yield module
+    finally:
+        if previous is _MISSING:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+def reporting_backend(callback) -> Any | None:
+    """The live module object (``trackio`` / ``wandb``) behind a transformers reporting callback, or None when it has
+    not started a run (tensorboard has a public ``tb_writer`` and needs no help).
+
+    transformers 5.23: ``TrackioCallback._initialized`` / ``._trackio``; ``WandbCallback._wandb`` (``.run`` None before
+    ``wandb.init``).
+    """
+    from transformers.integrations import TrackioCallback, WandbCallback
+
+    if isinstance(callback, TrackioCallback):
+        return callback._trackio if callback._initialized else None
+    if isinstance(callback, WandbCallback):
+        backend = callback._wandb
+        return backend if backend is not None and backend.run is not None else None
+    return None

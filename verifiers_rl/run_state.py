@@ -1,0 +1,157 @@
+"""Run state and checkpoints: what the trainer adds to HF's checkpoint, and how a run resumes from one.
+
+``RunCheckpoints`` writes a checkpoint atomically (HF's files and this run's state under ``.partial-checkpoint-N``,
+renamed to ``checkpoint-N`` once every rank has written its part) and restores a run from one: the rollout source's
+position, the batches generated ahead, each rank's slice of a batch part-way through its updates, and the
+``--save_rollouts_path`` file's length. The file formats are ``checkpoint.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Callable
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from .checkpoint import (
+    CheckpointError,
+    RunState,
+    check_fits,
+    load_pending,
+    load_rank_batch,
+    load_run_state,
+    model_signature,
+    partial_root,
+    publish,
+    resolve_checkpoint,
+    rows_sha256,
+    save_rank_batch,
+    save_run_state,
+)
+from .config import RLConfig
+from .distributed import main_process_outcome
+from .generator import AsyncGenerator
+from .steps import StepBatches
+
+logger = logging.getLogger(__name__)
+
+
+class RunCheckpoints:
+    """Checkpoints of one run. ``model`` returns the bare model (its architecture identifies the run);
+    ``zero_stage`` is 0 outside DeepSpeed."""
+
+    def __init__(self, args: RLConfig, accelerator, steps: StepBatches, generator: AsyncGenerator | None,
+                 model: Callable[[], object], zero_stage: int):
+        self.args = args
+        self.accelerator = accelerator
+        self.steps = steps
+        self.generator = generator
+        self.model = model
+        self.zero_stage = zero_stage
+        self.resumed_from: str | None = None
+        self.last_checkpoint: str | None = None
+        self._rows_sha256: str | None = None
+
+    def run_state(self, global_step: int) -> RunState:
+        """This run's position and identity (main process: only it holds the rollout source)."""
+        args = self.args
+        if self.generator is not None:
+            if self._rows_sha256 is None:
+                self._rows_sha256 = rows_sha256(self.generator.rows)
+            source = {
+                "kind": "live",
+                "environment": self.generator.environment.name,
+                "rows_sha256": self._rows_sha256,
+                "num_generations": args.num_generations,
+                "seed": args.seed,
+            }
+        else:
+            replay = self.steps.source
+            source = {"kind": "replay", "path": str(getattr(replay, "path", "")), "sha256": getattr(replay, "sha256", None)}
+        return RunState(
+            global_step=global_step,
+            next_batch=self.steps.batch_index,
+            iteration=self.steps.iteration,
+            num_iterations=args.num_iterations,
+            rollouts_per_step=args.rollouts_per_step,
+            world_size=self.accelerator.num_processes,
+            zero_stage=self.zero_stage,
+            model=model_signature(self.model()),
+            source=source,
+        )
+
+    # --- resuming -----------------------------------------------------------------------------------------------
+
+    def restore(self, spec, global_step: int) -> str:
+        """Check the checkpoint ``spec`` names against this run and restore the rollout source's position, the
+        batches generated ahead and (part-way through a batch) each rank's slice of it. Errors reach every rank."""
+
+        def load():
+            path = resolve_checkpoint(spec, self.args.output_dir)
+            saved = load_run_state(path)
+            check_fits(saved, self.run_state(global_step), path)
+            if self.generator is not None:
+                self.generator.restore(saved.next_batch, load_pending(path, saved))
+            self._truncate_saved_rollouts(saved)
+            return str(path), saved
+
+        path, saved = main_process_outcome(load)
+        rank_batch = load_rank_batch(Path(path), self.accelerator.process_index) if saved.mid_batch() else None
+        self.steps.restore(saved.next_batch, saved.iteration, rank_batch)
+        self.resumed_from = path
+        if self.accelerator.is_main_process:
+            logger.info("Resuming from %s at step %d (next batch %d).", path, saved.global_step, saved.next_batch)
+        return path
+
+    def _truncate_saved_rollouts(self, saved: RunState) -> None:
+        """``--save_rollouts_path``: drop what the stopped run appended after its checkpoint (those batches are
+        trained again), so the file holds every batch once."""
+        target = self.args.save_rollouts_path
+        record = saved.save_rollouts
+        if not target or record is None or os.path.abspath(target) != record["path"]:
+            return
+        size = os.path.getsize(target) if os.path.exists(target) else 0
+        if size < record["bytes"]:
+            raise CheckpointError(
+                f"--save_rollouts_path {target!r} holds {size} bytes, fewer than the {record['bytes']} it held at the "
+                "checkpoint: it was changed since. Pass another --save_rollouts_path."
+            )
+        os.truncate(target, record["bytes"])
+
+    # --- saving -------------------------------------------------------------------------------------------------
+
+    def save(self, run_dir: str, global_step: int, write_hf: Callable[[str], None], best_checkpoint) -> str:
+        """Write checkpoint ``global_step`` of ``run_dir``: ``write_hf(root)`` writes HF's ``checkpoint-N`` under the
+        partial ``root``, this run's state goes beside it, and the folder is renamed to ``checkpoint-N`` in one step
+        once every rank has written its part. Then HF's ``save_total_limit`` rotation. Every rank calls it."""
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
+        root = partial_root(run_dir, global_step)
+        write_hf(str(root))
+        written = root / os.path.basename(final)
+        self._save_run_state(written, global_step)
+        wait = self.accelerator.wait_for_everyone
+        wait()
+        if self.args.should_save:
+            publish(root, Path(final))
+        wait()
+        if self.accelerator.is_local_main_process and written.is_dir():
+            publish(root, Path(final))  # a node that does not share the output folder with the main process
+        wait()
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, self.args.save_total_limit, best_checkpoint, use_mtime=True)
+        self.last_checkpoint = final
+        return final
+
+    def _save_run_state(self, folder: Path, global_step: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        mid_batch = self.steps.mid_batch()
+        if mid_batch is not None:
+            save_rank_batch(folder, self.accelerator.process_index, mid_batch)
+        if self.accelerator.is_main_process:
+            state = self.run_state(global_step)
+            target = self.args.save_rollouts_path
+            if target and os.path.exists(target):
+                state.save_rollouts = {"path": os.path.abspath(target), "bytes": os.path.getsize(target)}
+            save_run_state(folder, state, self.generator.pending() if self.generator is not None else {})

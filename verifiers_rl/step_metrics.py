@@ -1,0 +1,117 @@
+"""Step metrics: the loss terms and batch counts of each optimizer step, and its wall time in parts.
+
+Token metrics are sums over this rank's loss tokens, all-reduced once per step and divided by the global token
+count N (so they are token-weighted over the whole batch, however it was split). The wall time of a step is the time
+between the ends of two consecutive optimizer steps' weight syncs, and its logged parts add up to it:
+
+    step_time = between_steps_time + wait_time + train_time + weight_sync_wait_s + weight_sync_s + weight_sync_probe_s
+
+``between_steps_time``: logging, checkpoints and evaluation after the previous step; ``wait_time``: waiting for the
+rollout source; ``train_time``: planning, forwards, backwards and the optimizer step; the weight sync's three parts:
+waiting for the generator (older batches, the batch in progress), loading into the engine, and the probe.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from transformers import TrainerCallback
+
+from .batching import MicroBatch, RankBatch
+
+TOKEN_METRICS = ("entropy", "clip_fraction", "is_weight", "is_ratio", "is_clipped_fraction", "kl")
+
+
+class StepMetrics:
+    """Collects one optimizer step's metrics into ``sink`` (the lists the trainer averages into each log entry).
+
+    ``reduce_sum(tensor)`` sums a tensor over ranks (identity in one process).
+    """
+
+    def __init__(self, sink: Callable[[], dict[str, list[float]]], reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+        self.sink = sink
+        self.reduce_sum = reduce_sum
+        self.sums: dict[str, torch.Tensor] = {}
+
+    def log(self, name: str, value: float) -> None:
+        self.sink()[name].append(float(value))
+
+    def begin_step(self) -> None:
+        self.sums = {}
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().double()
+        self.sums[name] = self.sums.get(name, torch.zeros((), dtype=torch.float64, device=value.device)) + value
+
+    def add_loss_terms(self, mb: MicroBatch, entropy: torch.Tensor, terms) -> None:
+        """Token sums of one micro-batch's entropy, clipping, importance weights and KL (``loss.TokenLossTerms``)."""
+        mask = mb.loss_mask
+        self._add("entropy", (entropy * mask).sum())
+        self._add("clip_fraction", (terms.clip_active * mask).sum())
+        if mb.sampler_logps is not None:
+            self._add("is_weight", (terms.is_weight * mask).sum())
+            self._add("is_ratio", (terms.is_ratio_raw * mask).sum())
+            self._add("is_clipped_fraction", ((terms.is_weight != terms.is_ratio_raw).to(mask.dtype) * mask).sum())
+        if terms.kl is not None:
+            self._add("kl", (terms.kl.detach() * mask).sum())
+
+    def end_step(self, rank_batch: RankBatch) -> None:
+        """Log the step's token metrics (every rank takes part in the reduction) and the batch's counts."""
+        names = [name for name in TOKEN_METRICS if name in self.sums]
+        if names:
+            reduced = self.reduce_sum(torch.stack([self.sums[name] for name in names]))
+            tokens = max(rank_batch.counts.loss_tokens, 1)
+            for name, value in zip(names, reduced.tolist()):
+                self.log(name, value / tokens)
+        stats = rank_batch.stats
+        self.log("reward", stats.reward_mean)
+        self.log("reward_std", stats.reward_std)
+        self.log("truncated_fraction", stats.truncated_fraction)
+        self.log("real_token_fraction", 1 - stats.padding_tokens / max(stats.computed_tokens, 1))
+        self.log("tokens_forwarded", stats.computed_tokens)
+        self.log("tokens_unique", stats.unique_tokens)
+        self.log("micro_batches_per_rank", len(rank_batch.micro_batches))
+        self.log("loss_tokens", rank_batch.counts.loss_tokens)
+        for name, value in stats.extra.items():
+            self.log(name, value)
+
+
+class StepTimer(TrainerCallback):
+    """Logs ``step_time`` and its parts (module docstring). Add it after the weight-sync callback: its
+    ``on_step_end`` closes the step once the engine holds the new weights. ``wait_s()`` is the step's wait for
+    rollouts; the weight sync reports its seconds through ``add_sync``."""
+
+    def __init__(self, sink: Callable[[], dict[str, list[float]]], wait_s: Callable[[], float]):
+        self.sink = sink
+        self.wait_s = wait_s
+        self.last_end: float | None = None  # when the previous step ended (None before the first)
+        self.step_start = 0.0
+        self.between = 0.0
+        self.sync = 0.0
+
+    def add_sync(self, seconds: float) -> None:
+        self.sync += seconds
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.last_end = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.between = 0.0 if self.last_end is None else now - self.last_end
+        self.step_start = now - self.between
+        self.sync = 0.0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        sink = self.sink()
+        sync = self.sync
+        wait = self.wait_s()
+        step = now - self.step_start
+        sink["between_steps_time"].append(self.between)
+        sink["wait_time"].append(wait)
+        sink["train_time"].append(step - self.between - wait - sync)
+        sink["weight_sync_time"].append(sync)
+        sink["step_time"].append(step)
+        self.last_end = now
