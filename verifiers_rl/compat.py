@@ -76,3 +76,26 @@ def reporting_backend(callback) -> Any | None:
         backend = callback._wandb
         return backend if backend is not None and backend.run is not None else None
     return None
+
+
+@contextlib.contextmanager
+def without_zero3_init():
+    """Build models on this process alone: under a ZeRO-3 launch transformers would otherwise build them with
+    ``deepspeed.zero.Init``, a collective the other ranks never join.
+
+    transformers 5.23: ``integrations.deepspeed._hf_deepspeed_config_weak_ref`` is what ``is_deepspeed_zero3_enabled``
+    reads; there is no public switch.
+    """
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+# Not here, by necessity: ``vllm_worker/vllm_weight_sync.gloo_group`` builds ``ProcessGroupGloo._Options`` (torch
+# 2.13; the only way to give a gloo group made outside torch.distributed its timeout and device). It runs inside the
+# vLLM server's venv, which cannot import this package; tests/test_compat.py checks it against our torch.

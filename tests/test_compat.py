@@ -1,0 +1,103 @@
+"""Each reach into an upstream private part (verifiers_rl/compat.py) checked against the installed versions: an
+upgrade that changes one fails here, by name."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from verifiers_rl import compat
+from verifiers_rl.config import RLConfig
+from verifiers_rl.rollouts import write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.trainer import RLTrainer
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("compat")
+    write_rollouts(work / "r.jsonl", random_rollouts(2, 4, vocab_size=390, seed=3))
+    args = RLConfig(output_dir=str(work / "out"), use_cpu=True, report_to="none", save_strategy="no",
+                    rollouts_path=str(work / "r.jsonl"), rollouts_per_step=8, max_steps=1, disable_tqdm=True,
+                    gradient_checkpointing=False)
+    return RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_trl_averages_and_clears_the_step_metric_lists_when_it_logs(trainer):
+    trainer.model.train()  # trl 1.16 logs the "train" lists while the model is in training mode
+    compat.step_metrics(trainer)["probe_metric"].extend([1.0, 3.0])
+    trainer.log({})
+    assert trainer.state.log_history[-1]["probe_metric"] == 2.0
+    assert "probe_metric" not in compat.step_metrics(trainer)
+
+
+def test_logging_outside_training_leaves_the_step_metrics_alone(trainer):
+    compat.step_metrics(trainer)["kept_metric"].append(5.0)
+    compat.log_outside_training(trainer, {"eval_thing": 1.0})
+    assert trainer.state.log_history[-1]["eval_thing"] == 1.0 and "kept_metric" not in trainer.state.log_history[-1]
+    assert compat.step_metrics(trainer)["kept_metric"] == [5.0]
+    compat.step_metrics(trainer).clear()
+
+
+def test_accelerate_gradient_state_takes_the_sync_flag(trainer):
+    state = trainer.accelerator.gradient_state
+    for value in (False, True):
+        compat.set_sync_gradients(trainer.accelerator, value)
+        assert state.sync_gradients is value
+
+
+def test_replaced_forward_restores_an_instance_forward_or_removes_its_own():
+    layer = torch.nn.Linear(2, 2)
+    with compat.replaced_forward(layer, lambda x: "ours"):
+        assert layer(torch.zeros(2)) == "ours"
+    assert "forward" not in layer.__dict__
+    theirs = lambda x: "theirs"  # noqa: E731 - what TRL's cast_lm_head_to_fp32 installs
+    layer.forward = theirs
+    with compat.replaced_forward(layer, lambda x: "ours"):
+        assert layer(torch.zeros(2)) == "ours"
+    assert layer.forward is theirs
+
+
+def test_trls_fp32_head_patch_is_an_instance_forward():
+    # replaced_forward exists because of this: if TRL stops patching the instance, the restore is moot but harmless.
+    from trl import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer.__init__)
+    assert "lm_head.forward = cast_forward_to_fp32" in source
+
+
+def test_reporting_callbacks_keep_their_backends_where_we_read_them():
+    from transformers.integrations import TrackioCallback, WandbCallback
+
+    trackio = TrackioCallback()
+    assert trackio._initialized is False and compat.reporting_backend(trackio) is None
+    assert "self._wandb" in inspect.getsource(WandbCallback.__init__)
+
+
+def test_transformers_zero3_switch_is_the_weak_ref_we_clear():
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    sentinel = object()
+    hf_deepspeed._hf_deepspeed_config_weak_ref, saved = sentinel, hf_deepspeed._hf_deepspeed_config_weak_ref
+    try:
+        with compat.without_zero3_init():
+            assert hf_deepspeed._hf_deepspeed_config_weak_ref is None
+            assert not hf_deepspeed.is_deepspeed_zero3_enabled()
+        assert hf_deepspeed._hf_deepspeed_config_weak_ref is sentinel
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+
+
+def test_torch_gloo_options_take_a_timeout_and_a_device():
+    # vllm_worker/vllm_weight_sync.gloo_group (the trainer side of the gloo weight transfer) builds these.
+    import datetime
+
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=5)
+    options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    assert options._timeout == datetime.timedelta(seconds=5)
