@@ -12,6 +12,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 import torch
 from trl import GRPOConfig
 
+from .grpo_fields import check_fields
 from .batching import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
 from .inference.weight_transfer import WeightTransfer
 from .loss import CorrectionMode, ImportanceSamplingLevel, LossType, check_choice
@@ -287,6 +288,7 @@ class RLConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        check_fields(self)  # before anything below derives a field from another
         _skip_deepspeed_cpu_shm_op()
         if _env_flag("ACCELERATE_USE_CPU") and _env_flag("ACCELERATE_USE_DEEPSPEED"):
             # The env flag gives the Trainer a plain CPU Accelerator that ignores the DeepSpeed plugin: the

@@ -144,10 +144,10 @@ class RLTrainer(GRPOTrainer):
         if environment is not None:
             if given is not None or args.rollouts_path:
                 raise ValueError("Pass either an environment or a rollout source / --rollouts_path, not both.")
-            if engine is None:
-                raise ValueError("Generating from an environment needs an inference engine on the main process.")
 
             def live():
+                if engine is None:  # only the main process holds one
+                    raise ValueError("Generating from an environment needs an inference engine on the main process.")
                 self.generator = AsyncGenerator(
                     environment, engine, rollouts_per_step=args.rollouts_per_step,
                     num_generations=args.num_generations, max_off_policy_steps=args.max_off_policy_steps,

@@ -1,0 +1,84 @@
+"""Every GRPOConfig field acts or is refused by name (verifiers_rl/grpo_fields.py), and the table is complete."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import pytest
+from transformers import TrainingArguments
+from trl import GRPOConfig
+
+from verifiers_rl import grpo_fields
+from verifiers_rl.config import RLConfig
+
+# A value other than the default for each refused field whose default gives no obvious one (None, strings, dicts).
+SAMPLE_VALUES = {
+    "router_aux_loss_coef": 0.01, "num_generations_eval": 4, "pad_to_multiple_of": 8, "generation_batch_size": 32,
+    "steps_per_generation": 4, "min_p": 0.1, "generation_kwargs": {"typical_p": 0.9},
+    "chat_template_kwargs": {"enable_thinking": False}, "cache_implementation": "static", "vllm_mode": "server",
+    "vllm_model_impl": "transformers", "vllm_structured_outputs_regex": "a+",
+    "vllm_server_base_url": "http://127.0.0.1:8000", "vllm_server_host": "127.0.0.1", "vllm_max_model_length": 512,
+    "delta": 4.0, "reward_weights": [1.0, 0.5], "multi_objective_aggregation": "normalize_then_sum",
+    "max_tool_calling_iterations": 3, "vllm_importance_sampling_mode": "token_truncate",
+    "vllm_importance_sampling_clip_min": 0.5, "vllm_importance_sampling_cap": 2.0, "off_policy_mask_threshold": 0.5,
+    "log_completions_hub_repo": "me/completions", "transformers_continuous_batching_config": {"max_batch": 8},
+    "liger_kernel_config": {"rope": True}, "per_device_eval_batch_size": 3, "eval_accumulation_steps": 2,
+    "include_for_metrics": ["inputs"], "label_names": ["labels"], "length_column_name": "size",
+    "train_sampling_strategy": "sequential", "dataloader_num_workers": 2, "dataloader_prefetch_factor": 4,
+    "dataloader_multiprocessing_context": "spawn", "data_seed": 7, "include_num_input_tokens_seen": "all",
+}
+
+
+def _other_value(field: dataclasses.Field):
+    if field.name in SAMPLE_VALUES:
+        return SAMPLE_VALUES[field.name]
+    default = grpo_fields._default(field)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)):
+        return default * 2 + 1
+    raise AssertionError(f"add a sample value for refused field {field.name} (default {default!r})")
+
+
+def test_every_grpo_config_field_is_classified():
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    added = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in inherited]
+    missing = [name for name in added if name not in grpo_fields.GRPO_FIELDS]
+    assert not missing, f"GRPOConfig fields not classified in verifiers_rl/grpo_fields.py: {missing}"
+    stale = [name for name in grpo_fields.GRPO_FIELDS if name not in added]
+    assert not stale, f"grpo_fields.py names fields GRPOConfig no longer has: {stale}"
+    unknown = [name for name in grpo_fields.TRAINING_ARGUMENTS_REFUSED if name not in inherited]
+    assert not unknown, f"TRAINING_ARGUMENTS_REFUSED names fields TrainingArguments does not have: {unknown}"
+
+
+@pytest.mark.parametrize("name", sorted(grpo_fields.refused_fields()))
+def test_a_refused_field_set_by_the_user_stops_with_its_name_and_reason(name):
+    field = {f.name: f for f in dataclasses.fields(RLConfig)}[name]
+    value = _other_value(field)
+    with pytest.raises(ValueError, match=rf"^{name}=.* has no effect in verifiers_rl: "):
+        RLConfig(output_dir="/tmp/unused", report_to="none", **{name: value})
+
+
+def test_defaults_and_acting_fields_are_accepted():
+    config = RLConfig(output_dir="/tmp/unused", report_to="none", beta=0.04, epsilon_high=0.28, top_p=0.9, top_k=20,
+                      mask_truncated_completions=True, disable_dropout=True, num_completions_to_print=2)
+    assert (config.beta, config.top_k, config.num_completions_to_print) == (0.04, 20, 2)
+
+
+def test_the_readme_table_is_the_codes_table():
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert grpo_fields.markdown_table() in readme, "regenerate it: python -m verifiers_rl.grpo_fields"
+
+
+def test_the_package_exports_its_public_names():
+    import verifiers_rl
+
+    for name in verifiers_rl.__all__:
+        assert getattr(verifiers_rl, name) is not None, name
+    from verifiers_rl import RLConfig as Exported, RLTrainer
+
+    assert Exported is RLConfig and RLTrainer.__module__ == "verifiers_rl.trainer"
+    with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
+        verifiers_rl.Nothing  # noqa: B018

@@ -1,0 +1,203 @@
+"""What each of TRL's ``GRPOConfig`` fields does here: it acts, or a value other than its default is refused.
+
+``RLConfig`` inherits every ``GRPOConfig`` (and ``TrainingArguments``) field, so each is a flag a user can set. A
+setting that is accepted and does nothing is the worst outcome (the user believes it), so ``GRPO_FIELDS`` classifies
+every field TRL adds to ``TrainingArguments``, and ``TRAINING_ARGUMENTS_REFUSED`` the ``TrainingArguments`` fields
+that have no effect on a trainer whose batches come from a rollout source (the others act as transformers documents).
+``check_fields`` refuses a non-default value of a refused field at start-up, naming it, why, and what to use.
+``tests/test_grpo_fields.py`` compares the table with ``dataclasses.fields(GRPOConfig)``: a TRL upgrade that adds a
+field fails there until it is classified. ``python -m verifiers_rl.grpo_fields`` prints the README's table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple
+
+Status = Literal["acts", "refused"]
+
+
+class Field(NamedTuple):
+    status: Status
+    note: str  # acts: how; refused: why, and what to use instead
+
+
+def _acts(note: str) -> Field:
+    return Field("acts", note)
+
+
+def _refused(note: str) -> Field:
+    return Field("refused", note)
+
+
+_TRL_VLLM = _refused("TRL's own vLLM client; start ours (`python -m verifiers_rl.inference.vllm_server --model "
+                     "MODEL --port PORT`) and pass --vllm_server_url http://HOST:PORT")
+_NO_SAMPLING_KNOB = ("the engines sample from the plain tempered softmax (with top_p / top_k), so the sampler's "
+                     "log-probs are those of the distribution actually sampled; not implemented yet")
+_ENTROPY = _refused("entropy regularisation is not in our loss; a custom loss_fn (LossInputs) can add it")
+_IS = "use --importance_correction / --importance_cap / --importance_cap_min (our correction of sampler log-probs)"
+_SEQUENCE_LOSSES = _refused("the SAPO / VESPO losses are not implemented (--loss_type lists ours)")
+_CONTINUOUS = _refused("the embedded engine batches concurrent requests itself (per event loop)")
+
+GRPO_FIELDS: dict[str, Field] = {
+    "model_init_kwargs": _acts("TRL loads a model given by id with them"),
+    "trust_remote_code": _acts("TRL loads a model given by id with it"),
+    "router_aux_loss_coef": _refused("a MoE router's auxiliary loss is not added to our loss; a custom loss_fn can"),
+    "disable_dropout": _acts("TRL's constructor disables dropout in the model"),
+    "cast_lm_head_to_fp32": _acts("TRL keeps the output layer in fp32 (its forward patch is restored after each "
+                                  "of our log-prob forwards); our log-probs are computed in fp32 either way"),
+    "num_generations": _acts("rollouts per prompt (a group) when generating from an environment"),
+    "num_generations_eval": _refused("evaluation samples --eval_samples_per_prompt per prompt"),
+    "max_completion_length": _acts("the engine's new-token limit (the length contract, README Environments)"),
+    "ds3_gather_for_generation": _refused("generation runs in its own engine; the ZeRO-3 gather for the weight "
+                                          "sync is bounded by --weight_sync_bucket_mb"),
+    "shuffle_dataset": _refused("live generation always draws prompts by a shuffle seeded by --seed (exact resume "
+                                "depends on it); replay trains the file in order"),
+    "pad_to_multiple_of": _refused("micro-batches are padded to their longest row or packed (--micro_batching)"),
+    "generation_batch_size": _refused("a batch is --rollouts_per_step rollouts, one optimizer step"),
+    "steps_per_generation": _refused("generation runs --max_off_policy_steps batches ahead"),
+    "temperature": _acts("sampling temperature of the engines, and of the trainer's log-probs"),
+    "top_p": _acts("nucleus sampling in both engines (the sampler's log-probs are of the renormalised distribution)"),
+    "top_k": _acts("top-k sampling in both engines (0 = off)"),
+    "min_p": _refused(_NO_SAMPLING_KNOB),
+    "generation_kwargs": _refused(_NO_SAMPLING_KNOB),
+    "chat_template_kwargs": _refused("environments render their prompts with the tokenizer's template as it is; "
+                                     "not passed through yet"),
+    "repetition_penalty": _refused(_NO_SAMPLING_KNOB),
+    "cache_implementation": _refused("the embedded engine keeps its own KV cache (a group's prompt prefilled once)"),
+    "use_vllm": _TRL_VLLM,
+    "vllm_mode": _TRL_VLLM,
+    "vllm_model_impl": _TRL_VLLM,
+    "vllm_enable_sleep_mode": _TRL_VLLM,
+    "vllm_structured_outputs_regex": _TRL_VLLM,
+    "vllm_server_base_url": _TRL_VLLM,
+    "vllm_server_host": _TRL_VLLM,
+    "vllm_server_port": _TRL_VLLM,
+    "vllm_server_timeout": _TRL_VLLM,
+    "vllm_group_port": _TRL_VLLM,
+    "vllm_gpu_memory_utilization": _TRL_VLLM,
+    "vllm_max_model_length": _TRL_VLLM,
+    "vllm_tensor_parallel_size": _TRL_VLLM,
+    "beta": _acts("KL coefficient against the reference model (the base model under LoRA)"),
+    "num_iterations": _acts("updates per batch (proximal log-probs computed once per batch)"),
+    "epsilon": _acts("lower clip of the PPO ratio"),
+    "delta": _refused("the two-sided (INTELLECT-2) clip is not in our loss yet"),
+    "epsilon_high": _acts("upper clip of the PPO ratio (default: epsilon)"),
+    "sapo_temperature_neg": _SEQUENCE_LOSSES,
+    "sapo_temperature_pos": _SEQUENCE_LOSSES,
+    "vespo_k_pos": _SEQUENCE_LOSSES,
+    "vespo_lambda_pos": _SEQUENCE_LOSSES,
+    "vespo_k_neg": _SEQUENCE_LOSSES,
+    "vespo_lambda_neg": _SEQUENCE_LOSSES,
+    "importance_sampling_level": _acts("token or sequence (GSPO) ratio"),
+    "reward_weights": _refused("rewards come from the environment's rubric, which weights its own functions"),
+    "multi_objective_aggregation": _refused("the rubric sums its weighted functions into one reward"),
+    "scale_rewards": _acts("advantage scaling: group, batch or none"),
+    "loss_type": _acts("aggregation over the global batch (grpo, dr_grpo, token_mean, seq_mean_token_sum)"),
+    "mask_truncated_completions": _acts("truncated completions get no loss"),
+    "sync_ref_model": _refused("the reference model is fixed (TR-DPO's reference updates are not implemented)"),
+    "ref_model_mixup_alpha": _refused("the reference model is fixed (no sync_ref_model)"),
+    "ref_model_sync_steps": _refused("the reference model is fixed (no sync_ref_model)"),
+    "top_entropy_quantile": _refused("every loss token is trained (no entropy mask); not implemented yet"),
+    "entropy_coef": _ENTROPY,
+    "use_adaptive_entropy": _ENTROPY,
+    "entropy_coef_min": _ENTROPY,
+    "entropy_coef_max": _ENTROPY,
+    "entropy_coef_delta": _ENTROPY,
+    "entropy_target": _ENTROPY,
+    "max_tool_calling_iterations": _refused("tool turns belong to the environment (a ToolEnv's max_turns)"),
+    "vllm_importance_sampling_correction": _refused(_IS),
+    "vllm_importance_sampling_mode": _refused(_IS),
+    "vllm_importance_sampling_clip_max": _refused(_IS),
+    "vllm_importance_sampling_clip_min": _refused(_IS),
+    "vllm_importance_sampling_cap": _refused(_IS),
+    "off_policy_mask_threshold": _refused("the off-policy sequence mask is not in our loss yet; --importance_"
+                                          "correction sequence_mask masks by the sampler ratio"),
+    "use_bias_correction_kl": _refused("our KL term is the k3 estimator on the trained tokens, without TRL's "
+                                       "importance-weighted correction; its default is accepted, False is refused"),
+    "log_completions": _acts("means --log_completions_steps = --logging_steps (tables of the trained batch)"),
+    "log_multimodal": _refused("text only: there are no images to log"),
+    "num_completions_to_print": _acts("sample completions printed every --print_samples_every steps"),
+    "log_unique_prompts": _refused("completion tables show the trained batch as it is"),
+    "log_completions_hub_repo": _refused("completion tables go to the --report_to backends only"),
+    "use_transformers_continuous_batching": _CONTINUOUS,
+    "transformers_continuous_batching_config": _CONTINUOUS,
+    "use_transformers_paged": _CONTINUOUS,
+}
+
+_NO_DATALOADER = "batches come from the rollout source, not a DataLoader over a dataset"
+_NO_HF_EVAL = "evaluation rolls out the held-out split through the engine (--eval_steps, --eval_num_examples)"
+TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
+    "label_smoothing_factor": "the loss is the policy-gradient surrogate, not cross-entropy",
+    "average_tokens_across_devices": "the loss is normalised by the global batch's counts already (exact over ranks)",
+    "use_liger_kernel": "the chunked log-prob kernel already keeps full logits from existing (--logprob_chunk_size)",
+    "liger_kernel_config": "see use_liger_kernel",
+    "include_num_input_tokens_seen": "tokens_forwarded / tokens_unique / loss_tokens are logged every step",
+    "auto_find_batch_size": "micro-batches are sized by --max_tokens_per_microbatch / --per_device_train_batch_size",
+    "bf16_full_eval": _NO_HF_EVAL,
+    "fp16_full_eval": _NO_HF_EVAL,
+    "per_device_eval_batch_size": _NO_HF_EVAL,
+    "prediction_loss_only": _NO_HF_EVAL,
+    "eval_do_concat_batches": _NO_HF_EVAL,
+    "eval_use_gather_object": _NO_HF_EVAL,
+    "eval_accumulation_steps": _NO_HF_EVAL,
+    "include_for_metrics": _NO_HF_EVAL,
+    "batch_eval_metrics": _NO_HF_EVAL,
+    "label_names": _NO_DATALOADER,
+    "length_column_name": _NO_DATALOADER,
+    "train_sampling_strategy": _NO_DATALOADER,
+    "remove_unused_columns": _NO_DATALOADER,
+    "dataloader_drop_last": _NO_DATALOADER,
+    "dataloader_num_workers": _NO_DATALOADER,
+    "dataloader_pin_memory": _NO_DATALOADER,
+    "dataloader_persistent_workers": _NO_DATALOADER,
+    "dataloader_prefetch_factor": _NO_DATALOADER,
+    "dataloader_multiprocessing_context": _NO_DATALOADER,
+    "data_seed": "prompts are drawn by a shuffle seeded by --seed",
+    "ignore_data_skip": "a resumed run continues the rollout source exactly where the checkpoint stood",
+}
+
+
+def _default(dataclass_field: dataclasses.Field):
+    if dataclass_field.default is not dataclasses.MISSING:
+        return dataclass_field.default
+    if dataclass_field.default_factory is not dataclasses.MISSING:
+        return dataclass_field.default_factory()
+    return dataclasses.MISSING
+
+
+def refused_fields() -> dict[str, str]:
+    """Every refused field and its reason."""
+    refused = {name: field.note for name, field in GRPO_FIELDS.items() if field.status == "refused"}
+    refused.update(TRAINING_ARGUMENTS_REFUSED)
+    return refused
+
+
+def check_fields(config) -> None:
+    """Raise ValueError naming the first refused field whose value differs from its default on ``type(config)``
+    (call it before ``__post_init__`` derives anything)."""
+    refused = refused_fields()
+    for dataclass_field in dataclasses.fields(config):
+        if dataclass_field.name not in refused:
+            continue
+        value, default = getattr(config, dataclass_field.name), _default(dataclass_field)
+        if value != default:
+            raise ValueError(
+                f"{dataclass_field.name}={value!r} has no effect in verifiers_rl: {refused[dataclass_field.name]}. "
+                f"Leave it at its default ({default!r})."
+            )
+
+
+def markdown_table() -> str:
+    """The README's table of GRPOConfig fields (what ``python -m verifiers_rl.grpo_fields`` prints)."""
+    lines = ["| GRPOConfig field | here | how / why |", "| --- | --- | --- |"]
+    for name, field in GRPO_FIELDS.items():
+        lines.append(f"| `{name}` | {field.status} | {field.note} |")
+    lines += ["", "| TrainingArguments field | here | why |", "| --- | --- | --- |"]
+    for name, note in TRAINING_ARGUMENTS_REFUSED.items():
+        lines.append(f"| `{name}` | refused | {note} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown_table())
