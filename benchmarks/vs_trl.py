@@ -1,4 +1,12 @@
-"""End-to-end optimizer steps per second: our RLTrainer (k = 0 and k = 1) against TRL's own GRPOTrainer.
+"""Our RLTrainer (k = 0 and k = 1) against TRL's own GRPOTrainer, at equal work: wall time between optimizer steps.
+
+At equal work (the ``equal16`` and ``equal128`` workloads, the default): the learning rate is 0, so both policies
+stay the starting model and sample the same length distribution for the whole run; the tables give the wall time
+between optimizer steps on both sides (``on_step_end`` to ``on_step_end``: generation, scoring, training, the
+optimizer step and our weight load all inside), completion tokens per second, the length distributions side by side
+(with their two-sample Kolmogorov-Smirnov distance), and the phases (generation, training, weight sync). The
+``quickstart`` workload is the learning run (learning rate 2e-5): its steps do unequal work once the policies learn
+different answer lengths, so it is reported as reward after N steps and wall time, not as a speed ratio.
 
 What it measures: these trainers, run one after the other in this one process, on the same problem:
 
@@ -11,7 +19,9 @@ What it measures: these trainers, run one after the other in this one process, o
 - ``verifiers_rl k=0 unshared``: k = 0 with ``share_prompt_training="off"`` (every completion's row carries its own copy of
   the prompt, as TRL's do); the other two run with the default ``share_prompt_training="auto"``.
 
-Workloads (``--workload``): ``tiny`` (default) is described below; ``quickstart`` is the README's quickstart run:
+Workloads (``--workloads``, several in one run): ``equal16`` / ``equal128``: SmolLM2-135M-Instruct, 4 prompts x 4
+samples, 16 / 128 new tokens, learning rate 0, 2 torch threads, our micro-batching ``auto``; ``tiny`` is described
+below; ``quickstart`` is the README's quickstart run:
 SmolLM2-135M-Instruct (``verifiers_rl.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
 ``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, and our micro-batching left at its default ``auto``
 (the quickstart's: on CPU it picks, per batch, one packed row holding every group's shared prompt once and its
@@ -48,10 +58,10 @@ TRL's rows all repeat the prompt and pad to the longest prompt and completion of
 Run (about 1.5 minutes on 2 idle cores, longer on a busy machine; ``--quick``: 4 timed steps, 1 thread setting,
 about 30 s):
 
-    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py          # equal16 and equal128, trl k0 k1
     PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --quick
-    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --threads 2 --trainers trl k0 k1
-    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --workload quickstart   # about 8 minutes on 2 idle cores
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --workloads tiny --threads 2 --trainers trl k0 k1
+    PYTHONPATH=. .venv/bin/python benchmarks/vs_trl.py --workloads quickstart --trainers trl k1   # the learning run
 
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
 """
@@ -97,8 +107,13 @@ WORKLOADS = {
                  max_seq_len=160, learning_rate=1e-3, threads=[1, 2], micro_batching="padded"),
     "quickstart": dict(model="smollm2", prompts=4, num_generations=4, max_completion_length=16, max_seq_len=128,
                        learning_rate=2e-5, threads=[2], micro_batching="auto"),
+    "equal16": dict(model="smollm2", prompts=4, num_generations=4, max_completion_length=16, max_seq_len=128,
+                    learning_rate=0.0, threads=[2], micro_batching="auto"),
+    "equal128": dict(model="smollm2", prompts=4, num_generations=4, max_completion_length=128, max_seq_len=256,
+                     learning_rate=0.0, threads=[2], micro_batching="auto"),
 }
-LOGGED = ("generation_time", "wait_time", "step_time", "tokens_forwarded", "tokens_unique", "packed_micro_batches")
+LOGGED = ("generation_time", "wait_time", "train_time", "weight_sync_time", "step_time", "tokens_forwarded",
+          "tokens_unique", "packed_micro_batches")
 
 
 class SplitRecorder(StepRecorder):
@@ -108,6 +123,13 @@ class SplitRecorder(StepRecorder):
     def __init__(self):
         super().__init__()
         self.logged: dict[str, list[float]] = defaultdict(list)
+        self.lengths: list[list[int]] = []  # completion lengths (tokens) of each step's batch
+        self.trainer = None  # ours: read the trained batch's completion lengths at the end of each step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if self.trainer is not None:
+            self.lengths.append([len(r.completion_ids) for r in self.trainer.steps.latest_rollouts])
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         super().on_log(args, state, control, logs=logs, **kwargs)
@@ -118,12 +140,13 @@ class SplitRecorder(StepRecorder):
     def split(self, skip: int) -> dict[str, float]:
         """Medians over the steps after ``skip``: generation, training, forwarded and unique tokens per step."""
         logged = {key: values[skip:] for key, values in self.logged.items()}
-        if "wait_time" in logged:  # ours (TRL logs a step_time of its own, but no wait)
-            train = [step - wait for step, wait in zip(logged["step_time"], logged["wait_time"])]
-        else:  # TRL: the step interval minus its generation
+        if "train_time" in logged:  # ours: the step's logged parts
+            train, sync, wait = logged["train_time"], logged["weight_sync_time"], logged["wait_time"]
+        else:  # TRL: the step interval minus its generation (which it waits for), no weight sync
             train = [step - gen for step, gen in zip(self.intervals()[skip:], logged["generation_time"])]
-        values = {"gen": logged["generation_time"], "train": train, "forwarded": logged["tokens_forwarded"],
-                  "unique": logged["tokens_unique"]}
+            sync, wait = [], logged["generation_time"]
+        values = {"gen": logged["generation_time"], "train": train, "sync": sync, "wait": wait,
+                  "forwarded": logged["tokens_forwarded"], "unique": logged["tokens_unique"]}
         split = {key: statistics.median(v) if v else float("nan") for key, v in values.items()}
         # The share of steps whose micro-batches micro_batching=auto packed (absent: a fixed mode, or TRL).
         packed = logged.get("packed_micro_batches")
@@ -148,6 +171,7 @@ def watch_trl(trainer: GRPOTrainer, recorder: SplitRecorder, num_generations: in
         unique = sum(unique_tokens(g) for g in groups)
         recorder.logged["tokens_unique"].append(float(unique))
         recorder.logged["tokens_forwarded"].append(0.0)
+        recorder.lengths.append([int(mask.sum()) for mask in out["completion_mask"]])
         return out
 
     def counted_compute_loss(model, inputs, *args, **kwargs):
@@ -217,8 +241,9 @@ def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt_train
                       share_prompt_training=share_prompt_training)
     engine = build_engine(config, model_dir, tokenizer)
     recorder = SplitRecorder()
-    trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine,
-                        callbacks=[recorder])
+    trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine)
+    trainer.add_callback(recorder)  # last: a step ends once the engine holds its weights
+    recorder.trainer = trainer
     trainer.train()
     engine.close()
     return recorder
@@ -232,10 +257,25 @@ NAMES = {
 }
 
 
-def main() -> None:
+def ks_distance(a: list[int], b: list[int]) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    if not a or not b:
+        return float("nan")
+    points = sorted(set(a) | set(b))
+    cdf = lambda xs, x: sum(v <= x for v in xs) / len(xs)  # noqa: E731
+    return max(abs(cdf(a, x) - cdf(b, x)) for x in points)
+
+
+def quantile(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(int(q * len(ordered)), len(ordered) - 1)]) if ordered else float("nan")
+
+
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=list(WORKLOADS), default="tiny",
-                        help="preset of the settings below (tiny: a random Llama; quickstart: SmolLM2, 4 x 4, 16 tokens)")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["equal16", "equal128"],
+                        help="equal16 / equal128: SmolLM2, 4 x 4, 16 / 128 new tokens, learning rate 0 (equal work); "
+                        "quickstart: the learning run (lr 2e-5); tiny: a random Llama")
     parser.add_argument("--model", choices=["tiny", "smollm2"], default=None)
     parser.add_argument("--hidden", type=int, default=None, help="tiny model only")
     parser.add_argument("--layers", type=int, default=None, help="tiny model only")
@@ -247,23 +287,24 @@ def main() -> None:
     parser.add_argument("--micro_batching", choices=["padded", "packed", "auto"], default=None,
                         help="our trainer's micro-batches (TRL always pads): padded rows, packed rows of at most "
                         "4 x max_seq_len tokens, or auto (the cheaper per batch by the cost model)")
-    parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per trainer")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per trainer")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each trainer's run")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch intra-op thread counts (torch.set_num_threads); every trainer runs at each")
-    parser.add_argument("--trainers", nargs="+", default=list(NAMES), choices=list(NAMES))
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    for key, value in WORKLOADS[args.workload].items():
+    parser.add_argument("--trainers", nargs="+", default=["trl", "k0", "k1"], choices=list(NAMES))
+    parser.add_argument("--quick", action="store_true", help="4 timed steps after 1 warm-up, one thread setting")
+    return parser.parse_args()
+
+
+def run_workload(base, workload: str) -> None:
+    args = argparse.Namespace(**vars(base))
+    for key, value in WORKLOADS[workload].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.quick:
         args.steps, args.warmup, args.threads = 4, 1, args.threads[:1]
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
     started = time.perf_counter()
-    log(f"load average at start: {load()}")
+    log(f"[{workload}] load average at start: {load()}")
     work = tempfile.mkdtemp(prefix="bench_vs_trl_")
     if args.model == "smollm2":
         model_dir = str(smollm2_dir())
@@ -282,59 +323,92 @@ def main() -> None:
                            num_generations=args.num_generations, seed=0)
     rows = [env.dataset[i] for b in range(args.warmup + args.steps) for _, i in order._rows_of(b)]
 
-    results = {}
-    splits = {}
+    recorders = {}
     for threads in args.threads:
         torch.set_num_threads(threads)
         for name in args.trainers:
-            log(f"[threads={threads}] [{name}] {args.warmup} warm-up + {args.steps} timed steps (load {load()}) ...")
+            log(f"[{workload}] [threads={threads}] [{name}] {args.warmup} warm-up + {args.steps} timed steps "
+                f"(load {load()}) ...")
             out = os.path.join(work, f"{name}_t{threads}")
             if name == "trl":
                 recorder = run_trl(args, model_dir, tokenizer, rows, out)
             else:
                 share = "off" if name.endswith("unshared") else "auto"
                 recorder = run_ours(args, model_dir, tokenizer, environment(), int(name[1]), out, share)
+            recorders[threads, name] = recorder
             timed = recorder.intervals()[args.warmup :]
-            results[threads, name] = (timed, recorder.rewards, recorder.cores(args.warmup))
-            splits[threads, name] = recorder.split(args.warmup)
-            log(f"[threads={threads}] [{name}] {sum(timed):.1f} s for {len(timed)} steps "
+            log(f"[{workload}] [threads={threads}] [{name}] {sum(timed):.1f} s for {len(timed)} steps "
                 f"({', '.join(f'{s:.2f}' for s in timed)}); load {load()}; "
                 f"rewards {', '.join(f'{r:.3f}' for r in recorder.rewards)}")
     elapsed = time.perf_counter() - started
-    log(f"load average at end: {load()}")
-
     model_name = "SmolLM2-135M-Instruct" if args.model == "smollm2" else f"random Llama hidden {args.hidden} x {args.layers} layers"
+    equal = args.learning_rate == 0
     print(
-        f"\nreverse_text ({args.workload} workload), {model_name}, {args.prompts} prompts x "
-        f"{args.num_generations} generations per step (ours: {args.micro_batching} micro-batches), max_completion_length "
-        f"{args.max_completion_length}, temperature 1.0, loss grpo, beta 0, lr {args.learning_rate:g}, "
-        f"{args.steps} timed steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores). "
+        f"\n**{workload}** ({'equal work: learning rate 0' if equal else f'learning run: lr {args.learning_rate:g}'}): "
+        f"reverse_text, {model_name}, {args.prompts} prompts x {args.num_generations} generations per step (ours: "
+        f"{args.micro_batching} micro-batches), max_completion_length {args.max_completion_length}, temperature 1.0, "
+        f"loss grpo, beta 0, {args.steps} timed steps after {args.warmup} warm-up, CPU ({os.cpu_count()} cores). "
         f"Total {elapsed:.0f} s; load average at end {load()}.\n"
     )
-    print("| torch threads | trainer | steps | wall s | steps/s | ratio vs TRL (same threads) | ratio vs best TRL | "
-          "median s/step | mean reward (last 3) | cores busy |")
+    if equal:
+        print_equal_work(args, recorders)
+    else:
+        print_learning(args, recorders)
+
+
+def print_equal_work(args, recorders) -> None:
+    skip = args.warmup
+    print("| threads | trainer | s/step (median) | s/step (mean) | ratio vs TRL | completion tokens/step | "
+          "completion tokens/s | ratio vs TRL (tokens/s) | gen s | wait s | train s | sync s | cores busy |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = {}
+    for (threads, name), recorder in recorders.items():
+        timed = recorder.intervals()[skip:]
+        tokens = [sum(lengths) for lengths in recorder.lengths[skip:]]
+        rows[threads, name] = (statistics.mean(timed), sum(tokens) / sum(timed))
+    for (threads, name), recorder in recorders.items():
+        timed = recorder.intervals()[skip:]
+        step, rate = rows[threads, name]
+        trl = rows.get((threads, "trl"))
+        split = recorder.split(skip)
+        tokens = statistics.mean(sum(lengths) for lengths in recorder.lengths[skip:])
+        fmt = lambda v: "n/a" if math.isnan(v) else f"{v:.2f}"  # noqa: E731
+        print(f"| {threads} | {NAMES[name]} | {statistics.median(timed):.2f} | {step:.2f} | "
+              f"{f'{trl[0] / step:.2f}x' if trl else 'n/a'} | {tokens:.0f} | {rate:.1f} | "
+              f"{f'{rate / trl[1]:.2f}x' if trl else 'n/a'} | {fmt(split['gen'])} | {fmt(split['wait'])} | "
+              f"{fmt(split['train'])} | {fmt(split['sync'])} | {recorder.cores(skip):.2f} |")
+    print("\nCompletion lengths over the timed steps (tokens; every rollout of every timed batch):\n")
+    print("| threads | trainer | rollouts | mean | std | p10 | median | p90 | at the limit | KS distance to TRL |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    rates = {key: len(timed) / sum(timed) for key, (timed, _, _) in results.items()}
-    trl_rates = [rate for (threads, name), rate in rates.items() if name == "trl"]
-    best_trl = max(trl_rates) if trl_rates else None
-    for (threads, name), (timed, rewards, cores) in results.items():
-        rate = rates[threads, name]
-        same = rates.get((threads, "trl"))
-        reward = statistics.mean(rewards[-3:]) if rewards else float("nan")
-        print(
-            f"| {threads} | {NAMES[name]} | {len(timed)} | {sum(timed):.1f} | {rate:.3f} | "
-            f"{f'{rate / same:.2f}x' if same else 'n/a'} | {f'{rate / best_trl:.2f}x' if best_trl else 'n/a'} | "
-            f"{statistics.median(timed):.2f} | {reward:.3f} | {cores:.2f} |"
-        )
-    print("\n| torch threads | trainer | median s/step | gen s | train s | tokens forwarded/step | unique tokens/step "
-          "| forwarded / unique | steps packed (auto) |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-    for (threads, name), (timed, _, _) in results.items():
-        split = splits[threads, name]
-        packed = "n/a" if math.isnan(split["packed"]) else f"{split['packed']:.0%}"
-        print(f"| {threads} | {NAMES[name]} | {statistics.median(timed):.2f} | {split['gen']:.2f} | {split['train']:.2f} | "
-              f"{split['forwarded']:.0f} | {split['unique']:.0f} | {split['forwarded'] / split['unique']:.2f}x | "
-              f"{packed} |")
+    for (threads, name), recorder in recorders.items():
+        lengths = [n for step in recorder.lengths[skip:] for n in step]
+        trl = recorders.get((threads, "trl"))
+        reference = [n for step in trl.lengths[skip:] for n in step] if trl is not None else []
+        limit = sum(n >= args.max_completion_length for n in lengths) / max(len(lengths), 1)
+        print(f"| {threads} | {NAMES[name]} | {len(lengths)} | {statistics.mean(lengths):.1f} | "
+              f"{statistics.pstdev(lengths):.1f} | {quantile(lengths, 0.1):.0f} | {quantile(lengths, 0.5):.0f} | "
+              f"{quantile(lengths, 0.9):.0f} | {limit:.0%} | "
+              f"{'-' if name == 'trl' else f'{ks_distance(lengths, reference):.2f}'} |")
+
+
+def print_learning(args, recorders) -> None:
+    print("| threads | trainer | steps | wall s | mean reward (first 3) | mean reward (last 3) | mean completion tokens "
+          "(last 3) |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for (threads, name), recorder in recorders.items():
+        wall = sum(recorder.intervals())
+        first, last = recorder.rewards[:3], recorder.rewards[-3:]
+        lengths = [statistics.mean(step) for step in recorder.lengths[-3:]]
+        print(f"| {threads} | {NAMES[name]} | {len(recorder.ends)} | {wall:.1f} | {statistics.mean(first):.3f} | "
+              f"{statistics.mean(last):.3f} | {statistics.mean(lengths):.1f} |")
+
+
+def main() -> None:
+    args = parse_args()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    for workload in args.workloads:
+        run_workload(args, workload)
 
 
 if __name__ == "__main__":
