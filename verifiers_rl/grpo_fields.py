@@ -90,8 +90,11 @@ GRPO_FIELDS: dict[str, Field] = {
     "vespo_k_neg": _SEQUENCE_LOSSES,
     "vespo_lambda_neg": _SEQUENCE_LOSSES,
     "importance_sampling_level": _acts("token or sequence (GSPO) ratio"),
-    "reward_weights": _refused("rewards come from the environment's rubric, which weights its own functions"),
-    "multi_objective_aggregation": _refused("the rubric sums its weighted functions into one reward"),
+    "reward_weights": _acts("weights of TRL-style reward_funcs (RLTrainer(reward_funcs=..., train_dataset=...)); "
+                            "with an environment its rubric weights its own functions, and a value is refused"),
+    "multi_objective_aggregation": _refused("rewards are summed with their weights, then normalised per group by the "
+                                            "advantage (TRL's default, sum_then_normalize); normalize_then_sum is "
+                                            "not implemented"),
     "scale_rewards": _acts("advantage scaling: group, batch or none"),
     "loss_type": _acts("aggregation over the global batch (grpo, dr_grpo, token_mean, seq_mean_token_sum)"),
     "mask_truncated_completions": _acts("truncated completions get no loss"),

@@ -8,12 +8,15 @@ before the next batch. The position (``batch_index``, ``iteration``, the slice i
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import defaultdict
 from typing import Callable
 
 from .batching import BatchingConfig, RankBatch, plan_batch
 from .config import RLConfig
 from .distributed import main_process_outcome
+from .envs.rubric import ERRORS_METRIC
 from .generator import RolloutSource, as_batch
 from .policy import attention_cost, splits_packed_rows
 from .progress import sample_lines
@@ -50,6 +53,24 @@ def micro_batching_mode(requested: str, varlen: bool) -> str:
     if requested != "auto":
         return requested
     return "packed" if varlen else "auto"
+
+
+def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
+    """A batch's completion lengths and each reward function's values under TRL's metric names:
+    ``completions/{mean,min,max}_length`` (completion tokens) and ``rewards/<name>/{mean,std}`` (over the rollouts
+    that have the metric; std with Bessel's correction, as TRL's ``nanstd``)."""
+    lengths = [len(r.completion_ids) for r in rollouts]
+    out = {"completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
+           "completions/max_length": float(max(lengths))}
+    values: dict[str, list[float]] = defaultdict(list)
+    for rollout in rollouts:
+        for name, value in rollout.metrics.items():
+            if name != ERRORS_METRIC:
+                values[name].append(float(value))
+    for name, found in values.items():
+        out[f"rewards/{name}/mean"] = statistics.fmean(found)
+        out[f"rewards/{name}/std"] = statistics.stdev(found) if len(found) > 1 else 0.0
+    return out
 
 
 class StepBatches:
@@ -109,6 +130,7 @@ class StepBatches:
             append_rollouts(self.args.save_rollouts_path, rollouts)
         rank_batches = plan_batch(rollouts, self.config, index)
         extra = dict(batch.stats)
+        extra.update(rollout_metrics(rollouts))
         versions = [r.policy_version for r in rollouts if r.policy_version is not None]
         if versions:
             # Staleness: optimizer steps between the weights that sampled a rollout and the weights it trains.

@@ -60,6 +60,8 @@ class Environment(ABC):
     # Limits this environment does not state itself; it takes the trainer's (``adopt_limits``). Adapters of other
     # libraries' environments set this, e.g. to {"max_seq_len"} for an environment without a sequence limit.
     unstated_limits: frozenset[str] = frozenset()
+    # Prompts are chat messages rendered by the template; an environment of plain-text prompts sets this False.
+    _requires_chat_template = True
 
     def __init__(
         self,
@@ -76,7 +78,7 @@ class Environment(ABC):
         self.name = name or type(self).__name__
         if max_new_tokens < 1 or max_seq_len < 2:
             raise ValueError(f"{self.name}: max_new_tokens must be >= 1 and max_seq_len >= 2.")
-        if getattr(tokenizer, "chat_template", None) is None:
+        if self._requires_chat_template and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"{self.name}: the tokenizer has no chat template, so prompts cannot be rendered.")
         self.rubric = rubric
         self.tokenizer = tokenizer

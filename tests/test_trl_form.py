@@ -1,0 +1,129 @@
+"""TRL's GRPOTrainer form: RLTrainer(model=..., reward_funcs=[...], args=..., train_dataset=...) trains with only the
+import changed: standard and conversational prompts, extra columns, None rewards, async functions, a reward model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from trl import GRPOConfig
+
+from verifiers_rl import RLConfig, RLTrainer
+from verifiers_rl.envs.adapters.trl_dataset import RewardFunctionsEnv
+from verifiers_rl.rollouts import read_rollouts
+
+CALLS: list[dict] = []
+
+
+def letters_like_target(completions, target, **kwargs):
+    """Standard signature: completions plus a dataset column, aligned with the completions."""
+    CALLS.append({"target": list(target), "state": kwargs["trainer_state"], "n": len(completions)})
+    return [letters(c, t) for c, t in zip(completions, target)]
+
+
+def letters(completion, target: str) -> float:
+    text = completion if isinstance(completion, str) else completion[-1]["content"]
+    return sum(ch in target for ch in text) / (1 + len(text))
+
+
+async def only_math(prompts, completions, task, **kwargs):
+    """Multi-task: None where the row is not a math row (TRL's convention); async."""
+    return [float(len(c if isinstance(c, str) else c[-1]["content"]) % 3) if kind == "math" else None
+            for c, kind in zip(completions, task)]
+
+
+def rows(conversational: bool) -> list[dict]:
+    out = []
+    for i in range(8):
+        text = f"Spell the word number {i} backwards."
+        prompt = [{"role": "user", "content": text}] if conversational else text
+        out.append({"prompt": prompt, "target": "abcdef"[i % 6:], "task": "math" if i % 2 else "spelling"})
+    return out
+
+
+def config(tmp_path, **overrides) -> RLConfig:
+    values = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no", max_steps=2,
+                  per_device_train_batch_size=8, num_generations=4, max_completion_length=8, max_seq_len=96,
+                  logging_steps=1, disable_tqdm=True, gradient_checkpointing=False, learning_rate=1e-3,
+                  save_rollouts_path=str(tmp_path / "seen.jsonl"))
+    values.update(overrides)
+    return RLConfig(**values)
+
+
+@pytest.mark.parametrize("conversational", [True, False])
+def test_a_trl_script_trains_with_only_the_import_changed(tiny_model_dir, tmp_path, conversational):
+    CALLS.clear()
+    trainer = RLTrainer(
+        model=tiny_model_dir,
+        reward_funcs=[letters_like_target, only_math],
+        args=config(tmp_path, reward_weights=[1.0, 0.5]),
+        train_dataset=Dataset.from_list(rows(conversational)),
+    )
+    trainer.train()
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    assert len(seen) == 16 and trainer.state.global_step == 2
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    by_prompt = {json.dumps(r["prompt"]): r for r in rows(conversational)}
+    for rollout in seen:
+        row = by_prompt[json.dumps(rollout.prompt)]
+        text = (tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+                if conversational else row["prompt"])  # standard format: the text as it is, as TRL does
+        assert rollout.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert isinstance(rollout.completion, list if conversational else str)
+        expected = letters(rollout.completion, row["target"])
+        math_value = None if row["task"] != "math" else float(
+            len(rollout.completion if isinstance(rollout.completion, str) else rollout.completion[-1]["content"]) % 3)
+        assert rollout.reward == pytest.approx(expected + (0.5 * math_value if math_value is not None else 0.0))
+        assert rollout.metrics["letters_like_target"] == pytest.approx(expected)
+        assert ("only_math" in rollout.metrics) == (math_value is not None)  # None: no metric for that rollout
+    # Called once per group (4 completions of one prompt), the column aligned, the trainer's state passed.
+    assert all(call["n"] == 4 and len(set(call["target"])) == 1 for call in CALLS)
+    assert CALLS[-1]["state"] is trainer.state
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert "rewards/letters_like_target/mean" in logged[0] and "rewards/only_math/std" in logged[0]
+    assert "completions/mean_length" in logged[0]
+
+
+def test_a_reward_model_scores_like_its_first_logit(tiny_model_dir, tmp_path):
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    model.config.pad_token_id = tokenizer.pad_token_id
+    trainer = RLTrainer(model=tiny_model_dir, reward_funcs=model, args=config(tmp_path, max_steps=1),
+                        train_dataset=Dataset.from_list(rows(True)), reward_processing_classes=[tokenizer])
+    trainer.train()
+    for rollout in read_rollouts(tmp_path / "seen.jsonl")[:4]:
+        text = tokenizer.apply_chat_template(rollout.prompt + rollout.completion, tokenize=False)
+        with torch.inference_mode():
+            logit = model(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+        assert rollout.reward == pytest.approx(logit, abs=1e-4)
+
+
+def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with pytest.raises(TypeError, match="RLTrainer needs an RLConfig, got GRPOConfig: .*RLConfig as GRPOConfig"):
+        RLTrainer(model=tiny_model_dir, reward_funcs=letters_like_target, train_dataset=rows(True),
+                  args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"))
+    with pytest.raises(ValueError, match="mixes text and conversational prompts"):
+        RewardFunctionsEnv(rows(True)[:2] + rows(False)[:2], letters_like_target, tokenizer)
+    with pytest.raises(ValueError, match="reward_weights has 2 values for 1 reward functions"):
+        RewardFunctionsEnv(rows(True), [letters_like_target], tokenizer, reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="clash with the reward functions' own arguments"):
+        RewardFunctionsEnv([{"prompt": "hi", "completions": 1}], [letters_like_target], tokenizer)
+    with pytest.raises(ValueError, match="reward_weights weights TRL-style reward_funcs"):
+        RLTrainer(tiny_model_dir, config(tmp_path, reward_weights=[1.0]), rollout_source=[])
+
+
+def test_a_group_without_any_applicable_reward_stops_with_the_row(tiny_model_dir, tmp_path):
+    from verifiers_rl.generator import GenerationError
+
+    def never(completions, **_):
+        return [None] * len(completions)
+
+    trainer = RLTrainer(model=tiny_model_dir, reward_funcs=[never], args=config(tmp_path, max_steps=1),
+                        train_dataset=rows(True))
+    with pytest.raises(GenerationError, match=r"no reward function applies to completion 0 of dataset row \d+"):
+        trainer.train()

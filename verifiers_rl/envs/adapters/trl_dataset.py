@@ -1,0 +1,243 @@
+"""TRL's GRPOTrainer inputs as an environment: a dataset with a ``prompt`` column, and reward functions.
+
+What TRL documents (trl 1.16), and what this does with it:
+- ``prompt`` in the standard format (a string, tokenised as it is, no chat template) or the conversational format
+  (a list of messages, rendered with the tokenizer's chat template); the completion is then a string or
+  ``[{"role": "assistant", "content": ...}]``, as TRL passes it.
+- Every other column reaches every reward function by name, one value per completion (repeated over a group).
+- A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
+  log_metric=..., **columns)`` and returns one number per completion, or ``None`` where it does not apply (TRL's
+  multi-task rewards); ``async def`` functions are awaited. It is called once per group (the ``num_generations``
+  completions of one prompt; TRL calls it once per generation batch: a function that compares completions across
+  prompts sees fewer at a time).
+- A reward model: a sequence-classification model (or a hub id / folder of one), scoring the prompt and completion
+  rendered as TRL renders them, with its ``reward_processing_class`` (default: its own tokenizer); its first logit
+  is the reward.
+- ``reward_weights`` (default 1 each): the reward is the weighted sum of the functions' values, ``None`` left out
+  (TRL's ``nansum``); a completion no function applies to is an error naming its prompt.
+Each function's value is a rollout metric under the function's name (TRL's: its ``__name__``, or the reward
+model's id), logged per step as ``rewards/<name>/mean`` and ``rewards/<name>/std``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ...rollouts import Rollout
+from ..environment import Environment, RolloutError, Row, Trajectory
+from ..messages import Messages, check_messages, last_assistant_text
+from ..sampler import Sampler
+
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
+
+
+def reward_name(func: Any) -> str:
+    """TRL's name for a reward function: a model's id (last path part), else the callable's name."""
+    config = getattr(func, "config", None)
+    if config is not None and getattr(config, "_name_or_path", None):
+        return str(config._name_or_path).rstrip("/").split("/")[-1]
+    return getattr(func, "__name__", type(func).__name__)
+
+
+class RewardModel:
+    """A sequence-classification model as a reward function (first logit), as TRL scores with one."""
+
+    def __init__(self, model, processing_class=None):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if isinstance(model, str):
+            model = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1)
+        self.model = model.eval()
+        self.tokenizer = processing_class or AutoTokenizer.from_pretrained(model.config._name_or_path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.__name__ = reward_name(model)
+
+    def texts(self, prompts: list, completions: list) -> list[str]:
+        if isinstance(prompts[0], list):  # conversational: the whole conversation through the chat template
+            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+        return [p + c for p, c in zip(prompts, completions)]
+
+    def __call__(self, prompts, completions, **_) -> list[float]:
+        import torch
+
+        inputs = self.tokenizer(self.texts(prompts, completions), return_tensors="pt", padding=True,
+                                padding_side="right", add_special_tokens=False)
+        with torch.inference_mode():
+            logits = self.model(**inputs.to(self.model.device)).logits
+        return logits[:, 0].float().tolist()
+
+
+class RewardFunctionsEnv(Environment):
+    """A dataset and TRL-style reward functions as a single-turn environment (module docstring).
+
+    ``trainer_state()`` returns what reward functions get as ``trainer_state`` (the trainer's ``TrainerState``).
+    """
+
+    def __init__(self, dataset: Iterable[Mapping[str, Any]], reward_funcs: Sequence, tokenizer: Any, *,
+                 reward_weights: Sequence[float] | None = None, reward_processing_classes: Sequence | None = None,
+                 trainer_state: Callable[[], Any] = lambda: None, max_new_tokens: int = 256, max_seq_len: int = 1024,
+                 eval_dataset: Iterable[Mapping[str, Any]] | None = None, name: str = "trl_dataset"):
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is empty: give at least one reward function or reward model.")
+        classes = list(reward_processing_classes or [None] * len(funcs))
+        if len(classes) != len(funcs):
+            raise ValueError(f"{len(funcs)} reward functions but {len(classes)} reward_processing_classes.")
+        self.reward_funcs = [self._as_function(f, c) for f, c in zip(funcs, classes)]
+        self.reward_names = [reward_name(f) for f in self.reward_funcs]
+        if len(set(self.reward_names)) != len(self.reward_names):
+            raise ValueError(f"Reward functions need distinct names (their metrics), got {self.reward_names}.")
+        weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
+        if len(weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions.")
+        self.reward_weights = weights
+        self.trainer_state = trainer_state
+        dataset = list(dataset)
+        eval_rows = list(eval_dataset or ())
+        self.conversational = self._format(dataset + eval_rows)
+        self._requires_chat_template = self.conversational
+        super().__init__(dataset, rubric=None, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
+                         max_seq_len=max_seq_len, name=name, eval_dataset=eval_rows or None)
+
+    @staticmethod
+    def _as_function(func, processing_class):
+        if isinstance(func, str) or _is_module(func):
+            return RewardModel(func, processing_class)
+        if not callable(func):
+            raise TypeError(f"A reward function must be callable, a reward model or a model id; got {func!r}.")
+        if processing_class is not None:
+            raise ValueError(f"reward_processing_classes: {reward_name(func)!r} is a function; only reward models "
+                             "take a processing class (pass None in its place).")
+        return func
+
+    @staticmethod
+    def _format(records: list) -> bool:
+        """True for conversational prompts, False for standard (text); one format per dataset."""
+        kinds = {isinstance(r.get("prompt"), list) for r in records if isinstance(r, Mapping)}
+        if len(kinds) > 1:
+            raise ValueError("The dataset mixes text and conversational prompts: use one format for every row.")
+        return kinds == {True}
+
+    # --- rows and prompts ---------------------------------------------------------------------------------------
+
+    def _row(self, index: int, record: Any, system_prompt: str | None) -> Row:
+        where = f"{self.name}: dataset row {index}"
+        if not isinstance(record, Mapping) or "prompt" not in record:
+            raise ValueError(f"{where} needs a 'prompt' column (TRL's format), got {record!r:.200}.")
+        prompt = record["prompt"]
+        if self.conversational:
+            prompt = check_messages(prompt, f"{where}, 'prompt'")
+        elif not isinstance(prompt, str):
+            raise TypeError(f"{where}: 'prompt' must be a string or a list of messages, got {type(prompt).__name__}.")
+        columns = {key: value for key, value in record.items() if key not in ("prompt", "completion")}
+        clash = [key for key in columns if key in RESERVED]
+        if clash:
+            raise ValueError(f"{where}: columns {clash} clash with the reward functions' own arguments {RESERVED}.")
+        return Row(index=index, prompt=prompt, answer=record.get("answer"), info=columns)
+
+    def prompt_ids(self, prompt: Messages | str) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt)  # TRL's standard format: the text as it is, no chat template
+        return super().prompt_ids(prompt)
+
+    # --- rollouts -----------------------------------------------------------------------------------------------
+
+    async def generate(self, sampler: Sampler, prompt, prompt_ids: list[int], state: dict[str, Any]) -> Trajectory:
+        budget = min(self.max_new_tokens, self.max_seq_len - len(prompt_ids))
+        sample = await sampler.sample(prompt_ids, budget)
+        sample.validate(budget)
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        completion = [{"role": "assistant", "content": text}] if self.conversational else text
+        return Trajectory(completion=completion, completion_ids=list(sample.token_ids),
+                          completion_mask=[1] * len(sample.token_ids), completion_logprobs=list(sample.logprobs),
+                          truncated=sample.finish_reason == "length")
+
+    async def rollout(self, sampler: Sampler, row: Row, group_id) -> Rollout:
+        rollouts = await self._score(row, [await self._unscored(sampler, row, group_id)])
+        return rollouts[0]
+
+    async def rollout_group(self, sampler: Sampler, row: Row, group_id, n: int, *, seed: int | None = None,
+                            temperature: float | None = None) -> list[Rollout]:
+        """``n`` rollouts of ``row``, generated concurrently and scored together (one call per reward function)."""
+        from ..sampler import sampling_for_rollout
+
+        async def one(sampling):
+            with sampling_for_rollout(sampling):
+                return await self._unscored(sampler, row, group_id)
+
+        samplings = self.group_samplings(n, seed, temperature)
+        return await self._score(row, list(await asyncio.gather(*(one(s) for s in samplings))))
+
+    async def _unscored(self, sampler: Sampler, row: Row, group_id) -> Rollout:
+        try:
+            prompt_ids = self.prompt_ids(row.prompt)
+            trajectory = await self.generate(sampler, row.prompt, prompt_ids, {})
+        except Exception as error:
+            raise RolloutError(f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}") from error
+        return Rollout(prompt_ids=prompt_ids, completion_ids=trajectory.completion_ids,
+                       completion_mask=trajectory.completion_mask, completion_logprobs=trajectory.completion_logprobs,
+                       reward=0.0, group_id=group_id, truncated=trajectory.truncated, prompt=row.prompt,
+                       completion=trajectory.completion)
+
+    async def _score(self, row: Row, rollouts: list[Rollout]) -> list[Rollout]:
+        """Every reward function once over ``rollouts`` (one prompt's), then the weighted sum, ``None`` left out."""
+        count = len(rollouts)
+        logged: dict[str, list[float]] = {}
+        kwargs = {key: [value] * count for key, value in row.info.items()}
+        kwargs.update(prompts=[row.prompt] * count, completions=[r.completion for r in rollouts],
+                      completion_ids=[r.completion_ids for r in rollouts], trainer_state=self.trainer_state(),
+                      log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)))
+        try:
+            values = await asyncio.gather(*(self._call(f, n, kwargs, count)
+                                            for f, n in zip(self.reward_funcs, self.reward_names)))
+        except Exception as error:
+            raise RolloutError(f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}") from error
+        for i, rollout in enumerate(rollouts):
+            column = [value[i] for value in values]
+            if all(v is None for v in column):
+                raise RolloutError(
+                    f"{self.name}: no reward function applies to completion {i} of dataset row {row.index} (every "
+                    f"one of {self.reward_names} returned None): give each row at least one reward."
+                )
+            rollout.reward = sum(w * v for w, v in zip(self.reward_weights, column) if v is not None)
+            # A function that does not apply (None) has no metric for this rollout: the step mean leaves it out.
+            rollout.metrics = {name: float(v) for name, v in zip(self.reward_names, column) if v is not None}
+            rollout.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
+        return rollouts
+
+    @staticmethod
+    async def _call(func, name: str, kwargs: dict, count: int) -> list[float | None]:
+        accepted = _accepted(func, kwargs)
+        result = func(**accepted)
+        if inspect.isawaitable(result):
+            result = await result
+        values = list(result)
+        if len(values) != count:
+            raise ValueError(f"the reward function {name!r} returned {len(values)} rewards for {count} completions.")
+        for value in values:
+            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"the reward function {name!r} returned {value!r}, not a finite number or None.")
+        return values
+
+
+def _is_module(obj) -> bool:
+    try:
+        import torch
+
+        return isinstance(obj, torch.nn.Module)
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+
+
+def _accepted(func, kwargs: dict) -> dict:
+    """The arguments ``func`` takes: all with ``**kwargs`` (TRL's convention), else those it names."""
+    parameters = inspect.signature(func).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return kwargs
+    names = {p.name for p in parameters}
+    return {key: value for key, value in kwargs.items() if key in names}
