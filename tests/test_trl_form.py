@@ -127,3 +127,17 @@ def test_a_group_without_any_applicable_reward_stops_with_the_row(tiny_model_dir
                         train_dataset=rows(True))
     with pytest.raises(GenerationError, match=r"no reward function applies to completion 0 of dataset row \d+"):
         trainer.train()
+
+
+def test_the_trl_style_example_script_runs_as_shipped(tiny_model_dir, tmp_path):
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "examples" / "trl_grpo.py"
+    result = subprocess.run([sys.executable, str(script), "--model", tiny_model_dir, "--max_steps", "2",
+                             "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rewards = [float(x) for x in re.findall(r"^step \d/2 \| reward ([\d.]+)", result.stdout, re.M)]
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.5 for r in rewards)  # exact (<= 1) + 0.5 x shares_letters (<= 1)
