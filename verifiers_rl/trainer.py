@@ -161,6 +161,7 @@ class RLTrainer(GRPOTrainer):
             raise ValueError("reward_weights weights TRL-style reward_funcs; an environment's rubric weights its own "
                              "functions (set them there).")
         self.engine = engine
+        self.live = environment is not None  # on every rank (only the main process holds the generator)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
         self.generator: AsyncGenerator | None = None
@@ -245,7 +246,7 @@ class RLTrainer(GRPOTrainer):
             gather_model=lambda: self.model_wrapped if self.is_deepspeed_enabled else self.model,
             bare_model=lambda: unwrap(self.model), zero3=zero3, log=self.metrics.log, timed=self.timer.add_sync,
         )
-        if self.generator is not None:
+        if self.live:  # every rank: the weight sync's gathers, probe and error hand-over are collective
             self.add_callback(WeightSyncCallback(self.sync_weights, lambda: self.checkpoints.resumed_from is not None))
         self.preemption = PreemptionSignal()
         self._preemption = PreemptionCallback(self.preemption, accelerator.device)
@@ -336,7 +337,7 @@ class RLTrainer(GRPOTrainer):
         draws no random numbers that training uses, so it leaves the training trajectory as it was."""
         if self.evaluation is None:
             raise ValueError("No evaluation configured: pass --eval_steps N (and --eval_env for a replay run).")
-        if self.generator is None:
+        if not self.live:  # every rank decides alike (only the main process holds the generator)
             self.sync_weights()  # replay: the engine holds the weights of the previous evaluation, or the initial ones
         run = self.evaluation.run
         metrics = main_process_outcome(lambda: run(self.engine).metrics(metric_key_prefix))
