@@ -206,3 +206,22 @@ def test_evaluation_under_zero3_leaves_training_unchanged_and_scores_the_saved_w
     engine = EmbeddedEngine(str(out / "saved"), tokenizer, SamplingConfig(temperature=1.0))
     final = evaluate(env, engine, EvalSettings(samples_per_prompt=2, seed=0)).metrics()
     assert final["eval_reward"] == evals[-1]["eval_reward"] and final["eval_pass@2"] == evals[-1]["eval_pass@2"]
+
+
+@pytest.mark.distributed
+def test_live_evaluation_under_ddp_runs_on_every_rank_and_leaves_training_unchanged(tiny_model_dir, tmp_path):
+    """DDP, 2 processes, live: only the main process holds the generator, yet every rank must take the same
+    collective path through the weight sync and evaluate (a split hung the launch). Evaluation draws its own seeds,
+    so the final weights equal those of the same live run without evaluation."""
+    from test_distributed_equivalence import ROOT, accelerate, launch
+
+    log = tmp_path / "ddp_live.log"
+    result = launch(accelerate("ddp_cpu.yaml"), [str(ROOT / "tests" / "distributed" / "eval_run.py"), "--model",
+                    tiny_model_dir, "--out", str(tmp_path / "out")], log)
+    assert result.returncode == 0, log.read_text()[-6000:]
+    out = tmp_path / "out"
+    record = json.loads((out / "eval.json").read_text())
+    assert record["num_processes"] == 2
+    assert [entry["step"] for entry in record["log_history"] if "eval_reward" in entry] == [1, 2]
+    plain, evaluated = torch.load(out / "params_plain.pt"), torch.load(out / "params_eval.pt")
+    assert plain.keys() == evaluated.keys() and all(torch.equal(plain[k], evaluated[k]) for k in plain)

@@ -1,4 +1,5 @@
-"""One launch (any backend) of a replay run trained twice, without and with evaluation every step.
+"""One launch (any backend) of a replay run (or, with ``--live``, a live run) trained twice, without and with
+evaluation every step.
 
 Evaluation of a replay run loads the trainer's weights into an engine on the main process first (under ZeRO-3 a
 collective gather). Writes, on the main process, ``params_<name>.pt`` (the final weights, gathered), ``<name>.json``
@@ -23,19 +24,21 @@ from verifiers_rl.trainer import RLTrainer
 ENV_ARGS = {"num_examples": 16, "num_eval_examples": 4, "max_new_tokens": 8}
 
 
-def run(model: str, rollouts: str, out: Path, evaluating: bool) -> None:
+def run(model: str, rollouts: str | None, out: Path, evaluating: bool) -> None:
     name = "eval" if evaluating else "plain"
     args = RLConfig(
         output_dir=str(out / "trainer" / name), use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
-        max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", max_seq_len=64, rollouts_per_step=8,
-        rollouts_path=rollouts, micro_batching="padded", gradient_checkpointing=False, disable_tqdm=True, seed=0,
+        max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", max_seq_len=128, rollouts_per_step=8,
+        rollouts_path=rollouts, num_generations=4, micro_batching="padded", gradient_checkpointing=False, disable_tqdm=True, seed=0,
         eval_steps=1 if evaluating else None, eval_samples_per_prompt=2,
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
     environment = load_environment("reverse_text", tokenizer=tokenizer, **ENV_ARGS)
     main = PartialState().is_main_process
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(max_new_tokens=8)) if main else None
-    trainer = RLTrainer(model, args, processing_class=tokenizer, engine=engine, eval_environment=environment)
+    # Live: the environment trains too (generation and evaluation share the engine); replay: it only evaluates.
+    sources = {"eval_environment": environment} if rollouts else {"environment": environment}
+    trainer = RLTrainer(model, args, processing_class=tokenizer, engine=engine, **sources)
     trainer.train()
     params = {key: tensor.clone() for key, tensor in trainer.named_weights()}  # every rank takes part in the gathers
     if evaluating:
@@ -50,7 +53,7 @@ def run(model: str, rollouts: str, out: Path, evaluating: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
-    parser.add_argument("--rollouts", required=True)
+    parser.add_argument("--rollouts", default=None, help="replay this file (default: a live run)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out)
