@@ -82,3 +82,14 @@ def test_the_package_exports_its_public_names():
     assert Exported is RLConfig and RLTrainer.__module__ == "verifiers_rl.trainer"
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         verifiers_rl.Nothing  # noqa: B018
+
+
+def test_the_command_line_parser_defaults_pass():
+    # HfArgumentParser turns some fields' defaults into other types (include_num_input_tokens_seen: "no" -> False).
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from train import build_parser
+
+    _, config = build_parser().parse_args_and_config(args=["--output_dir", "/tmp/unused"])
+    assert config.include_num_input_tokens_seen == "no"

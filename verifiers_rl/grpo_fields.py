@@ -169,6 +169,11 @@ def _default(dataclass_field: dataclasses.Field):
     return dataclasses.MISSING
 
 
+# Fields whose parsed form differs from their default's: HfArgumentParser reads ``str | bool`` as a bool, which
+# TrainingArguments then maps to its strings (transformers 5.23).
+_AS_PARSED = {"include_num_input_tokens_seen": lambda v: {False: "no", True: "all"}.get(v, v) if isinstance(v, bool) else v}
+
+
 def refused_fields() -> dict[str, str]:
     """Every refused field and its reason."""
     refused = {name: field.note for name, field in GRPO_FIELDS.items() if field.status == "refused"}
@@ -184,7 +189,8 @@ def check_fields(config) -> None:
         if dataclass_field.name not in refused:
             continue
         value, default = getattr(config, dataclass_field.name), _default(dataclass_field)
-        if value != default:
+        normal = _AS_PARSED.get(dataclass_field.name, lambda v: v)
+        if normal(value) != normal(default):
             raise ValueError(
                 f"{dataclass_field.name}={value!r} has no effect in verifiers_rl: {refused[dataclass_field.name]}. "
                 f"Leave it at its default ({default!r})."
