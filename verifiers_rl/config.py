@@ -57,6 +57,8 @@ RANGES: dict[str, Range] = {
     "vllm_request_timeout_s": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE,
     "max_refill_batches": NON_NEGATIVE,
+    "max_rollout_retries": NON_NEGATIVE,
+    "max_failed_rollouts_fraction": NON_NEGATIVE,
     "eval_holdout": NON_NEGATIVE,
     "log_completions_steps": NON_NEGATIVE,
     # GRPOConfig's fields that the trainer relies on
@@ -246,6 +248,20 @@ class RLConfig(GRPOConfig):
             "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
         },
     )
+    max_rollout_retries: int = field(
+        default=2,
+        metadata={
+            "help": "Live generation: a group whose environment raised is generated again (same seeds) up to this many "
+            "times, then dropped and counted (rollouts_failed, groups_dropped_on_error)."
+        },
+    )
+    max_failed_rollouts_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "Largest fraction of a batch's groups that may be dropped after max_rollout_retries before the run "
+            "stops with the error (0: any group that keeps failing stops it; a batch with no group left always does)."
+        },
+    )
     eval_num_examples: int | None = field(
         default=None,
         metadata={"help": "Prompts of the held-out split each evaluation rolls out (the split's first N rows, the same "
@@ -345,6 +361,8 @@ class RLConfig(GRPOConfig):
             allowed.check(name, getattr(self, name))
         if self.micro_batching != "padded":
             check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
+        if self.max_failed_rollouts_fraction > 1:
+            raise ValueError(f"max_failed_rollouts_fraction must be <= 1, got {self.max_failed_rollouts_fraction}.")
         if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:
             raise ValueError("importance_cap_min must satisfy 0 <= importance_cap_min < importance_cap.")
         if self.ddp_timeout <= self.generation_timeout_s:

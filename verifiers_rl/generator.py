@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from .envs.environment import RolloutError
 from .envs.sampler import derive_seed
 from .rollouts import Rollout, RolloutFormatError, read_rollouts
 
@@ -173,6 +174,8 @@ class AsyncGenerator:
         steps_per_batch: int = 1,
         filter_groups: bool = False,
         max_refill_batches: int = 3,
+        max_rollout_retries: int = 2,
+        max_failed_rollouts_fraction: float = 0.0,
     ):
         if rollouts_per_step % num_generations:
             raise ValueError(
@@ -192,7 +195,10 @@ class AsyncGenerator:
         self.steps_per_batch = steps_per_batch
         self.filter_groups = filter_groups
         self.max_refill_batches = max_refill_batches
-        self._filter_stats: dict[int, dict[str, float]] = {}  # batch index -> groups kept / dropped, refill rounds
+        self.max_rollout_retries = max_rollout_retries
+        self.max_failed_rollouts_fraction = max_failed_rollouts_fraction
+        # batch index -> its counts: groups kept / dropped by the filter, refill rounds, failed rollouts
+        self._stats: dict[int, dict[str, float]] = {}
         self.timeout_s = timeout_s
         self.seed = seed
         self.total_batches: int | None = None  # batches the run will train on; none is generated beyond them
@@ -229,7 +235,7 @@ class AsyncGenerator:
             with self._condition:
                 self._wait(lambda: index in self._ready, index)
                 rollouts = self._ready.pop(index)
-        return Batch(index, rollouts, self._filter_stats.pop(index, {}), self._generation_s.pop(index, None))
+        return Batch(index, rollouts, self._stats.pop(index, {}), self._generation_s.pop(index, None))
 
     def _wait(self, done, index: int) -> None:
         """Wait (holding the condition) until ``done()``, the generator's error, or ``timeout_s``."""
@@ -373,7 +379,7 @@ class AsyncGenerator:
         version = self.engine.policy_version
         picks = [(f"b{index}-p{position}", self.rows[row], derive_seed(self.seed, "train", position))
                  for position, row in self._rows_of(index)]
-        groups = await self._groups(picks)
+        groups = await self._groups(picks, index)
         if self.filter_groups:
             groups = await self._keep_groups_with_signal(index, groups)
         rollouts = [rollout for group in groups for rollout in group]
@@ -381,11 +387,42 @@ class AsyncGenerator:
             rollout.policy_version = version
         return rollouts
 
-    async def _groups(self, picks: list[tuple[str, object, int]]) -> list[list[Rollout]]:
-        return list(await asyncio.gather(
-            *(self.environment.rollout_group(self.engine, row, group_id, self.num_generations, seed=seed)
-              for group_id, row, seed in picks)
-        ))
+    async def _groups(self, picks: list[tuple[str, object, int]], index: int) -> list[list[Rollout]]:
+        """The groups of ``picks``; a group whose rollout raised is generated again (same seeds) up to
+        ``max_rollout_retries`` times, then dropped. Counted in the batch's ``rollouts_failed`` (failed attempts) and
+        ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
+        them) fails the batch with the last error."""
+        results = await asyncio.gather(*(self._group(row, group_id, seed) for group_id, row, seed in picks))
+        groups = [group for group, _, _ in results if group is not None]
+        failures = sum(failed for _, failed, _ in results)
+        dropped = len(results) - len(groups)
+        stats = self._stats.setdefault(index, {})
+        stats["rollouts_failed"] = stats.get("rollouts_failed", 0.0) + failures
+        stats["groups_dropped_on_error"] = stats.get("groups_dropped_on_error", 0.0) + dropped
+        if dropped and (not groups or dropped > self.max_failed_rollouts_fraction * len(results)):
+            error = next(error for group, _, error in results if group is None)
+            raise GenerationError(
+                f"Batch {index}: {dropped} of {len(results)} groups failed {self.max_rollout_retries + 1} time(s) "
+                f"each (--max_rollout_retries {self.max_rollout_retries}), more than --max_failed_rollouts_fraction "
+                f"{self.max_failed_rollouts_fraction:g} of the batch. Last error: {error}"
+            ) from error
+        if dropped:
+            logger.warning("Batch %d: dropped %d of %d groups whose rollouts kept failing (%d failed attempts).",
+                           index, dropped, len(results), failures)
+        return groups
+
+    async def _group(self, row, group_id: str, seed: int) -> tuple[list[Rollout] | None, int, Exception | None]:
+        """(the group or None, failed attempts, the last error)."""
+        error = None
+        for attempt in range(self.max_rollout_retries + 1):
+            try:
+                group = await self.environment.rollout_group(self.engine, row, group_id, self.num_generations, seed=seed)
+                return group, attempt, None
+            except RolloutError as failed:
+                error = failed
+                logger.warning("Group %s, attempt %d of %d: %s", group_id, attempt + 1, self.max_rollout_retries + 1,
+                               failed)
+        return None, self.max_rollout_retries + 1, error
 
     async def _keep_groups_with_signal(self, index: int, groups: list[list[Rollout]]) -> list[list[Rollout]]:
         """DAPO's dynamic sampling: drop the groups whose rewards are all equal and generate more (rounds of a batch's
@@ -400,12 +437,12 @@ class AsyncGenerator:
                 range(len(self.rows)), min(self.prompts_per_batch, len(self.rows))
             )
             more = await self._groups([(f"b{index}-r{rounds}-{j}", self.rows[row], derive_seed(self.seed, "refill", index, rounds, j))
-                                       for j, row in enumerate(order)])
+                                       for j, row in enumerate(order)], index)
             useful = [group for group in more if has_signal(group)]
             dropped += len(more) - len(useful)
             kept += useful[: self.prompts_per_batch - len(kept)]
-        self._filter_stats[index] = {"groups_kept": float(len(kept)), "groups_dropped": float(dropped),
-                                    "refill_generations": float(rounds)}
+        self._stats.setdefault(index, {}).update(
+            groups_kept=float(len(kept)), groups_dropped=float(dropped), refill_generations=float(rounds))
         if len(kept) < self.prompts_per_batch:
             logger.warning(
                 "Batch %d: %d of %d groups have reward variance after %d refill round(s) (--max_refill_batches); %s.",

@@ -23,6 +23,8 @@ STEP_FIELDS = (
     ("is_ratio", "is_ratio", "{:.3f}"),
     ("staleness_max", "staleness", "{:.0f}"),
     ("reward_errors", "reward_errors", "{:.0f}"),
+    ("rollouts_failed", "rollouts_failed", "{:.0f}"),
+    ("groups_dropped_on_error", "groups_dropped", "{:.0f}"),
     ("weight_sync_probe_gap", "probe_gap", "{:.1e}"),
     ("generation_time", "gen", "{:.1f}s"),
     ("wait_time", "wait", "{:.1f}s"),
@@ -31,7 +33,7 @@ STEP_FIELDS = (
     ("between_steps_time", "log/save/eval", "{:.1f}s"),
     ("step_time", "step", "{:.1f}s"),
 )
-_SHOWN_WHEN_NONZERO = {"between_steps_time"}
+_SHOWN_WHEN_NONZERO = {"between_steps_time", "rollouts_failed", "groups_dropped_on_error"}
 
 
 @dataclass

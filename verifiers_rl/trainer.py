@@ -211,6 +211,8 @@ class RLTrainer(GRPOTrainer):
                     num_generations=args.num_generations, max_off_policy_steps=args.max_off_policy_steps,
                     timeout_s=args.generation_timeout_s, seed=args.seed, steps_per_batch=args.num_iterations,
                     filter_groups=args.filter_groups == "zero_variance", max_refill_batches=args.max_refill_batches,
+                    max_rollout_retries=args.max_rollout_retries,
+                    max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
                 )
                 self._source = self.generator
                 return self._source
