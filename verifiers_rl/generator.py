@@ -450,3 +450,19 @@ class AsyncGenerator:
                 "training on them" if kept else "none has any, so the unfiltered batch is trained (zero advantages)",
             )
         return kept or groups
+
+
+def make_source(args, given: RolloutSource | None, environment, engine) -> RolloutSource:
+    """The run's rollout source (main process): live generation from ``environment`` through ``engine`` as ``args``
+    (an ``RLConfig``) says, ``given``, or a replay of ``args.rollouts_path``."""
+    filter_groups = args.filter_groups == "zero_variance"
+    if environment is None:
+        return given or ReplaySource(args.rollouts_path, args.rollouts_per_step, filter_groups=filter_groups)
+    if engine is None:
+        raise ValueError("Generating from an environment needs an inference engine on the main process.")
+    return AsyncGenerator(
+        environment, engine, rollouts_per_step=args.rollouts_per_step, num_generations=args.num_generations,
+        max_off_policy_steps=args.max_off_policy_steps, timeout_s=args.generation_timeout_s, seed=args.seed,
+        steps_per_batch=args.num_iterations, filter_groups=filter_groups, max_refill_batches=args.max_refill_batches,
+        max_rollout_retries=args.max_rollout_retries, max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
+    )

@@ -29,7 +29,7 @@ from . import compat, evaluation, progress, reporting
 from .batching import MicroBatch, RankBatch
 from .config import RLConfig
 from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
-from .generator import AsyncGenerator, ReplaySource, RolloutSource
+from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
 from .loss import GlobalCounts, aggregation_weights, per_token_loss
 from .policy import micro_batch_logprobs, unwrap
@@ -164,9 +164,17 @@ class RLTrainer(GRPOTrainer):
         self.live = environment is not None  # on every rank (only the main process holds the generator)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
+        if (environment is not None) == (rollout_source is not None or bool(args.rollouts_path)):
+            raise ValueError("RLTrainer needs one rollout source: an environment, or rollout_source / --rollouts_path.")
         self.generator: AsyncGenerator | None = None
-        source = self._rollout_source(args, rollout_source, environment, engine)
-        num_batches = main_process_outcome(lambda: len(source()))
+        self._source: RolloutSource | None = None  # the main process's; the other ranks never read a source
+
+        def made() -> int:
+            self._source = make_source(args, rollout_source, environment, engine)
+            self.generator = self._source if environment is not None else None
+            return len(self._source)
+
+        num_batches = main_process_outcome(made)
         if self.evaluation is not None:
             main_process_outcome(lambda: self.evaluation.check_engine(engine))
         if args.max_steps is None or args.max_steps <= 0:
@@ -194,41 +202,9 @@ class RLTrainer(GRPOTrainer):
                 "launch; never `accelerate launch --cpu --num_processes N`."
             )
         self.loss_fn = loss_fn
-        self._build_parts(source)
+        self._build_parts()
 
-    def _rollout_source(self, args: RLConfig, given: RolloutSource | None, environment, engine) -> Callable:
-        """A function that makes (main process) the run's rollout source: live generation, replay, or ``given``."""
-        self._source = None  # set on the main process; the other ranks never read a source
-        if environment is not None:
-            if given is not None or args.rollouts_path:
-                raise ValueError("Pass either an environment or a rollout source / --rollouts_path, not both.")
-
-            def live():
-                if engine is None:  # only the main process holds one
-                    raise ValueError("Generating from an environment needs an inference engine on the main process.")
-                self.generator = AsyncGenerator(
-                    environment, engine, rollouts_per_step=args.rollouts_per_step,
-                    num_generations=args.num_generations, max_off_policy_steps=args.max_off_policy_steps,
-                    timeout_s=args.generation_timeout_s, seed=args.seed, steps_per_batch=args.num_iterations,
-                    filter_groups=args.filter_groups == "zero_variance", max_refill_batches=args.max_refill_batches,
-                    max_rollout_retries=args.max_rollout_retries,
-                    max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
-                )
-                self._source = self.generator
-                return self._source
-
-            return live
-        if given is None and not args.rollouts_path:
-            raise ValueError("RLTrainer needs a rollout source: an environment, rollout_source or --rollouts_path.")
-
-        def replay():
-            self._source = given or ReplaySource(args.rollouts_path, args.rollouts_per_step,
-                                                 filter_groups=args.filter_groups == "zero_variance")
-            return self._source
-
-        return replay
-
-    def _build_parts(self, source) -> None:
+    def _build_parts(self) -> None:
         args, accelerator = self.args, self.accelerator
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
