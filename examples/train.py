@@ -38,6 +38,7 @@ from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.models import load_tokenizer, resolve_model
 from verifiers_rl.preemption import TrainingPreempted
+from verifiers_rl.distributed import leave_process_group
 from verifiers_rl.trainer import RLTrainer
 
 
@@ -151,14 +152,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)
     leave_process_group()
     return 0
-
-
-def leave_process_group() -> None:
-    """Once every rank is done, leave the process group explicitly: a gloo group left to interpreter exit once
-    aborted a finished DDP rank ("terminate called without an active exception", exit -6)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
 
 
 def json_flag(parser, flag: str, text: str) -> dict:

@@ -83,3 +83,11 @@ def collective_failure_note(num_processes: int, process_index: int, timeout_s: i
         f"another process died (its own log, on its machine, has the cause) or stopped answering (given up after "
         f"--ddp_timeout, now {timeout_s} s)."
     )
+
+
+def leave_process_group() -> None:
+    """Once every rank is done, leave the process group explicitly: a gloo group left to interpreter exit has
+    aborted finished ranks ("terminate called without an active exception", exit -6), DDP and ZeRO-3 alike."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

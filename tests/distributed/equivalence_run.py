@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from verifiers_rl.config import RLConfig
 from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.distributed import leave_process_group
 
 # name -> RLConfig overrides. Batches mix ragged lengths, environment tokens and fully masked sequences.
 CONFIGS = {
@@ -197,3 +198,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()

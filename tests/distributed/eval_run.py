@@ -20,6 +20,7 @@ from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import load_environment
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.distributed import leave_process_group
 
 ENV_ARGS = {"num_examples": 16, "num_eval_examples": 4, "max_new_tokens": 8}
 
@@ -64,3 +65,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()

@@ -26,6 +26,7 @@ from verifiers_rl.inference import EmbeddedEngine
 from verifiers_rl.policy import unwrap
 from verifiers_rl.trainer import RLTrainer
 from verifiers_rl.weights import GatherStats
+from verifiers_rl.distributed import leave_process_group
 
 BUCKET_SIZES = [0, 4096, 65536, 1 << 30]
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -167,3 +168,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()
