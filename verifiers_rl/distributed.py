@@ -6,6 +6,7 @@ main process's error to every rank instead, and name a lost peer when a collecti
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import torch
@@ -76,12 +77,17 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in _GLOO_PEER_LOST)
 
 
-def collective_failure_note(num_processes: int, process_index: int, timeout_s: int) -> str:
-    """The note added to a failed collective's error: which process saw it, and what to look at."""
+def collective_failure_note(num_processes: int, process_index: int, timeout_s: int, output_dir: str | None = None) -> str:
+    """The note added to a failed collective's error: which process saw it, what to look at, how to go on."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    newest = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+    resume = (f"resume with --resume_from_checkpoint latest (or auto): the newest complete checkpoint is {newest}"
+              if newest else f"no checkpoint in --output_dir {output_dir} yet: a new launch starts from the beginning")
     return (
         f"verifiers_rl: a collective between the {num_processes} processes failed on process {process_index}: "
-        f"another process died (its own log, on its machine, has the cause) or stopped answering (given up after "
-        f"--ddp_timeout, now {timeout_s} s)."
+        f"another process died (the launcher names it; its own log has the cause) or stopped answering (given up "
+        f"after --ddp_timeout, now {timeout_s} s); {resume}."
     )
 
 

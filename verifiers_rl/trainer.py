@@ -251,7 +251,7 @@ class RLTrainer(GRPOTrainer):
             accelerator = self.accelerator
             if accelerator.num_processes > 1 and is_collective_failure(exc):
                 exc.add_note(collective_failure_note(accelerator.num_processes, accelerator.process_index,
-                                                     self.args.ddp_timeout))
+                                                     self.args.ddp_timeout, self.args.output_dir))
             raise
         finally:
             if self.generator is not None:
