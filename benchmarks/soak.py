@@ -63,7 +63,6 @@ def main() -> int:
     args = parser.parse_args()
 
     import torch
-    from accelerate import PartialState
     from transformers import AutoTokenizer
 
     from verifiers_rl.config import RLConfig
@@ -84,7 +83,7 @@ def main() -> int:
         save_rollouts_path=os.path.join(work, "rollouts.jsonl"), print_samples_every=0, seed=0,
     )
     environment = load_environment("reverse_text", tokenizer=tokenizer, num_examples=2000)
-    engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
+    engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
     probe = Probe()
     trainer = RLTrainer(model, config, processing_class=tokenizer, environment=environment, engine=engine,
                         callbacks=[probe])

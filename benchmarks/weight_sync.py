@@ -87,7 +87,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from verifiers_rl.config import _skip_deepspeed_cpu_shm_op
+    from verifiers_rl.launch import _skip_deepspeed_cpu_shm_op
 
     _skip_deepspeed_cpu_shm_op()
     import deepspeed

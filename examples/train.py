@@ -27,7 +27,6 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from accelerate import PartialState
 from trl import TrlParser
 
 from verifiers_rl import progress
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         if config.max_steps <= 0:
             config.max_steps = QUICKSTART_LIVE_STEPS
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
-        engine = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
+        engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
         live = {"environment": environment, "engine": engine}
     live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live, given))
     trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
@@ -169,7 +168,7 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
         return {}
     inputs = {}
     if "engine" not in live:
-        inputs["engine"] = build_engine(config, model, tokenizer) if PartialState().is_main_process else None
+        inputs["engine"] = build_engine(config, model, tokenizer) if config.process_index == 0 else None
     if script_args.eval_env or "environment" not in live:
         own = script_args.eval_env is not None
         flag, text = ("--eval_env_args", script_args.eval_env_args) if own else ("--env_args", script_args.env_args)

@@ -101,3 +101,14 @@ def test_torch_gloo_options_take_a_timeout_and_a_device():
     options._timeout = datetime.timedelta(seconds=5)
     options._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     assert options._timeout == datetime.timedelta(seconds=5)
+
+
+def test_transformers_sets_up_the_device_in_a_cached_property_that_post_init_reads():
+    # RLConfig defers it (compat.deferred_device_setup) and runs launch.prepare_process first (RLConfig._setup_devices).
+    from functools import cached_property
+
+    from transformers import TrainingArguments
+
+    assert isinstance(TrainingArguments.__dict__["_setup_devices"], cached_property)
+    assert "self.device" in inspect.getsource(TrainingArguments.__post_init__)
+    assert "self.distributed_state = PartialState(" in inspect.getsource(TrainingArguments._setup_devices.func)

@@ -99,3 +99,31 @@ def without_zero3_init():
 # Not here, by necessity: ``vllm_worker/vllm_weight_sync.gloo_group`` builds ``ProcessGroupGloo._Options`` (torch
 # 2.13; the only way to give a gloo group made outside torch.distributed its timeout and device). It runs inside the
 # vLLM server's venv, which cannot import this package; tests/test_compat.py checks it against our torch.
+
+
+_DEFERRED = "_verifiers_rl_device_deferred"
+
+
+@contextlib.contextmanager
+def deferred_device_setup(args):
+    """Run ``TrainingArguments.__post_init__`` without setting up the device and the process group.
+
+    transformers 5.23: ``TrainingArguments.__post_init__`` reads ``self.device``, whose ``_setup_devices`` (a
+    ``cached_property``) starts a launched process's process group; trl 1.16's ``GRPOConfig.__post_init__`` reads
+    ``self.device.type`` (a "neuron" check) and ``self.world_size`` (its own generation batch, which RLConfig
+    replaces). A placeholder device stands in for the duration (``RLConfig.distributed_state`` answers None), and the
+    real set-up happens at the first use after.
+    """
+    import torch
+
+    args.__dict__["_setup_devices"] = torch.device("cpu")
+    args.__dict__[_DEFERRED] = True
+    try:
+        yield
+    finally:
+        del args.__dict__["_setup_devices"]
+        del args.__dict__[_DEFERRED]
+
+
+def device_setup_deferred(args) -> bool:
+    return bool(args.__dict__.get(_DEFERRED))

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import functools
-import os
-import sys
 from dataclasses import dataclass, field, fields
-from datetime import timedelta
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .grpo_fields import check_fields
+from . import compat
 from .batching import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
+from .grpo_fields import check_fields
 from .inference.weight_transfer import WeightTransfer
+from .launch import launched_world_size, prepare_process
 from .loss import CorrectionMode, ImportanceSamplingLevel, LossType, check_choice
 
 
@@ -305,14 +305,6 @@ class RLConfig(GRPOConfig):
 
     def __post_init__(self):
         check_fields(self)  # before anything below derives a field from another
-        _skip_deepspeed_cpu_shm_op()
-        if _env_flag("ACCELERATE_USE_CPU") and _env_flag("ACCELERATE_USE_DEEPSPEED"):
-            # The env flag gives the Trainer a plain CPU Accelerator that ignores the DeepSpeed plugin: the
-            # ZeRO-3-partitioned model would be wrapped in DDP and fail ("'weight' must be 2-D"). use_cpu keeps both.
-            os.environ.pop("ACCELERATE_USE_CPU")
-            self.use_cpu = True
-        if self.use_cpu or _env_flag("ACCELERATE_USE_CPU"):
-            _init_cpu_process_group(self.ddp_backend, self.ddp_timeout)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
@@ -339,18 +331,39 @@ class RLConfig(GRPOConfig):
         self.generation_batch_size = None
         self.num_generations = 2
         self.num_generations_eval = 1  # nor is its evaluation batch (evaluation.py samples per prompt itself)
-        super().__post_init__()
+        with compat.deferred_device_setup(self):  # a config is a value: no process group, no device yet
+            super().__post_init__()
         self.num_generations = requested_num_generations
         self.num_generations_eval = requested_num_generations_eval
         self.steps_per_generation = 1
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
-                self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * self.world_size
+                self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * launched_world_size()
             )
         self.generation_batch_size = self.rollouts_per_step
         if self.max_tokens_per_microbatch is None:
             self.max_tokens_per_microbatch = 4 * self.max_seq_len
         self.validate()
+
+    @functools.cached_property
+    def _setup_devices(self):
+        """transformers' device and process set-up, after ours (``launch.prepare_process``): the first time anything
+        asks for the device, the world size or the process index, not when the config is built."""
+        prepare_process(self)
+        return TrainingArguments._setup_devices.func(self)
+
+    @property
+    def distributed_state(self):
+        """transformers' ``PartialState``, set up on first use (``_setup_devices``)."""
+        if "_distributed_state" not in self.__dict__:
+            if compat.device_setup_deferred(self):
+                return None  # inside __post_init__: TRL reads the world size; the launch's is used instead
+            _ = self._setup_devices
+        return self.__dict__["_distributed_state"]
+
+    @distributed_state.setter
+    def distributed_state(self, value) -> None:
+        self.__dict__["_distributed_state"] = value
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad knob: a choice outside its ``Literal`` type, a number outside
@@ -390,32 +403,3 @@ def _choices(cls: type) -> dict[str, tuple]:
     """The allowed values of every ``Literal``-typed field of ``cls``."""
     hints = get_type_hints(cls)
     return {f.name: get_args(hints[f.name]) for f in fields(cls) if get_origin(hints[f.name]) is Literal}
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
-
-
-def _init_cpu_process_group(backend: str | None, timeout_s: int) -> None:
-    """Start a launched CPU run's process group with ``ddp_timeout``, before transformers starts it without one.
-
-    transformers passes ``ddp_timeout`` to the GPU and DeepSpeed process groups but not to a ``use_cpu`` one, whose
-    gloo collectives then wait torch's default 30 minutes: a peer that stops answering without closing its sockets
-    (a machine lost from the network, a stopped process) would hold every other rank that long. The Trainer reuses
-    the group started here.
-    """
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
-        return
-    from accelerate import PartialState
-
-    PartialState(cpu=True, backend=backend, timeout=timedelta(seconds=timeout_s))
-
-
-def _skip_deepspeed_cpu_shm_op() -> None:
-    """On CPU DeepSpeed compiles a shared-memory all-reduce op at every start (50-85 s on 2 cores). Only
-    inference all-reduce uses it; training collectives go through gloo, so skip building it."""
-    if torch.cuda.is_available() or not _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return
-    import deepspeed.comm.torch  # noqa: F401  (the attribute of that name is torch itself, hence sys.modules)
-
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

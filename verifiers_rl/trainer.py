@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from accelerate import PartialState
 from accelerate.utils import DistributedType
 from datasets import Dataset
 from torch.utils.data import DataLoader
@@ -147,6 +146,7 @@ class RLTrainer(GRPOTrainer):
         reward_processing_classes=None,
     ):
         args = _config(args, model)
+        _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
         self._built_engine = False
         if reward_funcs is not None or train_dataset is not None:
             if environment is not None or rollout_source is not None or args.rollouts_path:
@@ -155,7 +155,7 @@ class RLTrainer(GRPOTrainer):
             processing_class = processing_class or _tokenizer_of(model)
             environment = _dataset_environment(args, reward_funcs, train_dataset, eval_dataset,
                                                reward_processing_classes, processing_class, lambda: self.state)
-            if engine is None and PartialState().is_main_process:
+            if engine is None and args.process_index == 0:  # sets up this process first (launch.py)
                 engine, self._built_engine = build_engine(args, model, processing_class), True
         elif args.reward_weights is not None:
             raise ValueError("reward_weights weights TRL-style reward_funcs; an environment's rubric weights its own "

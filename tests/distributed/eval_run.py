@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from transformers import AutoTokenizer
 
 from verifiers_rl.config import RLConfig
@@ -35,7 +34,7 @@ def run(model: str, rollouts: str | None, out: Path, evaluating: bool) -> None:
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
     environment = load_environment("reverse_text", tokenizer=tokenizer, **ENV_ARGS)
-    main = PartialState().is_main_process
+    main = args.process_index == 0
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(max_new_tokens=8)) if main else None
     # Live: the environment trains too (generation and evaluation share the engine); replay: it only evaluates.
     sources = {"eval_environment": environment} if rollouts else {"environment": environment}

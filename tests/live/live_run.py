@@ -13,7 +13,6 @@ import argparse
 import json
 from pathlib import Path
 
-from accelerate import PartialState
 from transformers import AutoTokenizer, TrainerCallback
 
 from verifiers_rl.config import RLConfig
@@ -50,7 +49,7 @@ def run(model: str, k: int, steps: int, out: Path, env: str, env_args: dict, tim
     environment = load_environment(env, tokenizer=tokenizer, **env_args)
     # The engine lives on the main process only, with its own copy of the weights.
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
-    engine = EmbeddedEngine(model, tokenizer, sampling, generate_in_loop_thread=k == 0) if PartialState().is_main_process else None
+    engine = EmbeddedEngine(model, tokenizer, sampling, generate_in_loop_thread=k == 0) if args.process_index == 0 else None
     counter = RankLossTokens()
     trainer = RLTrainer(model, args, processing_class=tokenizer, environment=environment, engine=engine,
                         callbacks=[counter])

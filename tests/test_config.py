@@ -1,0 +1,61 @@
+"""RLConfig is a value: building one starts no process group and leaves the environment alone; the process set-up
+(launch.prepare_process) runs at the first use of the device, world size or process index."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch.distributed as dist
+
+from verifiers_rl.config import RLConfig
+from verifiers_rl.launch import prepare_process
+
+LAUNCHED = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577",
+                ACCELERATE_USE_CPU="1", ACCELERATE_USE_DEEPSPEED="true")
+
+
+def test_building_a_config_in_a_launched_process_has_no_side_effect():
+    # A fresh interpreter: the environment of a launched rank 0 of 2. Before, building the config started the gloo
+    # group (and waited for rank 1 forever) and popped ACCELERATE_USE_CPU.
+    code = textwrap.dedent("""
+        import os
+        import torch.distributed as dist
+        from verifiers_rl.config import RLConfig
+        before = dict(os.environ)
+        config = RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", per_device_train_batch_size=8)
+        print(dist.is_initialized(), dict(os.environ) == before, config.rollouts_per_step)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **LAUNCHED}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The default batch still counts the launch's processes (8 x 2), read from WORLD_SIZE, not from a process group.
+    assert result.stdout.split() == ["False", "True", "16"]
+
+
+def test_prepare_process_does_what_a_deepspeed_cpu_launch_needs(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    config = RLConfig(output_dir="/tmp/unused", report_to="none")
+    assert os.environ["ACCELERATE_USE_CPU"] == "1" and not config.use_cpu  # built: nothing happened yet
+    prepare_process(config)
+    assert "ACCELERATE_USE_CPU" not in os.environ and config.use_cpu
+    import deepspeed.comm.torch  # noqa: F401
+
+    assert sys.modules["deepspeed.comm.torch"].build_shm_op() is None  # the 50-85 s CPU op build is skipped
+    prepare_process(config)  # idempotent
+    assert not dist.is_initialized()  # one process: no group to start
+
+
+def test_the_first_use_of_the_device_sets_the_process_up(monkeypatch):
+    import verifiers_rl.config as config_module
+
+    prepared = []
+    monkeypatch.setattr(config_module, "prepare_process", lambda args: prepared.append(args))
+    config = RLConfig(output_dir="/tmp/unused", report_to="none")
+    assert prepared == []  # built: nothing happened yet
+    assert config.world_size == 1 and config.process_index == 0
+    assert prepared == [config]  # the first use ran the set-up, once
+    assert str(config.device) == "cpu" and prepared == [config]
