@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
-from .loss import GlobalCounts, check_choice
+from .loss import GlobalCounts
 from .prefix import (
     Part,
     SharedPrefixRows,
@@ -33,10 +33,6 @@ ScaleRewards = Literal["group", "batch", "none"]
 OverlongPolicy = Literal["error", "truncate"]
 MicroBatchingMode = Literal["padded", "packed"]
 SharePromptTraining = Literal["auto", "on", "off"]
-SCALE_REWARDS: tuple[str, ...] = get_args(ScaleRewards)
-OVERLONG_POLICIES: tuple[str, ...] = get_args(OverlongPolicy)
-MICRO_BATCHING_MODES: tuple[str, ...] = get_args(MicroBatchingMode)
-SHARE_PROMPT_MODES: tuple[str, ...] = get_args(SharePromptTraining)
 ADVANTAGE_EPS = 1e-4
 
 
@@ -49,7 +45,6 @@ def compute_advantages(rewards: list[float], group_ids: list, scale_rewards: Sca
 
     Standard deviations are unbiased, as in TRL; a group of one rollout has advantage 0.
     """
-    check_choice("scale_rewards", scale_rewards, SCALE_REWARDS)
     groups: OrderedDict = OrderedDict()
     for index, group_id in enumerate(group_ids):
         groups.setdefault(group_id, []).append(index)
@@ -104,7 +99,6 @@ def prepare_sequences(
     ``overlong="truncate"`` keeps the first ``max_seq_len`` tokens (the completion's tail goes) and marks the
     rollout truncated; a prompt that alone fills ``max_seq_len`` is always an error.
     """
-    check_choice("overlong", overlong, OVERLONG_POLICIES)
     sequences = []
     for index, (rollout, advantage) in enumerate(zip(rollouts, advantages, strict=True)):
         prompt_len = len(rollout.prompt_ids)
@@ -431,12 +425,9 @@ class BatchingConfig:
     attention_cost: float = 0.0  # one attention cell's cost in token units (``prefix.modelled_cost``), for auto
 
     def __post_init__(self):
-        check_choice("micro_batching", self.mode, MICRO_BATCHING_MODES + ("auto",))
-        check_choice("share_prompt_training", self.share_prompt_training, SHARE_PROMPT_MODES)
-        if self.world_size < 1 or self.rows_per_micro_batch < 1:
-            raise ValueError("world_size and rows_per_micro_batch must be >= 1.")
-        if self.mode == "packed":
-            check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
+        # The knobs' choices and ranges (and that a packed row holds max_seq_len) are RLConfig's rules.
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}.")
 
 
 def packed_row_fits(max_tokens_per_microbatch: int, max_seq_len: int) -> bool:

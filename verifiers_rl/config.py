@@ -13,6 +13,7 @@ from trl import GRPOConfig
 from . import compat
 from .batching import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
 from .grpo_fields import check_fields
+from .inference.vllm_http import check_server_url
 from .inference.weight_transfer import WeightTransfer
 from .launch import launched_world_size, prepare_process
 from .loss import CorrectionMode, ImportanceSamplingLevel, LossType, check_choice
@@ -391,8 +392,11 @@ class RLConfig(GRPOConfig):
                 "--vllm_server_url http://HOST:PORT instead (start the server with "
                 "`python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT`)."
             )
-        if self.vllm_server_url is not None and not self.vllm_server_url.startswith(("http://", "https://")):
-            raise ValueError(f"vllm_server_url must start with http:// or https://, got {self.vllm_server_url!r}.")
+        check_server_url(self.vllm_server_url, "vllm_server_url")
+        if not self.rollouts_path and self.rollouts_per_step % self.num_generations:
+            # Live generation samples whole groups (replay takes its groups from the file, of any size).
+            raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of num_generations "
+                             f"({self.num_generations}) when generating from an environment (--env).")
         from .evaluation import EvalSettings
 
         EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)

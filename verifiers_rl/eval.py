@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .inference.vllm_http import check_server_url
+
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
 
 
@@ -86,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1, got {value}.")
     if args.temperature < 0 or args.holdout < 0:
         parser.error("--temperature and --holdout must be >= 0.")
+    try:
+        check_server_url(args.vllm_server_url, "--vllm_server_url")
+    except ValueError as error:
+        parser.error(str(error))
     return args
 
 

@@ -177,12 +177,7 @@ class AsyncGenerator:
         max_rollout_retries: int = 2,
         max_failed_rollouts_fraction: float = 0.0,
     ):
-        if rollouts_per_step % num_generations:
-            raise ValueError(
-                f"rollouts_per_step ({rollouts_per_step}) must be a multiple of num_generations ({num_generations})."
-            )
-        if max_off_policy_steps < 0:
-            raise ValueError("max_off_policy_steps must be >= 0.")
+        # rollouts_per_step % num_generations == 0 and max_off_policy_steps >= 0 are RLConfig's rules.
         rows = list(environment.dataset)
         if not rows:
             raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")

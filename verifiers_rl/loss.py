@@ -24,8 +24,6 @@ LossType = Literal["grpo", "dr_grpo", "token_mean", "seq_mean_token_sum"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
-IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = get_args(ImportanceSamplingLevel)
-CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
 
 
 def check_choice(name: str, value, choices: tuple) -> None:
@@ -47,7 +45,6 @@ class GlobalCounts:
 
     def denominator(self, loss_type: LossType) -> float:
         """The global denominator of ``loss_type``: B_v (grpo, seq_mean_token_sum), B_v*H (dr_grpo), N (token_mean)."""
-        check_choice("loss_type", loss_type, LOSS_TYPES)
         if loss_type == "token_mean":
             value = self.loss_tokens
         elif loss_type == "dr_grpo":
@@ -107,7 +104,6 @@ def clipped_surrogate(
     r = exp(l - p) per token, or exp(mean_t m (l - p)) per sequence (GSPO) broadcast over its positions.
     Returns (per-token loss, ratio, clip-active indicator).
     """
-    check_choice("importance_sampling_level", level, IMPORTANCE_SAMPLING_LEVELS)
     log_ratio = logps - proximal_logps
     if level == "sequence":
         log_ratio = sequence_mean(log_ratio, loss_mask, seq_index)
@@ -134,7 +130,6 @@ def importance_weights(
     ``*_truncate``: w = min(rho, cap) (and max(., cap_min) when given); ``*_mask``: w = rho inside
     [cap_min, cap], 0 outside; ``none``: w = 1. Returns (w, rho before truncation).
     """
-    check_choice("importance_correction", mode, CORRECTION_MODES)
     log_rho = (proximal_logps - sampler_logps) * loss_mask.to(proximal_logps.dtype)
     if mode.startswith("sequence"):
         log_rho = sequence_mean(log_rho, loss_mask, seq_index)

@@ -30,7 +30,7 @@ from .config import RLConfig
 from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
-from .loss import GlobalCounts, aggregation_weights, per_token_loss
+from .loss import LOSS_TYPES, GlobalCounts, aggregation_weights, check_choice, per_token_loss
 from .policy import micro_batch_logprobs, unwrap
 from .preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
 from .run_state import RunCheckpoints
@@ -61,6 +61,8 @@ class LossInputs:
     loss_type: str
 
     def aggregate(self, per_token: torch.Tensor, loss_type: str | None = None) -> torch.Tensor:
+        if loss_type is not None:  # the custom loss's own choice (the config's is checked by RLConfig)
+            check_choice("loss_type", loss_type, LOSS_TYPES)
         weights = aggregation_weights(
             loss_type or self.loss_type, self.loss_mask, self.sequence_loss_tokens, self.global_stats["loss_mask"]
         )

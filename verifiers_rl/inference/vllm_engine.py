@@ -29,7 +29,6 @@ from .vllm_http import (
     connect,
 )
 from .vllm_weights import BroadcastLoad, SnapshotLoad, WeightLoad
-from .weight_transfer import TRANSFERS
 from .weight_transfer import require as require_transfer
 
 
@@ -94,8 +93,6 @@ class VLLMEngine:
         weight_transfer_bucket_mb: float = 256.0,
         api_key: str | None = None,
     ):
-        if weight_transfer not in TRANSFERS:
-            raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}.")
         require_transfer(weight_transfer)
         if weight_transfer_bucket_mb <= 0:
             raise ValueError(f"weight_transfer_bucket_mb must be > 0, got {weight_transfer_bucket_mb}.")

@@ -88,6 +88,12 @@ class _LoopClient:
     keeper: asyncio.Task | None = None
 
 
+def check_server_url(url: str | None, flag: str) -> None:
+    """A vLLM server's address must be ``http(s)://host:port``; the error names ``flag``."""
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        raise ValueError(f"{flag} must start with http:// or https://, got {url!r}.")
+
+
 class VLLMTransport:
     """Blocking and async requests to one vLLM server, under one retry policy.
 
@@ -102,17 +108,10 @@ class VLLMTransport:
 
     def __init__(self, base_url: str, request_timeout_s: float = 600.0, max_retries: int = 3,
                  retry_backoff_s: float = 0.5, max_concurrency: int = 64, api_key: str | None = None):
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}.")
-        if request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}.")
-        if max_retries < 0 or retry_backoff_s < 0:
-            raise ValueError("max_retries and retry_backoff_s must be >= 0.")
+        # The knobs (concurrency, timeout, retries, the URL's scheme) are checked where the user gives them:
+        # RLConfig.validate (training), eval.parse_args (evaluation); check_server_url is that rule.
         url = str(base_url).rstrip("/")
-        url = url[: -len("/v1")] if url.endswith("/v1") else url
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}.")
-        self.base_url = url
+        self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
         self.request_timeout_s = float(request_timeout_s)
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s

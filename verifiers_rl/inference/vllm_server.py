@@ -159,8 +159,7 @@ class VLLMServer:
         self.kv_cache_gib = kv_cache_gib
         self.max_logprobs = max_logprobs
         self.extra_args = list(extra_args or [])
-        if weight_transfer not in TRANSFERS:
-            raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {weight_transfer!r}.")
+        # weight_transfer's choices: the launcher's --weight-transfer (argparse), RLConfig's for the trainer.
         self.weight_transfer = weight_transfer
         self.extra_env = dict(extra_env or {})
         self.startup_timeout_s = startup_timeout_s
