@@ -38,6 +38,7 @@ from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.models import load_tokenizer, resolve_model
 from verifiers_rl.preemption import TrainingPreempted
 from verifiers_rl.distributed import leave_process_group
+from verifiers_rl.envs.splits import hold_out
 from verifiers_rl.trainer import RLTrainer
 
 
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
             parser.set_defaults(**lengths)
             script_args, config = parser.parse_args_and_config(args=argv)
+        if config.eval_holdout:  # after the limits: their filter must not undo the split
+            hold_out(environment, config.eval_holdout, config.seed)
         if config.max_steps <= 0:
             config.max_steps = QUICKSTART_LIVE_STEPS
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
@@ -176,6 +179,8 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
         spec = script_args.eval_env if own else script_args.env
         environment = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **kwargs)
         keep_eval_limits(environment, config, given, flag)
+        if config.eval_holdout and "environment" not in live:  # replay: the rows come out of the eval environment
+            hold_out(environment, config.eval_holdout, config.seed)
         inputs["eval_environment"] = environment
     return inputs
 

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import Rubric, SingleTurnEnv, load_environment
 from verifiers_rl.envs.environment import Row
+from verifiers_rl.envs.splits import hold_out
 from verifiers_rl.evaluation import EvalSample, EvalSettings, evaluate, pass_at_k, summarize
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.rollouts import Rollout, write_rollouts
@@ -157,6 +158,10 @@ def test_evaluation_bad_input_is_a_clear_error_when_training_starts(tiny_model_d
     with pytest.raises(ValueError, match="has no held-out split to evaluate on.*--eval_env.*--eval_holdout N"):
         trainer(_toy_env(tokenizer))
     env = _toy_env(tokenizer)
+    with pytest.raises(ValueError, match=r"--eval_holdout 4: hold the rows out where the environment is loaded"):
+        trainer(env, eval_holdout=4, eval_num_examples=4)  # the trainer never edits an environment's rows
+    assert len(env.dataset) == 10
+    hold_out(env, 4, seed=42)
     trainer(env, eval_holdout=4, eval_num_examples=4)  # holding rows out gives it a split
     assert len(env.dataset) == 6 and len(env.eval_dataset) == 4
     for flag, value, message in [("eval_samples_per_prompt", 0, "eval_samples_per_prompt must be >= 1"),
@@ -167,15 +172,19 @@ def test_evaluation_bad_input_is_a_clear_error_when_training_starts(tiny_model_d
 
 
 def test_evaluation_never_changes_which_rows_train(tokenizer):
-    """--eval_holdout moves rows whether or not evaluation runs, so both runs train on the same rows."""
+    """--eval_holdout moves rows whether or not evaluation runs, so both runs train on the same rows; preparing the
+    evaluation changes no row."""
     from verifiers_rl.evaluation import prepare
 
     rows = {}
     for evaluating in (False, True):
         env = _toy_env(tokenizer)
+        hold_out(env, 3, seed=1)
+        before = [row.index for row in env.dataset]
         args = RLConfig(output_dir="unused", use_cpu=True, report_to="none", eval_holdout=3, seed=1,
                         eval_steps=1 if evaluating else None)
         assert (prepare(args, env, None) is not None) == evaluating
+        assert [row.index for row in env.dataset] == before
         rows[evaluating] = [row.index for row in env.dataset]
     assert rows[False] == rows[True] and len(rows[True]) == 7
 

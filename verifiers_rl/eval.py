@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from .inference.vllm_http import check_server_url
@@ -95,51 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_engine(args, model: str, tokenizer):
-    import torch
-
-    from .inference import EmbeddedEngine, SamplingConfig
-
-    sampling = SamplingConfig(temperature=args.temperature)  # environments pass their own max_new_tokens
-    if args.vllm_server_url:
-        from .inference import VLLMEngine
-
-        return VLLMEngine(args.vllm_server_url, model=model, sampling=sampling, require_weight_sync=False, wait_s=30.0)
-    engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=args.max_batch_size,
-                            dtype=getattr(torch, args.dtype))
-    if torch.cuda.is_available():
-        engine.model.to("cuda")  # generate() follows the embedding's device
-    return engine
-
-
-class Progress:
-    """A tqdm bar on a terminal; on a redirected stderr, a line every 10% (a bar's carriage returns garble logs)."""
-
-    def __init__(self, total: int):
-        from .progress import show_bar
-
-        self.total, self.done, self.printed = total, 0, 0
-        self.start = time.perf_counter()
-        self.bar = None
-        if show_bar(False):
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc="evaluating", unit="rollout", dynamic_ncols=True)
-
-    def __call__(self, count: int) -> None:
-        self.done += count
-        if self.bar is not None:
-            self.bar.update(count)
-        elif self.done * 10 // self.total > self.printed or self.done == self.total:
-            self.printed = self.done * 10 // self.total
-            print(f"evaluated {self.done}/{self.total} rollouts ({time.perf_counter() - self.start:.0f} s)",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from .models import load_tokenizer, resolve_model
@@ -150,7 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     from .envs import load_environment
     from .envs.splits import hold_out
     from .evaluation import EvalSettings, eval_rows, evaluate
-    from .progress import plain_output_when_redirected
+    import torch
+
+    from .inference import SamplingConfig
+    from .inference.factory import make_engine
+    from .progress import RolloutProgress, plain_output_when_redirected
 
     plain_output_when_redirected()
     tokenizer = load_tokenizer(args.tokenizer or model)
@@ -159,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         hold_out(environment, args.holdout, args.seed)
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
-    engine = build_engine(args, model, tokenizer)
-    progress = Progress(len(rows) * settings.samples_per_prompt)
+    engine = make_engine(model, tokenizer, SamplingConfig(temperature=args.temperature),  # as training builds its own
+                         vllm_server_url=args.vllm_server_url, require_weight_sync=False,
+                         max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
+    progress = RolloutProgress(len(rows) * settings.samples_per_prompt)
     try:
         result = evaluate(environment, engine, settings, on_group=progress)
     finally:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from .envs.environment import Environment, Row
 from .envs.rubric import ERRORS_METRIC
 from .envs.sampler import derive_seed
-from .envs.splits import hold_out
 from .rollouts import Rollout
 
 
@@ -224,15 +223,21 @@ class TrainingEvaluation:
 
 
 def prepare(args, environment: Environment | None, eval_environment: Environment | None) -> TrainingEvaluation | None:
-    """Apply ``--eval_holdout`` to the training environment (whether or not evaluation runs, so the rows a run
-    trains on never depend on evaluation) and, when ``--eval_strategy`` is not "no", check the rows evaluation will
-    use. The eval environment defaults to the training environment."""
+    """Check that ``--eval_holdout`` was applied where the environment was loaded (``envs.splits.hold_out``, whether
+    or not evaluation runs, so the rows a run trains on never depend on evaluation) and, when ``--eval_strategy`` is
+    not "no", the rows evaluation will use. The eval environment defaults to the training environment. Nothing here
+    changes an environment."""
     eval_environment = eval_environment or environment
     if args.eval_holdout:
         target = environment or eval_environment
         if target is None:
             raise ValueError("--eval_holdout needs an environment to hold rows out of (--env or --eval_env).")
-        hold_out(target, args.eval_holdout, args.seed)
+        if getattr(target, "_verifiers_rl_holdout", None) != (args.eval_holdout, args.seed):
+            raise ValueError(
+                f"--eval_holdout {args.eval_holdout}: hold the rows out where the environment is loaded, before the "
+                f"trainer: verifiers_rl.envs.splits.hold_out(environment, {args.eval_holdout}, seed={args.seed}) "
+                "(examples/train.py and python -m verifiers_rl.eval do)."
+            )
     if args.eval_strategy == "no":
         return None
     if eval_environment is None:

@@ -7,6 +7,7 @@ progress bar (unless ``disable_tqdm``) and lines a person can read while the run
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +174,29 @@ class StepProgressCallback(TrainerCallback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class RolloutProgress:
+    """Progress through ``total`` rollouts (``python -m verifiers_rl.eval``): a tqdm bar on a terminal; on a redirected
+    stderr a line every 10% (a bar's carriage returns garble logs). Call it with each finished group's size."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.printed = total, 0, 0
+        self.start = time.perf_counter()
+        self.bar = tqdm(total=total, desc="evaluating", unit="rollout", dynamic_ncols=True) if show_bar(False) else None
+
+    def __call__(self, count: int) -> None:
+        self.done += count
+        if self.bar is not None:
+            self.bar.update(count)
+        elif self.done * 10 // self.total > self.printed or self.done == self.total:
+            self.printed = self.done * 10 // self.total
+            print(f"evaluated {self.done}/{self.total} rollouts ({time.perf_counter() - self.start:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def show_bar(disable_tqdm: bool, stream=None) -> bool:

@@ -96,14 +96,18 @@ def _tokenizer_of(model):
 def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer,
                          trainer_state):
     from .envs.adapters.trl_dataset import RewardFunctionsEnv
+    from .envs.splits import hold_out
 
     if reward_funcs is None or train_dataset is None:
         raise ValueError("TRL's form needs both reward_funcs and train_dataset.")
-    return RewardFunctionsEnv(
+    environment = RewardFunctionsEnv(
         train_dataset, reward_funcs, tokenizer, reward_weights=args.reward_weights,
         reward_processing_classes=reward_processing_classes, trainer_state=trainer_state,
         max_new_tokens=args.max_completion_length, max_seq_len=args.max_seq_len, eval_dataset=eval_dataset,
     )
+    if args.eval_holdout:  # this is where TRL's form loads its environment
+        hold_out(environment, args.eval_holdout, args.seed)
+    return environment
 
 
 def _unused_reward(completions, **kwargs):

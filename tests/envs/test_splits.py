@@ -48,3 +48,15 @@ def test_holdout_moves_seeded_rows_out_of_training(tokenizer):
     assert [row.index for row in other.eval_dataset] != held
     with pytest.raises(ValueError, match="--eval_holdout 10: .* has 10 training rows"):
         hold_out(_toy_env(tokenizer), 10, seed=0)
+
+
+def test_new_length_limits_after_a_holdout_keep_the_split(tokenizer):
+    # adopt_limits filters the rows again for the trainer's limits; it used to rebuild the training rows from all the
+    # rows (the held-out ones back in training) while hold_out's marker said the split was made.
+    env = _toy_env(tokenizer)
+    hold_out(env, 3, seed=7)
+    held, train = [row.index for row in env.eval_dataset], [row.index for row in env.dataset]
+    env.adopt_limits(max_seq_len=48, max_new_tokens=4)
+    assert [row.index for row in env.eval_dataset] == held and [row.index for row in env.dataset] == train
+    hold_out(env, 3, seed=7)  # still the same split: nothing moves
+    assert [row.index for row in env.dataset] == train

@@ -74,7 +74,12 @@ def hold_out(environment: Environment, count: int, seed: int) -> None:
         )
     order = list(range(len(rows)))
     random.Random(derive_seed(seed, "eval_holdout")).shuffle(order)
-    held = set(order[:count])
-    environment.eval_dataset = [row for i, row in enumerate(rows) if i in held]
-    environment.dataset = [row for i, row in enumerate(rows) if i not in held]
+    held = {rows[i].index for i in order[:count]}
+    environment.eval_dataset = [row for row in rows if row.index in held]
+    environment.dataset = [row for row in rows if row.index not in held]
+    if hasattr(environment, "_all_rows"):
+        # The rows adopt_limits filters again (new length limits): the split must survive that too.
+        all_rows = environment._all_rows
+        environment._all_eval_rows = [row for row in all_rows if row.index in held]
+        environment._all_rows = [row for row in all_rows if row.index not in held]
     environment._verifiers_rl_holdout = (count, seed)

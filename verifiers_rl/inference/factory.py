@@ -1,41 +1,54 @@
-"""Pick the inference engine a training run generates with, from its config."""
+"""Pick the inference engine a run generates with: training (``build_engine``, from its config) and evaluation
+(``python -m verifiers_rl.eval``) both go through ``make_engine``."""
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
 
 from .engine import SamplingConfig
 
 
-def build_engine(config, model: str, tokenizer):
-    """The engine for ``config`` (an ``RLConfig``), built on the main process only.
+def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: str | None = None,
+                vllm: dict[str, Any] | None = None, require_weight_sync: bool = True,
+                generate_in_loop_thread: bool = False, max_batch_size: int = 64, dtype: torch.dtype = torch.float32):
+    """A ``VLLMEngine`` client of ``vllm_server_url`` (checked now: it must answer and serve ``model``; a server still
+    starting gets 30 s; ``vllm``: its other arguments), or the embedded HF engine on its own copy of ``model``'s
+    weights, on the GPU when there is one (``generate`` follows the embedding's device)."""
+    if vllm_server_url:
+        from .vllm_engine import VLLMEngine
 
-    With ``vllm_server_url``: a ``VLLMEngine`` client of that server, checked now (it must answer, serve ``model``
-    and accept weight loads; a server still starting gets 30 s). Otherwise the embedded HF engine on its own copy
-    of ``model``'s weights.
-    """
+        return VLLMEngine(vllm_server_url, model=model, sampling=sampling, require_weight_sync=require_weight_sync,
+                          wait_s=30.0, **(vllm or {}))
+    from .hf_engine import EmbeddedEngine
+
+    engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=max_batch_size, dtype=dtype,
+                            generate_in_loop_thread=generate_in_loop_thread)
+    if torch.cuda.is_available():
+        engine.model.to("cuda")
+    return engine
+
+
+def build_engine(config, model: str, tokenizer):
+    """The engine for ``config`` (an ``RLConfig``), built on the main process only: its sampling settings, and with
+    ``vllm_server_url`` a client that accepts weight loads as the config's transfer says."""
     sampling = SamplingConfig(
         temperature=config.temperature,
         top_p=config.top_p,
         top_k=config.top_k or 0,
         max_new_tokens=config.max_completion_length,
     )
-    if getattr(config, "vllm_server_url", None):
-        from .vllm_engine import VLLMEngine
-
-        return VLLMEngine(
-            config.vllm_server_url,
-            model=model,
-            sampling=sampling,
-            max_concurrency=config.vllm_max_concurrency,
-            request_timeout_s=config.vllm_request_timeout_s,
-            max_retries=config.vllm_max_retries,
-            weights_dir=config.vllm_weights_dir,
-            weight_transfer=config.vllm_weight_transfer,
-            weight_transfer_address=config.vllm_weight_transfer_address,
-            # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
-            weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
-            wait_s=30.0,
-        )
-    from .hf_engine import EmbeddedEngine
-
+    vllm = dict(
+        max_concurrency=config.vllm_max_concurrency,
+        request_timeout_s=config.vllm_request_timeout_s,
+        max_retries=config.vllm_max_retries,
+        weights_dir=config.vllm_weights_dir,
+        weight_transfer=config.vllm_weight_transfer,
+        weight_transfer_address=config.vllm_weight_transfer_address,
+        # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
+        weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
+    )
     # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
-    return EmbeddedEngine(model, tokenizer, sampling, generate_in_loop_thread=config.max_off_policy_steps == 0)
+    return make_engine(model, tokenizer, sampling, vllm_server_url=config.vllm_server_url, vllm=vllm,
+                       generate_in_loop_thread=config.max_off_policy_steps == 0)
