@@ -9,7 +9,6 @@ or packed rows) -> equal micro-batch counts on every rank.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,6 +16,7 @@ import torch
 
 from .loss import GlobalCounts
 from .prefix import (
+    first_fit_decreasing,
     Part,
     SharedPrefixRows,
     best_part_size,
@@ -27,7 +27,7 @@ from .prefix import (
     split_group,
 )
 from .prefix import unique_tokens as group_unique_tokens
-from .rollouts import Rollout
+from .rollouts import Rollout, group_by_id
 
 ScaleRewards = Literal["group", "batch", "none"]
 OverlongPolicy = Literal["error", "truncate"]
@@ -45,13 +45,11 @@ def compute_advantages(rewards: list[float], group_ids: list, scale_rewards: Sca
 
     Standard deviations are unbiased, as in TRL; a group of one rollout has advantage 0.
     """
-    groups: OrderedDict = OrderedDict()
-    for index, group_id in enumerate(group_ids):
-        groups.setdefault(group_id, []).append(index)
+    groups = group_by_id(range(len(group_ids)), group_ids.__getitem__)
     rewards_t = torch.tensor(rewards, dtype=torch.float64)
     advantages = torch.zeros_like(rewards_t)
     batch_std = rewards_t.std() if len(rewards) > 1 else torch.tensor(0.0, dtype=torch.float64)
-    for members in groups.values():
+    for members in groups:
         group_rewards = rewards_t[members]
         centred = group_rewards - group_rewards.mean()
         if scale_rewards == "group":
@@ -154,22 +152,6 @@ def assign_to_ranks(lengths: list[int], world_size: int) -> list[list[int]]:
     return ranks
 
 
-def first_fit_decreasing(indices: list[int], lengths: list[int], weights: list[int], capacity: int) -> list[list[int]]:
-    """Bins of at most ``capacity`` total weight; items sorted by decreasing length, each into the first bin with room."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
-        for b, load in enumerate(loads):
-            if load + weights[index] <= capacity:
-                bins[b].append(index)
-                loads[b] += weights[index]
-                break
-        else:
-            bins.append([index])
-            loads.append(weights[index])
-    return bins
-
-
 def group_padded(indices: list[int], lengths: list[int], rows_per_micro_batch: int,
                  sizes: list[int] | None = None) -> list[list[int]]:
     """At most ``rows_per_micro_batch`` sequences per micro-batch; units (``sizes[i]`` sequences of ``lengths[i]``
@@ -189,10 +171,7 @@ def group_packed(indices: list[int], lengths: list[int], token_budget: int) -> l
 
 def groups_of(sequences: list[TrainSequence]) -> list[list[int]]:
     """Indices of each group's sequences, groups in order of first appearance."""
-    groups: OrderedDict = OrderedDict()
-    for index, sequence in enumerate(sequences):
-        groups.setdefault(sequence.group_id, []).append(index)
-    return list(groups.values())
+    return group_by_id(range(len(sequences)), lambda index: sequences[index].group_id)
 
 
 def unique_tokens(sequences: list[TrainSequence]) -> int:

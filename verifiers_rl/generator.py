@@ -14,14 +14,13 @@ import math
 import random
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from .envs.environment import RolloutError
 from .envs.sampler import derive_seed
-from .rollouts import Rollout, RolloutFormatError, read_rollouts
+from .rollouts import Rollout, RolloutFormatError, group_by_id, read_rollouts
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +58,10 @@ def split_into_batches(rollouts: list[Rollout], rollouts_per_step: int) -> list[
     Advantages are computed within a group, so a group is never split between two batches. The last batch
     may be smaller; it is kept, not dropped.
     """
-    groups: OrderedDict = OrderedDict()
-    for rollout in rollouts:
-        groups.setdefault(rollout.group_id, []).append(rollout)
     batches: list[list[Rollout]] = []
     current: list[Rollout] = []
-    for group_id, members in groups.items():
+    for members in group_by_id(rollouts):
+        group_id = members[0].group_id
         if len(members) > rollouts_per_step:
             raise RolloutFormatError(
                 f"Group {group_id!r} has {len(members)} rollouts, more than rollouts_per_step={rollouts_per_step}."
@@ -97,10 +94,8 @@ def has_signal(group: list[Rollout]) -> bool:
 
 def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
     """The rollouts of the groups with signal (``has_signal``), in order, and how many groups were dropped."""
-    groups: OrderedDict = OrderedDict()
-    for rollout in rollouts:
-        groups.setdefault(rollout.group_id, []).append(rollout)
-    kept = [group for group in groups.values() if has_signal(group)]
+    groups = group_by_id(rollouts)
+    kept = [group for group in groups if has_signal(group)]
     return [rollout for group in kept for rollout in group], len(groups) - len(kept)
 
 

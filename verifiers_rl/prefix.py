@@ -84,24 +84,34 @@ def best_part_size(prefix_len: int, branch_lengths: list[int], attention_cost: f
     return min(costs, key=lambda size: (costs[size], -size))
 
 
+def first_fit_decreasing(indices: list[int], lengths, weights, capacity: int,
+                         max_items: int | None = None, base: int = 0) -> list[list[int]]:
+    """Bins of at most ``capacity`` total weight (and ``max_items`` items); items sorted by decreasing length, each
+    into the first bin with room. A bin's weight starts at ``base`` (a shared prefix every member forwards once); an
+    item too heavy for any bin gets one of its own."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for b, load in enumerate(loads):
+            if (max_items is None or len(bins[b]) < max_items) and load + weights[index] <= capacity:
+                bins[b].append(index)
+                loads[b] += weights[index]
+                break
+        else:
+            bins.append([index])
+            loads.append(base + weights[index])
+    return bins
+
+
 def split_group(
     members: list[int], token_lists: list[list[int]], prefix: int, max_size: int, max_tokens: int
 ) -> list[Part]:
     """A group whose sequences share ``prefix`` tokens, as parts of at most ``max_size`` sequences and ``max_tokens``
     forwarded tokens (a single sequence is always a part), first-fit decreasing by length. Each part then shares its
     own common prefix, which may be longer than the group's."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(members, key=lambda i: (-len(token_lists[i]), i)):
-        branch = len(token_lists[index]) - prefix
-        for b, load in enumerate(loads):
-            if len(bins[b]) < max_size and load + branch <= max_tokens:
-                bins[b].append(index)
-                loads[b] += branch
-                break
-        else:
-            bins.append([index])
-            loads.append(prefix + branch)
+    lengths = {i: len(token_lists[i]) for i in members}
+    branches = {i: lengths[i] - prefix for i in members}
+    bins = first_fit_decreasing(members, lengths, branches, max_tokens, max_items=max_size, base=prefix)
     return [Part.of(sorted(b), token_lists) for b in bins]
 
 

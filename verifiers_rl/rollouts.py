@@ -7,7 +7,19 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
+
+
+T = TypeVar("T")
+
+
+def group_by_id(items: Iterable[T], group_id: Callable[[T], Any] = lambda item: item.group_id) -> list[list[T]]:
+    """``items`` grouped by ``group_id(item)`` (a rollout's or sequence's own by default), groups in order of first
+    appearance, items in their order."""
+    groups: dict[Any, list[T]] = {}
+    for item in items:
+        groups.setdefault(group_id(item), []).append(item)
+    return list(groups.values())
 
 
 class RolloutFormatError(ValueError):
