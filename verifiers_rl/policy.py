@@ -14,41 +14,13 @@ import torch
 
 from .batching import MicroBatch
 from .compat import replaced_forward
+from .modeling import unwrap
 
 
 @dataclass
 class PolicyOutput:
     logps: torch.Tensor  # [R, T]: log pi(x_t | x_<t) where loss_mask[t] = 1, else 0
     entropy: torch.Tensor  # [R, T], detached, same positions
-
-
-# Prefixes that wrappers (DDP / DeepSpeed ``module.``, torch.compile ``_orig_mod.``) put before parameter names.
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def strip_wrappers(name: str) -> str:
-    """A parameter name without the wrapper prefixes ``unwrap`` removes from the module."""
-    while name.startswith(WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    return name
-
-
-@torch.no_grad()
-def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], device=None) -> torch.Tensor:
-    """``log p(token_t | tokens_<t)`` for t = 1 .. n-1 at temperature 1: one plain forward of one sequence (the
-    post-sync probe's quantity, computed the same way by the trainer and the embedded engine)."""
-    ids = torch.tensor([token_ids], device=device)
-    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
-    return torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under DDP / DeepSpeed / torch.compile wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if inner is None:
-            return model
-        model = inner
 
 
 def splits_packed_rows(model: torch.nn.Module) -> bool:

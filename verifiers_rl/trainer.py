@@ -31,7 +31,8 @@ from .distributed import collective_failure_note, is_collective_failure, main_pr
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
 from .loss import LOSS_TYPES, GlobalCounts, aggregation_weights, check_choice, per_token_loss
-from .policy import micro_batch_logprobs, unwrap
+from .modeling import unwrap
+from .policy import micro_batch_logprobs
 from .preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
 from .run_state import RunCheckpoints
 from .step_metrics import StepMetrics, StepTimer

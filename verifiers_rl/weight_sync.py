@@ -21,7 +21,7 @@ from transformers import TrainerCallback
 from .config import RLConfig
 from .distributed import main_process_outcome
 from .generator import AsyncGenerator
-from .policy import sequence_logprobs
+from .modeling import sequence_logprobs
 from .weights import (
     GatherStats,
     WeightSyncError,

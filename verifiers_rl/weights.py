@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from .policy import strip_wrappers, unwrap
+from .modeling import strip_wrappers, unwrap
 
 PEFT_PREFIX = "base_model.model."
 # The fixed text whose tokens make the post-sync probe (any text works; this one tokenizes into many pieces).

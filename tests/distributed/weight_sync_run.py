@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from verifiers_rl.config import RLConfig
 from verifiers_rl.inference import EmbeddedEngine
-from verifiers_rl.policy import unwrap
+from verifiers_rl.modeling import unwrap
 from verifiers_rl.trainer import RLTrainer
 from verifiers_rl.weights import GatherStats
 from verifiers_rl.distributed import leave_process_group

@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from ..policy import WRAPPER_PREFIXES, sequence_logprobs, unwrap
+from ..modeling import sequence_logprobs, strip_wrappers, unwrap
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
 
 # A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
@@ -362,9 +362,7 @@ class EmbeddedEngine:
         return targets
 
     def _resolve(self, name: str) -> str:
-        while name not in self._targets and name.startswith(WRAPPER_PREFIXES):
-            name = name.split(".", 1)[1]
-        return name
+        return strip_wrappers(name, keep=self._targets.__contains__)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy ``(name, tensor)`` pairs into the engine's model and set ``policy_version``.

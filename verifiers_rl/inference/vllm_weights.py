@@ -25,7 +25,7 @@ from typing import Iterable, Protocol
 
 import torch
 
-from ..policy import strip_wrappers
+from ..modeling import strip_wrappers
 from ..vllm_worker.vllm_weight_sync import check_entries
 from .engine import free_port
 from .vllm_http import ServerInfo, VLLMError, VLLMRequestError, VLLMTransport
