@@ -1,9 +1,7 @@
 """MultiTurnEnv: model turns and environment turns alternate; the trained tokens are exactly the sampled tokens.
 
 The token sequence is built incrementally, never re-tokenised: prompt ids, then each sample's ids verbatim
-(mask 1), then the environment's ids (mask 0): the template's end-of-turn that the model did not emit itself, and
-the rendering of the conversation with the new messages and the next generation prompt minus the rendering of
-the conversation so far. That difference exists only for a prefix-consistent chat template, which is checked.
+(mask 1), then the environment's ids (mask 0, ``turns.bridge_ids``).
 """
 
 from __future__ import annotations
@@ -14,14 +12,7 @@ from .awaitable import maybe_await
 from .environment import Environment, Trajectory
 from .messages import Messages, check_messages
 from .sampler import Sampler
-
-# Stands in for an assistant message's content to locate the template's end-of-turn text after it.
-_CONTENT_PROBE = "\x00verifiers_rl-content\x00"
-
-
-class TemplateError(ValueError):
-    """The chat template cannot be extended turn by turn (it re-renders earlier turns differently)."""
-
+from .turns import TemplateError, bridge_ids  # noqa: F401  (TemplateError: re-exported by envs)
 
 class MultiTurnEnv(Environment):
     """Alternates model turns and ``env_response`` until ``is_completed``, ``max_turns`` model turns, a truncated
@@ -78,28 +69,6 @@ class MultiTurnEnv(Environment):
         return out
 
     def environment_ids(self, messages: Messages, new: Messages, last_sampled: list[int]) -> list[int]:
-        """Token ids between the model's last turn (``messages[-1]``, whose last sampled token was ``last_sampled``)
-        and its next turn: the rest of the end-of-turn, the ``new`` messages and the next generation prompt."""
-        end_of_turn = self._end_of_turn_ids(messages)
-        if end_of_turn[:1] == last_sampled:
-            end_of_turn = end_of_turn[1:]  # the model emitted the template's end-of-turn token (its eos) itself
-        so_far_text = self.render(messages, add_generation_prompt=False)
-        extended_text = self.render(messages + new, add_generation_prompt=True)
-        so_far, extended = self.encode(so_far_text), self.encode(extended_text)
-        if extended[: len(so_far)] != so_far:
-            at = next((i for i, (a, b) in enumerate(zip(so_far_text, extended_text)) if a != b), len(so_far_text))
-            raise TemplateError(
-                f"{self.name}: the chat template is not prefix-consistent: rendering the conversation with the new "
-                f"environment messages changes the earlier turns (first difference at character {at}: "
-                f"{so_far_text[at : at + 40]!r} became {extended_text[at : at + 40]!r}), so the tokens the model already "
-                "produced cannot be kept verbatim. Use a template that renders earlier turns identically."
-            )
-        return end_of_turn + extended[len(so_far) :]
-
-    def _end_of_turn_ids(self, messages: Messages) -> list[int]:
-        probe = self.render(messages[:-1] + [{**messages[-1], "content": _CONTENT_PROBE}], add_generation_prompt=False)
-        if _CONTENT_PROBE not in probe:
-            raise TemplateError(
-                f"{self.name}: the chat template does not render an assistant message's content verbatim."
-            )
-        return self.encode(probe.rsplit(_CONTENT_PROBE, 1)[1])
+        """Token ids between the model's last turn (whose last sampled token was ``last_sampled``) and its next turn:
+        the rest of the end-of-turn, the ``new`` messages and the next generation prompt (``turns.bridge_ids``)."""
+        return bridge_ids(self.render, self.encode, last_sampled, new, self.name)

@@ -21,13 +21,11 @@ from typing import Any
 import verifiers as vf
 from verifiers.types import Response, ResponseMessage, ResponseTokens, ToolCall, Usage
 
-from ..multiturn import TemplateError
+from ..turns import TemplateError, bridge_ids
 from ..sampler import Sample, Sampler, rollout_sampling
 from ..tools import ToolRenderer, parse_tool_calls
 
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
-# Stands in for an assistant message's content to locate the template's end-of-turn text after it.
-_CONTENT_PROBE = "\x00verifiers_rl-content\x00"
 
 
 def plain_message(message: Any) -> dict[str, Any]:
@@ -154,30 +152,7 @@ class EngineClient(vf.Client):
             )
         tokens = previous["tokens"]
         sampled = list(tokens["prompt_ids"]) + list(tokens["completion_ids"])
-        return sampled + self.bridge_ids(renderer, sampled[-1:], messages[len(so_far) :])
-
-    def bridge_ids(self, renderer: ToolRenderer, last_sampled: list[int], new: list[dict[str, Any]]) -> list[int]:
-        """Token ids after a model turn whose last sampled token is ``last_sampled``: the rest of the template's
-        end-of-turn, the ``new`` messages and the next generation prompt. Rendered after a stand-in assistant turn,
-        so the model's own turn is never re-rendered."""
-        stand_in: dict[str, Any] = {"role": "assistant", "content": _CONTENT_PROBE}
-        ids = [m.get("tool_call_id") for m in new if m.get("role") == "tool"]
-        if ids:  # some templates check that tool results follow an assistant turn with tool calls
-            stand_in["tool_calls"] = [
-                {"id": i, "type": "function", "function": {"name": "f", "arguments": {}}} for i in ids
-            ]
-        plain_turn = renderer.render([{"role": "assistant", "content": _CONTENT_PROBE}], add_generation_prompt=False)
-        end_of_turn = self.encode(plain_turn.rsplit(_CONTENT_PROBE, 1)[1])
-        if end_of_turn[:1] == last_sampled:
-            end_of_turn = end_of_turn[1:]  # the model emitted the template's end-of-turn token (its eos) itself
-        base = self.encode(renderer.render([stand_in], add_generation_prompt=False))
-        full = self.encode(renderer.render([stand_in, *new], add_generation_prompt=True))
-        if full[: len(base)] != base:
-            raise TemplateError(
-                f"{self.name}: the chat template renders an assistant turn differently once messages follow it, so "
-                "the environment's messages cannot be appended to the sampled tokens."
-            )
-        return end_of_turn + full[len(base) :]
+        return sampled + bridge_ids(renderer.render, self.encode, sampled[-1:], messages[len(so_far) :], self.name)
 
     async def raise_from_native_response(self, response: EngineReply) -> None:
         return None
