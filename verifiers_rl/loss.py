@@ -154,7 +154,6 @@ class TokenLossTerms:
     """Per-token tensors of one micro-batch, before aggregation."""
 
     per_token_loss: torch.Tensor
-    ratio: torch.Tensor
     clip_active: torch.Tensor
     is_weight: torch.Tensor
     is_ratio_raw: torch.Tensor
@@ -185,7 +184,7 @@ def per_token_loss(
     """
     if proximal_logps is None:
         proximal_logps = logps.detach()
-    surrogate, ratio, clip_active = clipped_surrogate(
+    surrogate, _, clip_active = clipped_surrogate(
         logps, proximal_logps, advantages, loss_mask, seq_index, level, epsilon_low, epsilon_high
     )
     if sampler_logps is not None and correction != "none":
@@ -202,4 +201,4 @@ def per_token_loss(
             raise ValueError("beta != 0 needs reference log-probs.")
         kl = k3_kl(logps, ref_logps)
         loss = loss + beta * kl
-    return TokenLossTerms(loss, ratio.detach(), clip_active, weight, rho, kl)
+    return TokenLossTerms(loss, clip_active, weight, rho, kl)

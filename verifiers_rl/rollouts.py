@@ -127,8 +127,9 @@ def read_rollouts(path: str | Path) -> list[Rollout]:
     return rollouts
 
 
-def write_rollouts(path: str | Path, rollouts: Iterable[Rollout], append: bool = False) -> None:
-    with Path(path).open("a" if append else "w") as handle:
+def write_rollouts(path: str | Path, rollouts: Iterable[Rollout]) -> None:
+    """Write ``rollouts`` to a new JSON Lines file (``append_rollouts`` adds to one)."""
+    with Path(path).open("w") as handle:
         for rollout in rollouts:
             handle.write(rollout.to_json() + "\n")
 

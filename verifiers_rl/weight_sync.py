@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 from .config import RLConfig
 from .distributed import main_process_outcome
 from .generator import AsyncGenerator
+from .inference.engine import SupportsPromptLogprobs
 from .modeling import sequence_logprobs
 from .weights import (
     GatherStats,
@@ -144,7 +145,7 @@ class EngineWeightSync:
             return
         if not self.probe_checked:
             # Only the main process holds the engine; every rank must agree on running the (collective) forward.
-            probed = main_process_outcome(lambda: callable(getattr(self.engine, "prompt_logprobs", None)))
+            probed = main_process_outcome(lambda: isinstance(self.engine, SupportsPromptLogprobs))
             self.probe_checked = True
             if probed:
                 vocab = self.bare_model().get_input_embeddings().num_embeddings
