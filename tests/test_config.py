@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import torch.distributed as dist
 
 from verifiers_rl.config import RLConfig
@@ -59,3 +61,30 @@ def test_the_first_use_of_the_device_sets_the_process_up(monkeypatch):
     assert config.world_size == 1 and config.process_index == 0
     assert prepared == [config]  # the first use ran the set-up, once
     assert str(config.device) == "cpu" and prepared == [config]
+
+
+# --- the vLLM fields (no server needed) ---------------------------------------------------------------------------
+
+
+def vllm_config(**kwargs) -> RLConfig:
+    return RLConfig(output_dir="/tmp/unused", report_to="none", **kwargs)
+
+
+def test_trl_vllm_switches_point_to_vllm_server_url():
+    for kwargs in ({"use_vllm": True}, {"vllm_server_base_url": "http://127.0.0.1:8000"}):
+        with pytest.raises(ValueError, match="--vllm_server_url http://HOST:PORT"):
+            vllm_config(**kwargs)
+
+
+def test_vllm_fields_are_validated():
+    assert vllm_config(vllm_server_url="http://127.0.0.1:8000").vllm_server_url == "http://127.0.0.1:8000"
+    with pytest.raises(ValueError, match="vllm_server_url must start with http"):
+        vllm_config(vllm_server_url="127.0.0.1:8000")
+    with pytest.raises(ValueError, match="vllm_max_concurrency must be >= 1"):
+        vllm_config(vllm_max_concurrency=0)
+    with pytest.raises(ValueError, match="vllm_request_timeout_s must be > 0"):
+        vllm_config(vllm_request_timeout_s=0)
+    with pytest.raises(ValueError, match="vllm_max_retries must be >= 0"):
+        vllm_config(vllm_max_retries=-1)
+    with pytest.raises(ValueError, match="Unknown vllm_weight_transfer .tcp.; expected one of files, nccl, gloo"):
+        vllm_config(vllm_weight_transfer="tcp")

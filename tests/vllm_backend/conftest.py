@@ -144,9 +144,24 @@ def tied(vllm_servers) -> Served:
     return vllm_servers["tied"].ensure_running().restore()
 
 
-def pytest_collection_modifyitems(items):
-    here = Path(__file__).parent
-    for item in items:
-        if Path(str(item.fspath)).parent == here:
-            item.add_marker(pytest.mark.vllm)
+@pytest.fixture(scope="session")
+def _doomed_server(vllm_servers):
+    base = vllm_servers["untied"]
+    served = Served("doomed", base.model_dir, base.other_dir, base.tied, _server(base.model_dir))
+    served.server.start()
+    yield served
+    served.server.stop()
 
+
+@pytest.fixture
+def doomed(_doomed_server) -> Served:
+    """A server of its own (the untied model) for the tests that kill it: the shared servers stay up, so no test
+    depends on the order the files run in. Restarted for each test that finds it dead."""
+    return _doomed_server.ensure_running().restore()
+
+
+def pytest_collection_modifyitems(items):
+    # The marker says a test needs the vLLM venv and a server (its fixtures); a test that needs neither is unmarked.
+    for item in items:
+        if "vllm_servers" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.vllm)

@@ -19,39 +19,7 @@ from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.inference.engine import free_port
 from verifiers_rl.rollouts import read_rollouts
 
-ROOT = Path(__file__).resolve().parents[2]
-RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"
-PREEMPTIBLE = ROOT / "tests" / "inference" / "preemptible_cmd.py"
-PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
-
-
-def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str = "ddp_cpu.yaml",
-                transfer: str = "files") -> list[str]:
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
-        "--main_process_port", str(free_port()), str(RUNNER),
-        "--model", model_dir, "--env", "reverse_text", "--env_args", '{"num_examples": 64}',
-        "--vllm_server_url", url, "--vllm_weight_transfer", transfer, "--max_steps", str(max_steps),
-        "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "128",
-        "--max_off_policy_steps", "0", "--learning_rate", "0.01", "--logging_steps", "1", "--print_samples_every", "0",
-        "--weight_sync_probe_every", "1", "--save_rollouts_path", str(out / "rollouts.jsonl"), "--report_to", "none",
-        "--save_strategy", "no", "--output_dir", str(out / "model"),
-    ]
-
-
-def launch_env() -> dict:
-    # ACCELERATE_USE_CPU (SPEC §7): examples/train.py selects the CPU itself (use_cpu) when no GPU is visible; the
-    # env flag is set too, as users do, and must not break the ZeRO-3 launch (RLConfig swaps it for use_cpu).
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
-
-
-@torch.no_grad()
-def hf_prompt_logprobs(folder, ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    logits = model(torch.tensor([ids])).logits[0, :-1]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+from launching import PREEMPTIBLE, PROBE, ROOT, RUNNER, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
 
 
 @pytest.mark.parametrize("config, transfer", [("ddp_cpu.yaml", "files"), ("zero3_cpu.yaml", "gloo")])

@@ -1,7 +1,7 @@
 """A vLLM server that dies: clear errors within a bounded time, never a hang (client, and a DDP training run).
 
-Runs last in tests/vllm_backend (file order): it kills the session's servers; a later user of the fixtures would get
-fresh ones (``Served.ensure_running``).
+Every test here kills the ``doomed`` server, its own: the session's shared servers stay up whatever order the files
+run in.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from test_vllm_training import ROOT, ddp_command, launch_env
+from launching import ROOT, ddp_command, launch_env
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.inference.engine import free_port
@@ -21,8 +21,8 @@ from verifiers_rl.inference.engine import free_port
 DDP_DEADLINE_S = 120
 
 
-def test_killed_server_fails_sampling_clearly_and_quickly(untied):
-    engine = VLLMEngine(untied.url, model=untied.model_dir, max_retries=3, retry_backoff_s=0.25,
+def test_killed_server_fails_sampling_clearly_and_quickly(doomed):
+    engine = VLLMEngine(doomed.url, model=doomed.model_dir, max_retries=3, retry_backoff_s=0.25,
                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=200))
     served = 0
 
@@ -34,7 +34,7 @@ def test_killed_server_fails_sampling_clearly_and_quickly(untied):
     def kill_soon():
         while served == 0:  # the server is really serving before it dies
             time.sleep(0.05)
-        untied.server.kill()
+        doomed.server.kill()
 
     killer = threading.Thread(target=kill_soon)
     killer.start()
@@ -44,46 +44,46 @@ def test_killed_server_fails_sampling_clearly_and_quickly(untied):
     elapsed = time.monotonic() - started
     killer.join(5)
     message = str(error.value)
-    assert untied.url in message and "failed POST /v1/completions 4 time(s)" in message and "Is it running?" in message
+    assert doomed.url in message and "failed POST /v1/completions 4 time(s)" in message and "Is it running?" in message
     assert served >= 8 and elapsed < 30, (served, elapsed)
     assert engine.health()["ok"] is False
-    with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {untied.url}"):
+    with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {doomed.url}"):
         engine.check()
     # Weight loads fail the same way (the trainer then stops every rank).
     with pytest.raises(VLLMUnavailableError, match="failed POST /collective_rpc"):
-        engine.load_weights(untied.hf_model().named_parameters(), version=1)
+        engine.load_weights(doomed.hf_model().named_parameters(), version=1)
     assert engine.policy_version == 0
     engine.close()
 
 
-def test_server_killed_during_a_streamed_weight_load_is_a_clear_error(untied):
+def test_server_killed_during_a_streamed_weight_load_is_a_clear_error(doomed):
     # gloo (the NCCL path's protocol): the server dies between two rounds of a load; the sender must not wait for
     # receivers that are gone.
-    engine = VLLMEngine(untied.url, model=untied.model_dir, weight_transfer="gloo",
+    engine = VLLMEngine(doomed.url, model=doomed.model_dir, weight_transfer="gloo",
                         weight_transfer_bucket_mb=4 / 1024, max_retries=1, retry_backoff_s=0.1)
-    params = list(untied.hf_model("other").named_parameters())
-    untied.dirty = True
+    params = list(doomed.hf_model("other").named_parameters())
+    doomed.dirty = True
     engine.load_weights(params, version=1)
 
     def stream():
         for index, pair in enumerate(params):
             if index == 6:
-                untied.server.kill()
+                doomed.server.kill()
             yield pair
 
     started = time.monotonic()
     with pytest.raises(VLLMError) as error:
         engine.load_weights(stream(), version=2)
     elapsed = time.monotonic() - started
-    assert untied.url in str(error.value), str(error.value)
+    assert doomed.url in str(error.value), str(error.value)
     assert elapsed < 30, f"the failed load took {elapsed:.1f} s"
     assert engine.policy_version == 1
     engine.close()
     print(f"the streamed load failed {elapsed:.1f} s after it started: {error.value}")
 
 
-def test_ddp_run_stops_on_every_rank_when_the_server_dies(tied, tmp_path):
-    process = subprocess.Popen(ddp_command(tied.model_dir, tied.url, tmp_path, 500), cwd=ROOT, env=launch_env(),
+def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
+    process = subprocess.Popen(ddp_command(doomed.model_dir, doomed.url, tmp_path, 500), cwd=ROOT, env=launch_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
@@ -94,7 +94,7 @@ def test_ddp_run_stops_on_every_rank_when_the_server_dies(tied, tmp_path):
             assert process.poll() is None, "".join(lines)[-6000:]
             assert time.monotonic() < deadline, "no training step within 300 s:\n" + "".join(lines)[-6000:]
             time.sleep(0.2)
-        tied.server.kill()
+        doomed.server.kill()
         killed = time.monotonic()
         try:
             code = process.wait(timeout=DDP_DEADLINE_S)
@@ -110,18 +110,18 @@ def test_ddp_run_stops_on_every_rank_when_the_server_dies(tied, tmp_path):
     output = "".join(lines)
     assert code != 0, output[-6000:]
     # Rank 0 raises the engine's error; rank 1 gets it through the trainer's error propagation.
-    assert f"The vLLM server at {tied.url} failed" in output, output[-6000:]
+    assert f"The vLLM server at {doomed.url} failed" in output, output[-6000:]
     assert "The main process failed:" in output, output[-6000:]
     print(f"the DDP run stopped {stopped_after:.1f} s after the server was killed")
 
 
 def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):
-    # The server is gone before the run starts: the main process's engine check fails (after its 30 s grace for a
-    # server still starting), and the launcher stops the other rank, which waits on the main process.
+    # No server at the address: the main process's engine check fails (after its 30 s grace for a server still
+    # starting), and the launcher stops the other rank, which waits on the main process.
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     try:
-        # Only the model folder is used (the session's server may be dead by now: no restart needed).
+        # Only the model folder is used.
         result = subprocess.run(ddp_command(vllm_servers["tied"].model_dir, url, tmp_path, 2), cwd=ROOT,
                                 env=launch_env(), capture_output=True, text=True, timeout=DDP_DEADLINE_S)
     except subprocess.TimeoutExpired as error:
