@@ -127,3 +127,13 @@ def deferred_device_setup(args):
 
 def device_setup_deferred(args) -> bool:
     return bool(args.__dict__.get(_DEFERRED))
+
+
+def loop_is_idle(loop) -> bool | None:
+    """Whether ``loop`` has no callbacks ready to run (None when it does not say).
+
+    CPython 3.10-3.13's ``BaseEventLoop`` keeps them in the deque ``_ready``; other loops (uvloop) do not expose it,
+    and the request batcher then takes a round without a new request as settled.
+    """
+    ready = getattr(loop, "_ready", None)
+    return None if ready is None else not ready

@@ -1,51 +1,24 @@
 """The embedded engine: transformers ``generate`` on the engine's own copy of the weights (SPEC §5, default on CPU).
 
-Concurrent ``sample`` calls from the coroutines of one event loop are queued and run as one left-padded
-``generate`` call in a worker thread, so the loop keeps serving environments while the model runs.
+Concurrent ``sample`` calls from the coroutines of one event loop are batched (``request_batcher``) and run as one
+left-padded ``generate`` call in a worker thread, so the loop keeps serving environments while the model runs.
+Weight loads are staged and applied at once (``staged_weights``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import copy
 import threading
-import weakref
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from ..modeling import sequence_logprobs, strip_wrappers, unwrap
+from ..compat import without_zero3_init
+from ..modeling import sequence_logprobs, unwrap
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
-
-# A flush waits at most this many event-loop rounds for more requests (bounds the wait if something keeps
-# the loop busy forever).
-_MAX_SETTLE_ROUNDS = 64
-
-
-@contextlib.contextmanager
-def _without_zero3_init():
-    """Load a whole model on this process only. Under a ZeRO-3 launch transformers would otherwise build it with
-    ``deepspeed.zero.Init``, a collective the other ranks never join."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-@dataclass
-class _Request:
-    prompt_ids: list[int]
-    max_new_tokens: int
-    future: asyncio.Future
-    temperature: float
-    seed: int | None
+from .request_batcher import Request, RequestBatcher
+from .staged_weights import StagedWeights
 
 
 class RowSampler:
@@ -75,14 +48,6 @@ class RowSampler:
         uniform = torch.stack([torch.rand(vocab, generator=generator) for generator in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
         return torch.where(sampled[:, None], filtered + gumbel.to(scores.device), scores.float())
-
-
-class _LoopQueue:
-    """Requests waiting in one event loop, and the task that feeds them to the model."""
-
-    def __init__(self):
-        self.pending: list[_Request] = []
-        self.task: asyncio.Task | None = None
 
 
 class EmbeddedEngine:
@@ -118,11 +83,9 @@ class EmbeddedEngine:
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
         if isinstance(model, (str, Path)):
             self.model_name = str(model)
-            with _without_zero3_init():
+            with without_zero3_init():
                 self.model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=dtype)
         else:
             inner = unwrap(model)
@@ -143,7 +106,7 @@ class EmbeddedEngine:
         for param in self.model.parameters():
             param.requires_grad_(False)
             param.grad = None
-        self._tie_embeddings()
+        self._weights = StagedWeights(self.model)
 
         gen = self.model.generation_config
         eos = gen.eos_token_id if gen is not None else None
@@ -167,15 +130,13 @@ class EmbeddedEngine:
             bos_token_id=gen.bos_token_id if gen is not None else None,
         )
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self._targets = self._named_targets()
 
         self.policy_version = 0
         self.generate_calls = 0
         self.requests_served = 0
         self._closed = False
         self._lock = threading.Lock()  # one generate or one weight load at a time
-        self._queues_lock = threading.Lock()
-        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = weakref.WeakKeyDictionary()
+        self._batcher = RequestBatcher(self._generate, max_batch_size, in_loop_thread=generate_in_loop_thread)
 
     # --- sampling -----------------------------------------------------------------------------------------------
 
@@ -189,67 +150,7 @@ class EmbeddedEngine:
         max_new_tokens = self.sampling.new_tokens(max_new_tokens)
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         temperature, seed = self.sampling.for_this_call()
-        loop = asyncio.get_running_loop()
-        queue = self._queue_for(loop)
-        future = loop.create_future()
-        queue.pending.append(_Request(prompt_ids, max_new_tokens, future, temperature, seed))
-        if queue.task is None or queue.task.done():
-            queue.task = loop.create_task(self._drain(queue))
-        return await future
-
-    def _queue_for(self, loop: asyncio.AbstractEventLoop) -> _LoopQueue:
-        # The trainer's generator opens a new event loop per batch (asyncio.run), so queues are per loop.
-        with self._queues_lock:
-            queue = self._queues.get(loop)
-            if queue is None:
-                queue = self._queues[loop] = _LoopQueue()
-            return queue
-
-    async def _drain(self, queue: _LoopQueue) -> None:
-        batch: list[_Request] = []
-        try:
-            while queue.pending:
-                await self._settle(queue)
-                batch = queue.pending[: self.max_batch_size]
-                del queue.pending[: len(batch)]
-                batch = [r for r in batch if not r.future.done()]  # callers that gave up (cancelled)
-                if not batch:
-                    continue
-                try:
-                    if self.generate_in_loop_thread:
-                        samples = self._generate(batch)
-                    else:
-                        samples = await asyncio.to_thread(self._generate, batch)
-                except Exception as error:  # noqa: BLE001 - every caller of the batch gets it
-                    for request in batch:
-                        if not request.future.done():
-                            request.future.set_exception(error)
-                else:
-                    for request, sample in zip(batch, samples):
-                        if not request.future.done():
-                            request.future.set_result(sample)
-                batch = []
-        except BaseException:
-            # Cancelled (the loop is shutting down) or worse: nobody may be left waiting.
-            for request in batch + queue.pending:
-                if not request.future.done():
-                    request.future.cancel()
-            queue.pending.clear()
-            raise
-
-    async def _settle(self, queue: _LoopQueue) -> None:
-        """Yield to the event loop until no other work is ready to run (everyone about to ask has asked)."""
-        loop = asyncio.get_running_loop()
-        # CPython's loop keeps its runnable callbacks in ``_ready``; other loops (uvloop) don't expose it, and then
-        # a round without a new request is taken as "settled".
-        ready = getattr(loop, "_ready", None)
-        for _ in range(_MAX_SETTLE_ROUNDS):
-            if len(queue.pending) >= self.max_batch_size:
-                return
-            before = len(queue.pending)
-            await asyncio.sleep(0)
-            if (not ready) if ready is not None else len(queue.pending) == before:
-                return
+        return await self._batcher.submit(prompt_ids, max_new_tokens, temperature, seed)
 
     def _generation_config(self, max_new_tokens: int):
         from transformers import GenerationConfig
@@ -265,7 +166,7 @@ class EmbeddedEngine:
         )
 
     @torch.no_grad()
-    def _generate(self, requests: list[_Request]) -> list[Sample]:
+    def _generate(self, requests: list[Request]) -> list[Sample]:
         """One left-padded ``generate`` for a batch of requests (worker thread)."""
         from transformers import LogitsProcessorList
 
@@ -347,23 +248,6 @@ class EmbeddedEngine:
 
     # --- weights ------------------------------------------------------------------------------------------------
 
-    def _tie_embeddings(self) -> None:
-        # With tied embeddings the output layer must BE the input embedding, so loading the (deduplicated)
-        # ``embed_tokens`` name updates the head too (the stale-head bug vLLM on CPU has).
-        config = self.model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        head, embed = self.model.get_output_embeddings(), self.model.get_input_embeddings()
-        if getattr(text_config, "tie_word_embeddings", False) and head is not None and head.weight is not embed.weight:
-            head.weight = embed.weight
-
-    def _named_targets(self) -> dict[str, torch.Tensor]:
-        targets = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(self.model.named_buffers(remove_duplicate=False))
-        return targets
-
-    def _resolve(self, name: str) -> str:
-        return strip_wrappers(name, keep=self._targets.__contains__)
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy ``(name, tensor)`` pairs into the engine's model and set ``policy_version``.
 
@@ -375,24 +259,10 @@ class EmbeddedEngine:
         version as they were, and generation never sees a mix of versions. The price is one extra copy of the
         weights sent, for the length of the load. Waits for a running ``generate`` to finish.
         """
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor in named_tensors:
-            key = self._resolve(name)
-            target = self._targets.get(key)
-            if target is None:
-                raise KeyError(
-                    f"Unknown weight {name!r}: the engine's {type(self.model).__name__} has no such parameter."
-                )
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"Weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(target.shape)}."
-                )
-            # Copied now: the producer may free or reuse the tensor's memory once the next item is requested.
-            staged.append((target, tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)))
-        with self._lock, torch.no_grad():
+        staged = self._weights.stage(named_tensors)
+        with self._lock:
             check_open(self._closed)
-            for target, tensor in staged:
-                target.copy_(tensor)
+            self._weights.apply(staged)
             self.policy_version = int(version)
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -415,8 +285,7 @@ class EmbeddedEngine:
         return str(next(self.model.parameters()).dtype)
 
     def health(self) -> dict:
-        with self._queues_lock:
-            pending = sum(len(q.pending) for q in self._queues.values())
+        pending = self._batcher.pending()
         return {
             "engine": "embedded-hf",
             "model": self.model_name,
@@ -433,4 +302,4 @@ class EmbeddedEngine:
         with self._lock:
             self._closed = True
             self.model = None
-            self._targets = {}
+            self._weights = None
