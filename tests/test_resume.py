@@ -88,7 +88,7 @@ def test_replay_resume_part_way_through_a_batch_equals_the_uninterrupted_run(bac
     state = load_run_state(checkpoint)
     assert (state.global_step, state.next_batch, state.iteration) == (3, 2, 1) and state.mid_batch()
     world = 1 if backend == "single" else 2
-    assert sorted(p.name for p in checkpoint.glob("rank_batch-*.pt")) == [f"rank_batch-{r}.pt" for r in range(world)]
+    assert sorted(p.name for p in checkpoint.glob("rank_batch-*.safetensors")) == [f"rank_batch-{r}.safetensors" for r in range(world)]
 
     log = run(prefix, tmp_path / "resumed", args + ["--resume_from_checkpoint", str(checkpoint)], tmp_path / "resumed.log")
     assert logged_steps(log) == [4, 5]  # numbered from the checkpoint on

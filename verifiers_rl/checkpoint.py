@@ -7,7 +7,7 @@ HF's ``checkpoint-N/`` holds the model, tokenizer, optimizer, scheduler, RNG sta
   the ``--save_rollouts_path`` length at the checkpoint;
 - ``pending/batch-<b>.jsonl``: batches a live run had generated ahead but not trained yet (sampled by weights older
   than the checkpoint's, so they cannot be regenerated after a resume);
-- ``rank_batch-<r>.pt``: each rank's slice of a batch that is part-way through its ``num_iterations`` updates (its
+- ``rank_batch-<r>.safetensors`` + ``rank_batch-<r>.json``: each rank's slice of a batch that is part-way through its ``num_iterations`` updates (its
   proximal log-probs come from weights older than the checkpoint's).
 
 A checkpoint is written under ``.partial-checkpoint-N/`` and renamed to ``checkpoint-N`` when complete, so a run
@@ -216,22 +216,79 @@ def publish(root: Path, final: Path) -> None:
 
 
 # --- a rank's slice of a batch part-way through its updates --------------------------------------------------------
+# Data, not code: the tensors in a safetensors file, the rest as JSON naming only the dataclasses below. Nothing of a
+# checkpoint is unpickled (a pickle can run code when it is loaded).
+
+RANK_BATCH_TENSORS = "rank_batch-{rank}.safetensors"
+RANK_BATCH_RECORD = "rank_batch-{rank}.json"
 
 
-def _rank_batch_file(folder: Path, rank: int) -> Path:
-    return Path(folder) / f"rank_batch-{rank}.pt"
+def _record_types() -> dict[str, type]:
+    from .batching import BatchStats, MicroBatch, RankBatch
+    from .loss import GlobalCounts
+    from .prefix import SharedPrefixRows
+
+    return {cls.__name__: cls for cls in (RankBatch, MicroBatch, BatchStats, GlobalCounts, SharedPrefixRows)}
+
+
+def _to_record(value, tensors: dict, path: str):
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach().cpu().clone().contiguous()  # safetensors refuses tensors sharing memory
+        return {"tensor": path}
+    if dataclasses.is_dataclass(value):
+        fields = {f.name: _to_record(getattr(value, f.name), tensors, f"{path}.{f.name}")
+                  for f in dataclasses.fields(value)}
+        return {"dataclass": type(value).__name__, "fields": fields}
+    if isinstance(value, (list, tuple)):
+        return {"list": [_to_record(item, tensors, f"{path}.{i}") for i, item in enumerate(value)]}
+    if isinstance(value, dict):
+        return {"dict": {str(k): _to_record(v, tensors, f"{path}.{k}") for k, v in value.items()}}
+    return {"value": value}
+
+
+def _from_record(record, tensors: dict, types: dict[str, type], where: str):
+    if "tensor" in record:
+        return tensors[record["tensor"]]
+    if "dataclass" in record:
+        cls = types.get(record["dataclass"])
+        if cls is None:
+            raise CheckpointError(f"{where}: unknown record type {record['dataclass']!r}.")
+        return cls(**{k: _from_record(v, tensors, types, where) for k, v in record["fields"].items()})
+    if "list" in record:
+        return [_from_record(item, tensors, types, where) for item in record["list"]]
+    if "dict" in record:
+        return {k: _from_record(v, tensors, types, where) for k, v in record["dict"].items()}
+    return record["value"]
 
 
 def save_rank_batch(folder: Path, rank: int, rank_batch) -> None:
     """Keep rank ``rank``'s slice of a batch part-way through its updates (its proximal log-probs came from
-    weights older than the checkpoint's, so it cannot be planned again)."""
-    import torch
+    weights older than the checkpoint's, so it cannot be planned again): tensors in safetensors, the rest JSON."""
+    from safetensors.torch import save_file
 
-    torch.save(rank_batch, _rank_batch_file(folder, rank))
+    tensors: dict = {}
+    record = _to_record(rank_batch, tensors, "rank_batch")
+    save_file(tensors, str(Path(folder) / RANK_BATCH_TENSORS.format(rank=rank)))
+    (Path(folder) / RANK_BATCH_RECORD.format(rank=rank)).write_text(json.dumps(record))
 
 
 def load_rank_batch(folder: Path, rank: int):
-    """The slice ``save_rank_batch`` kept for ``rank``, on the CPU."""
-    import torch
+    """The slice ``save_rank_batch`` kept for ``rank``, on the CPU (no pickle is read)."""
+    from safetensors.torch import load_file
 
-    return torch.load(_rank_batch_file(folder, rank), map_location="cpu", weights_only=False)
+    record_file = Path(folder) / RANK_BATCH_RECORD.format(rank=rank)
+    tensors_file = Path(folder) / RANK_BATCH_TENSORS.format(rank=rank)
+    for path in (record_file, tensors_file):
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: {path.name} is missing (the checkpoint stopped part-way through a batch "
+                                  "and keeps each rank's slice).")
+    try:
+        tensors = load_file(str(tensors_file))
+        return _from_record(json.loads(record_file.read_text()), tensors, _record_types(), str(record_file))
+    except CheckpointError:
+        raise
+    except Exception as error:  # noqa: BLE001 - safetensors' own errors included: a damaged or crafted file
+        raise CheckpointError(f"{folder}: cannot read this rank's batch ({record_file.name}, {tensors_file.name}): "
+                              f"{type(error).__name__}: {error}") from error
