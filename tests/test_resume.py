@@ -231,7 +231,7 @@ def test_bad_resumes_are_clear_errors(tiny_model_dir, rollouts_file, tmp_path):
         assert trainer.state.global_step == 0  # nothing trained
 
     refused(tmp_path / "nowhere", "no such folder")
-    refused("latest", "no checkpoint-N folder in --output_dir")  # tmp_path / "again" has none
+    refused("latest", "no intact checkpoint-N folder in --output_dir")  # tmp_path / "again" has none
     half = tmp_path / "half"
     half.mkdir()
     (half / "trainer_state.json").write_text("{}")
@@ -252,5 +252,5 @@ def test_a_bad_resume_stops_every_rank(tiny_model_dir, rollouts_file, tmp_path):
     args = ["--model", tiny_model_dir, "--rollouts_path", str(rollouts_file), "--rollouts_per_step", "8",
             "--max_steps", "2", "--resume_from_checkpoint", "latest"]
     log = run(accelerate("ddp_cpu.yaml"), tmp_path / "empty", args, tmp_path / "ddp.log", expect=1)
-    assert "no checkpoint-N folder in --output_dir" in log
+    assert "no intact checkpoint-N folder in --output_dir" in log
     assert "The main process failed: CheckpointError" in log  # rank 1 raised the same error instead of waiting

@@ -17,15 +17,20 @@ killed while saving never leaves a folder that ``--resume_from_checkpoint latest
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .rollouts import Rollout, read_rollouts, write_rollouts
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "verifiers_rl_state.json"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -85,30 +90,93 @@ def rows_sha256(rows) -> str:
 # --- finding a checkpoint -------------------------------------------------------------------------------------------
 
 
-def resolve_checkpoint(spec: str | bool, output_dir: str | Path) -> Path:
-    """The checkpoint ``--resume_from_checkpoint`` names: a folder, or ``latest`` (or ``True``) for the newest
-    complete ``checkpoint-N`` in ``output_dir``. Raises ``CheckpointError`` naming what is wrong."""
-    from transformers.trainer_utils import get_last_checkpoint
+def resolve_checkpoint(spec: str | bool, output_dir: str | Path) -> Path | None:
+    """The checkpoint ``--resume_from_checkpoint`` names: a folder, ``latest`` (or ``True``) for the newest intact
+    ``checkpoint-N`` in ``output_dir``, or ``auto``: the same, or None when there is none (start fresh: the same
+    command for the first launch and every restart). A damaged newest checkpoint is skipped with a warning naming
+    it and its file; a damaged folder named explicitly is refused. Raises ``CheckpointError`` naming what is wrong."""
+    word = "latest" if spec is True else str(spec).lower()
+    if word in ("latest", "auto"):
+        for path in _checkpoints_newest_first(Path(output_dir)):
+            problem = _problem(path)
+            if problem is None:
+                return path
+            logger.warning("Skipping %s: %s. Trying an older checkpoint.", path, problem)
+        if word == "auto":
+            logger.info("--resume_from_checkpoint auto: no intact checkpoint in %s; starting fresh.", output_dir)
+            return None
+        raise CheckpointError(
+            f"--resume_from_checkpoint latest: no intact checkpoint-N folder in --output_dir {str(output_dir)!r}. "
+            "Checkpoints are written with --save_strategy steps --save_steps N (and when a run is preempted); "
+            "--resume_from_checkpoint auto starts fresh when there is none."
+        )
+    path = Path(str(spec))
+    if not path.is_dir():
+        raise CheckpointError(f"--resume_from_checkpoint {str(spec)!r}: no such folder.")
+    problem = _problem(path)
+    if problem is not None:
+        raise CheckpointError(f"--resume_from_checkpoint {str(path)!r} cannot be resumed from: {problem}.")
+    return path
 
-    if spec is True or str(spec).lower() == "latest":
-        found = get_last_checkpoint(output_dir) if Path(output_dir).is_dir() else None
-        if found is None:
-            raise CheckpointError(
-                f"--resume_from_checkpoint latest: no checkpoint-N folder in --output_dir {str(output_dir)!r}. "
-                "Checkpoints are written with --save_strategy steps --save_steps N (and when a run is preempted)."
-            )
-        path = Path(found)
-    else:
-        path = Path(str(spec))
-        if not path.is_dir():
-            raise CheckpointError(f"--resume_from_checkpoint {str(spec)!r}: no such folder.")
+
+def _checkpoints_newest_first(output_dir: Path) -> list[Path]:
+    if not output_dir.is_dir():
+        return []
+    found = [p for p in output_dir.iterdir() if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name)]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]), reverse=True)
+
+
+def _problem(path: Path) -> str | None:
+    """What makes ``path`` unusable (a missing state file, a file that differs from its manifest), or None."""
     missing = [name for name in (TRAINER_STATE_FILE, STATE_FILE) if not (path / name).is_file()]
     if missing:
-        raise CheckpointError(
-            f"--resume_from_checkpoint {str(path)!r} is not a complete verifiers_rl checkpoint (no {', '.join(missing)}). "
-            f"A run killed while saving leaves its unfinished checkpoint as {PARTIAL_PREFIX}checkpoint-N, never resumed."
-        )
-    return path
+        return (f"it is not a complete verifiers_rl checkpoint (no {', '.join(missing)}; a run killed while saving "
+                f"leaves {PARTIAL_PREFIX}checkpoint-N, never resumed)")
+    return verify_manifest(path)
+
+
+# --- what a checkpoint holds ------------------------------------------------------------------------------------------
+
+MANIFEST_FILE = "verifiers_rl_manifest.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record every file of ``folder`` (ours and HF's): relative path, size, SHA-256; written last, when the folder
+    is complete, by the process that publishes it."""
+    files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
+
+
+def verify_manifest(folder: Path) -> str | None:
+    """None when every file the manifest lists is there with its size and checksum; else what is wrong, naming the
+    file. A checkpoint without a manifest (an older version wrote it) passes, with a warning."""
+    manifest = folder / MANIFEST_FILE
+    if not manifest.is_file():
+        logger.warning("%s has no %s (written before checkpoints recorded their files): not verified.", folder,
+                       MANIFEST_FILE)
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as error:
+        return f"its {MANIFEST_FILE} is damaged ({error})"
+    for name, expected in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {expected['bytes']} when it was written (cut short?)"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} differs from what was written (its SHA-256 changed)"
+    return None
 
 
 # --- reading and writing --------------------------------------------------------------------------------------------
@@ -197,11 +265,21 @@ def _fsync_dir(folder: Path) -> None:
         os.close(descriptor)
 
 
+def disk_full(error: BaseException, folder: str | Path) -> bool:
+    """Whether writing into ``folder`` failed for lack of space: ENOSPC / EDQUOT, or (torch.save reports a full disk
+    as a RuntimeError of its stream) less than 1% / 16 MiB left on its device."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    usage = shutil.disk_usage(folder)
+    return usage.free < max(usage.total // 100, 16 * 2**20) if usage.total > 16 * 2**20 else usage.free < usage.total // 20
+
+
 def publish(root: Path, final: Path) -> None:
     """Move the complete checkpoint written under ``root`` to ``final`` in one rename (replacing an older folder
     of that name), then remove ``root``. Files are flushed to disk first, so the renamed folder is whole even after
     a machine crash."""
     written = root / final.name
+    write_manifest(written)
     _fsync_tree(written)
     stale = None
     if final.exists():

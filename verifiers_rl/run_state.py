@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +19,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from .checkpoint import (
     CheckpointError,
     RunState,
+    disk_full,
     check_fits,
     load_pending,
     load_rank_batch,
@@ -31,7 +33,7 @@ from .checkpoint import (
     save_run_state,
 )
 from .config import RLConfig
-from .distributed import main_process_outcome
+from .distributed import agreed_max, main_process_outcome
 from .generator import AsyncGenerator
 from .steps import StepBatches
 
@@ -84,12 +86,15 @@ class RunCheckpoints:
 
     # --- resuming -----------------------------------------------------------------------------------------------
 
-    def restore(self, spec, global_step: int) -> str:
+    def restore(self, spec, global_step: int) -> str | None:
         """Check the checkpoint ``spec`` names against this run and restore the rollout source's position, the
-        batches generated ahead and (part-way through a batch) each rank's slice of it. Errors reach every rank."""
+        batches generated ahead and (part-way through a batch) each rank's slice of it. Errors reach every rank.
+        None: ``auto`` found no checkpoint, and the run starts fresh."""
 
         def load():
             path = resolve_checkpoint(spec, self.args.output_dir)
+            if path is None:
+                return None, None
             saved = load_run_state(path)
             check_fits(saved, self.run_state(global_step), path)
             if self.generator is not None:
@@ -98,6 +103,10 @@ class RunCheckpoints:
             return str(path), saved
 
         path, saved = main_process_outcome(load)
+        if path is None:
+            if self.accelerator.is_main_process:
+                logger.info("No checkpoint to resume from in %s: starting fresh.", self.args.output_dir)
+            return None
         rank_batch = load_rank_batch(Path(path), self.accelerator.process_index) if saved.mid_batch() else None
         self.steps.restore(saved.next_batch, saved.iteration, rank_batch)
         self.resumed_from = path
@@ -128,9 +137,15 @@ class RunCheckpoints:
         once every rank has written its part. Then HF's ``save_total_limit`` rotation. Every rank calls it."""
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
         root = partial_root(run_dir, global_step)
-        write_hf(str(root))
         written = root / os.path.basename(final)
-        self._save_run_state(written, global_step)
+        error = None
+        try:
+            write_hf(str(root))
+            self._save_run_state(written, global_step)
+        except (OSError, RuntimeError) as failed:  # a full disk above all (torch.save reports it as a RuntimeError)
+            error = failed
+        if agreed_max(int(error is not None), self.accelerator.device):
+            self._abandon(root, final, error)
         wait = self.accelerator.wait_for_everyone
         wait()
         if self.args.should_save:
@@ -143,6 +158,21 @@ class RunCheckpoints:
             rotate_checkpoints(run_dir, self.args.save_total_limit, best_checkpoint, use_mtime=True)
         self.last_checkpoint = final
         return final
+
+    def _abandon(self, root: Path, final: str, error: Exception | None) -> None:
+        """A rank could not write its part: remove the partial folder (earlier checkpoints stay as they were) and
+        stop every rank with an error that says what happened and where."""
+        full = error is not None and disk_full(error, os.path.dirname(final))
+        if self.accelerator.is_local_main_process:
+            shutil.rmtree(root, ignore_errors=True)
+        what = ("no space left on the device" if full
+                else f"{type(error).__name__}: {error}" if error is not None else "another process failed to write its part")
+        newest = self.last_checkpoint or "none yet"
+        raise CheckpointError(
+            f"Writing {os.path.basename(final)} to {os.path.dirname(final)} failed ({what}); its partial folder is "
+            f"removed, earlier checkpoints are untouched (newest written by this run: {newest}). Free space (or fix "
+            "the folder) and resume with --resume_from_checkpoint latest."
+        ) from error
 
     def _save_run_state(self, folder: Path, global_step: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,141 @@
+"""Checkpoints a cluster damages: each records what it holds; latest/auto skip a damaged newest one for the newest
+intact one, a damaged one named explicitly is refused naming the file; auto starts fresh when there is none; a full
+disk while saving (a real, small tmpfs where we may mount one) removes the partial folder, keeps the earlier
+checkpoints loadable and stops with an error saying so."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from verifiers_rl.checkpoint import MANIFEST_FILE, CheckpointError, resolve_checkpoint
+from verifiers_rl.config import RLConfig
+from verifiers_rl.rollouts import write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.trainer import RLTrainer
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("safety") / "rollouts.jsonl"
+    write_rollouts(path, random_rollouts(16, 4, vocab_size=390, seed=9))
+    return path
+
+
+def trainer(model_dir: str, rollouts: Path, out: Path, steps: int, save_every: int | None = 1) -> RLTrainer:
+    args = RLConfig(output_dir=str(out), use_cpu=True, report_to="none", rollouts_path=str(rollouts),
+                    rollouts_per_step=8, max_steps=steps, save_strategy="steps" if save_every else "no",
+                    save_steps=save_every or 1, disable_tqdm=True, learning_rate=1e-3, lr_scheduler_type="constant",
+                    gradient_checkpointing=False)  # constant: runs of 3 and 4 steps share their first steps exactly
+    return RLTrainer(model_dir, args, processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+
+def parameters(trainer: RLTrainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir, rollouts, tmp_path_factory):
+    """Three steps, a checkpoint after each; and the same run uninterrupted to 4 steps (its final parameters)."""
+    work = tmp_path_factory.mktemp("safety-run")
+    trainer(tiny_model_dir, rollouts, work / "run", 3).train()
+    straight = trainer(tiny_model_dir, rollouts, work / "straight", 4, save_every=None)
+    straight.train()
+    return work / "run", parameters(straight)
+
+
+def cut(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+DAMAGE = {
+    "model.safetensors": cut,
+    "optimizer.pt": cut,
+    "trainer_state.json": cut,
+    "verifiers_rl_state.json": cut,
+    "deleted scheduler.pt": lambda path: path.with_name("scheduler.pt").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_one_is_refused(run, tmp_path, damage, caplog):
+    folder, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    name = damage.split()[-1]
+    DAMAGE[damage](copy / "checkpoint-3" / name)
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.checkpoint"):
+        assert resolve_checkpoint("latest", copy) == copy / "checkpoint-2"
+        assert resolve_checkpoint("auto", copy) == copy / "checkpoint-2"
+    assert f"Skipping {copy / 'checkpoint-3'}" in caplog.text and name in caplog.text
+    with pytest.raises(CheckpointError, match=rf"checkpoint-3' cannot be resumed from: .*{name}"):
+        resolve_checkpoint(str(copy / "checkpoint-3"), copy)
+
+
+def test_the_resumed_run_from_the_newest_intact_checkpoint_equals_the_uninterrupted_one(run, tiny_model_dir,
+                                                                                       rollouts, tmp_path):
+    folder, straight = run
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    cut(copy / "checkpoint-3" / "model.safetensors")
+    resumed = trainer(tiny_model_dir, rollouts, copy, 4, save_every=None)
+    resumed.train(resume_from_checkpoint="latest")  # from checkpoint-2: steps 3 and 4 again
+    got = parameters(resumed)
+    worst = max(float((got[k] - straight[k]).abs().max() / straight[k].abs().max()) for k in straight)
+    assert worst < 1e-6, worst
+
+
+def test_every_file_of_a_published_checkpoint_is_in_its_manifest(run):
+    import json
+
+    folder, _ = run
+    checkpoint = folder / "checkpoint-2"
+    files = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
+    assert set(files) == on_disk and {"model.safetensors", "optimizer.pt", "verifiers_rl_state.json"} <= on_disk
+
+
+def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(run, tiny_model_dir, rollouts, tmp_path):
+    folder, straight = run
+    fresh = trainer(tiny_model_dir, rollouts, tmp_path / "fresh", 1, save_every=None)
+    fresh.train(resume_from_checkpoint="auto")
+    assert fresh.state.global_step == 1
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    again = trainer(tiny_model_dir, rollouts, copy, 4, save_every=None)
+    again.train(resume_from_checkpoint="auto")  # from checkpoint-3: one step
+    got = parameters(again)
+    assert max(float((got[k] - straight[k]).abs().max() / straight[k].abs().max()) for k in straight) < 1e-6
+
+
+def test_a_full_disk_while_saving_keeps_the_earlier_checkpoints_and_says_so(tiny_model_dir, rollouts, tmp_path):
+    """A real full disk: the output folder is a tmpfs with room for about one and a half checkpoints (needs root to
+    mount; where mounting is refused the test is skipped rather than faked)."""
+    probe = tmp_path / "probe"
+    trainer(tiny_model_dir, rollouts, probe, 1).train()
+    size = sum(p.stat().st_size for p in (probe / "checkpoint-1").rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.strip()}")
+    try:
+        full = trainer(tiny_model_dir, rollouts, disk / "out", 3)
+        with pytest.raises(CheckpointError, match=r"Writing checkpoint-2 to .*disk/out failed \(no space left on the "
+                                                  r"device\); its partial folder is removed.*--resume_from_checkpoint latest"):
+            full.train()
+        names = sorted(p.name for p in (disk / "out").iterdir())
+        assert "checkpoint-1" in names and not [n for n in names if n.startswith(".partial-") or n == "checkpoint-2"]
+        assert resolve_checkpoint("latest", disk / "out") == disk / "out" / "checkpoint-1"  # intact and loadable
+        load_file(disk / "out" / "checkpoint-1" / "model.safetensors")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)  # lazy: the trainer may still hold a file open
