@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from verifiers_rl.checkpoint import MANIFEST_FILE, CheckpointError, resolve_checkpoint
+from verifiers_rl.checkpoint import CheckpointError, manifest_name, resolve_checkpoint
 from verifiers_rl.config import RLConfig
 from verifiers_rl.rollouts import write_rollouts
 from verifiers_rl.synthetic import random_rollouts
@@ -98,8 +98,8 @@ def test_every_file_of_a_published_checkpoint_is_in_its_manifest(run):
 
     folder, _ = run
     checkpoint = folder / "checkpoint-2"
-    files = json.loads((checkpoint / MANIFEST_FILE).read_text())["files"]
-    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
+    files = json.loads((checkpoint / manifest_name(0)).read_text())["files"]
+    on_disk = {str(p.relative_to(checkpoint)) for p in checkpoint.rglob("*") if p.is_file() and p.name != manifest_name(0)}
     assert set(files) == on_disk and {"model.safetensors", "optimizer.pt", "verifiers_rl_state.json"} <= on_disk
 
 

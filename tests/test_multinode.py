@@ -228,7 +228,9 @@ def test_live_two_nodes_generate_on_the_global_main_process_only(tiny_model_dir,
     assert all((outs[0] / shard).is_file() for shard in shards[0]), shards[0]
     assert (outs[0] / "final_k1" / "model.safetensors").is_file()
     node1_files = {str(path.relative_to(outs[1])) for path in outs[1].rglob("*") if path.is_file()}
-    assert node1_files == {f"{checkpoint}/rng_state_1.pth", "k1.rank1.json", *shards[1]}
+    # Node 1's part records what it holds in its own manifest (merged folders keep both nodes' records).
+    assert node1_files == {f"{checkpoint}/rng_state_1.pth", f"{checkpoint}/verifiers_rl_manifest-1.json",
+                           "k1.rank1.json", *shards[1]}
 
 
 # --- failures -----------------------------------------------------------------------------------------------------

@@ -137,7 +137,17 @@ def _problem(path: Path) -> str | None:
 
 # --- what a checkpoint holds ------------------------------------------------------------------------------------------
 
-MANIFEST_FILE = "verifiers_rl_manifest.json"
+# One per publishing process (the main one, and the local main of a node without the shared folder): folders merged
+# from several nodes keep every node's record.
+MANIFEST_PREFIX = "verifiers_rl_manifest"
+
+
+def manifest_name(process_index: int = 0) -> str:
+    return f"{MANIFEST_PREFIX}-{process_index}.json"
+
+
+def _is_manifest(path: Path) -> bool:
+    return path.name.startswith(MANIFEST_PREFIX) and path.suffix == ".json"
 
 
 def _sha256(path: Path) -> str:
@@ -148,26 +158,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(folder: Path) -> None:
+def write_manifest(folder: Path, name: str = manifest_name()) -> None:
     """Record every file of ``folder`` (ours and HF's): relative path, size, SHA-256; written last, when the folder
     is complete, by the process that publishes it."""
     files = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST_FILE}
-    (folder / MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
+             for p in sorted(folder.rglob("*")) if p.is_file() and not _is_manifest(p)}
+    (folder / name).write_text(json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True))
 
 
 def verify_manifest(folder: Path) -> str | None:
     """None when every file the manifest lists is there with its size and checksum; else what is wrong, naming the
     file. A checkpoint without a manifest (an older version wrote it) passes, with a warning."""
-    manifest = folder / MANIFEST_FILE
-    if not manifest.is_file():
-        logger.warning("%s has no %s (written before checkpoints recorded their files): not verified.", folder,
-                       MANIFEST_FILE)
+    manifests = sorted(p for p in folder.iterdir() if _is_manifest(p))
+    if not manifests:
+        logger.warning("%s has no %s-*.json (written before checkpoints recorded their files): not verified.", folder,
+                       MANIFEST_PREFIX)
         return None
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as error:
-        return f"its {MANIFEST_FILE} is damaged ({error})"
+    files = {}
+    for manifest in manifests:
+        try:
+            files.update(json.loads(manifest.read_text())["files"])
+        except (ValueError, KeyError) as error:
+            return f"its {manifest.name} is damaged ({error})"
     for name, expected in files.items():
         path = folder / name
         if not path.is_file():
@@ -274,12 +286,12 @@ def disk_full(error: BaseException, folder: str | Path) -> bool:
     return usage.free < max(usage.total // 100, 16 * 2**20) if usage.total > 16 * 2**20 else usage.free < usage.total // 20
 
 
-def publish(root: Path, final: Path) -> None:
+def publish(root: Path, final: Path, process_index: int = 0) -> None:
     """Move the complete checkpoint written under ``root`` to ``final`` in one rename (replacing an older folder
     of that name), then remove ``root``. Files are flushed to disk first, so the renamed folder is whole even after
     a machine crash."""
     written = root / final.name
-    write_manifest(written)
+    write_manifest(written, manifest_name(process_index))
     _fsync_tree(written)
     stale = None
     if final.exists():

@@ -149,10 +149,10 @@ class RunCheckpoints:
         wait = self.accelerator.wait_for_everyone
         wait()
         if self.args.should_save:
-            publish(root, Path(final))
+            publish(root, Path(final), self.accelerator.process_index)
         wait()
         if self.accelerator.is_local_main_process and written.is_dir():
-            publish(root, Path(final))  # a node that does not share the output folder with the main process
+            publish(root, Path(final), self.accelerator.process_index)  # a node without the main process's folder
         wait()
         if self.args.should_save:
             rotate_checkpoints(run_dir, self.args.save_total_limit, best_checkpoint, use_mtime=True)
