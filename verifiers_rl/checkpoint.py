@@ -130,8 +130,8 @@ def _problem(path: Path) -> str | None:
     """What makes ``path`` unusable (a missing state file, a file that differs from its manifest), or None."""
     missing = [name for name in (TRAINER_STATE_FILE, STATE_FILE) if not (path / name).is_file()]
     if missing:
-        return (f"it is not a complete verifiers_rl checkpoint (no {', '.join(missing)}; a run killed while saving "
-                f"leaves {PARTIAL_PREFIX}checkpoint-N, never resumed)")
+        return (f"it is not a complete verifiers_rl checkpoint (no {', '.join(missing)}): a run killed while saving "
+                f"leaves {PARTIAL_PREFIX}checkpoint-N, never resumed")
     return verify_manifest(path)
 
 
