@@ -69,7 +69,7 @@ def test_defaults_and_acting_fields_are_accepted():
 
 def test_the_readme_table_is_the_codes_table():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    assert grpo_fields.markdown_table() in readme, "regenerate it: python -m verifiers_rl.grpo_fields"
+    assert grpo_fields.markdown_table() in readme, "regenerate it: python -m verifiers_rl.grpo_fields --write README.md"
 
 
 def test_the_package_exports_its_public_names():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from verifiers_rl.batching import BatchingConfig, compute_advantages, plan_batch, prepare_sequences
-from verifiers_rl.loss import LOSS_TYPES, aggregation_weights, per_token_loss
+from verifiers_rl.loss import LOSS_TYPES, LossSettings, aggregation_weights, per_token_loss
 from verifiers_rl.synthetic import random_rollouts
 
 
@@ -30,8 +30,8 @@ def _fp64():
 
 
 def reference_loss(sequences, logps, proximal, sampler, ref, loss_type, level, correction, cap, cap_min, beta, horizon,
-                   eps_low=0.2, eps_high=0.28):
-    """Global loss of SPEC §3, one sequence at a time, with plain Python sums."""
+                   eps_low=0.2, eps_high=0.28, delta=None, kl_ratio=False, off_policy=None, log_ratio_sum=False):
+    """Global loss of SPEC §3, one sequence at a time, with plain Python sums (TRL's knobs as TRL writes them)."""
     per_sequence_sums, token_counts = [], []
     for i, seq in enumerate(sequences):
         positions = [t for t, m in enumerate(seq.loss_mask) if m]
@@ -46,13 +46,15 @@ def reference_loss(sequences, logps, proximal, sampler, ref, loss_type, level, c
         else:
             ratio = torch.exp((l - p).mean()).expand(len(positions))
         a = float(torch.tensor(seq.advantage, dtype=torch.float32))  # micro-batches carry fp32 advantages
-        surrogate = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
+        bounded = ratio if delta is None else torch.clamp(ratio, max=delta)
+        surrogate = -torch.minimum(bounded * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
         if sampler is not None and correction != "none":
             q = sampler[i][positions]
             if correction.startswith("token"):
                 rho = torch.exp(p - q).detach()
             else:
-                rho = torch.exp((p - q).mean()).detach().expand(len(positions))
+                log_rho = (p - q).sum() if log_ratio_sum else (p - q).mean()
+                rho = torch.exp(log_rho).detach().expand(len(positions))
             low = cap_min if cap_min is not None else 0.0
             if correction.endswith("truncate"):
                 w = rho.clamp(min=low, max=cap)
@@ -61,9 +63,14 @@ def reference_loss(sequences, logps, proximal, sampler, ref, loss_type, level, c
         else:
             w = torch.ones_like(surrogate)
         z = w * surrogate
+        if off_policy is not None:
+            behaviour = sampler[i][positions] if sampler is not None else p
+            if a < 0 and float((behaviour - l.detach()).mean()) > off_policy:
+                z = z * 0
         if beta:
             r = ref[i][positions]
-            z = z + beta * (torch.exp(r - l) - (r - l) - 1)
+            kl = torch.exp(r - l) - (r - l) - 1
+            z = z + beta * (kl * ratio if kl_ratio else kl)
         per_sequence_sums.append(z.sum() / (len(positions) if loss_type == "grpo" else 1))
     valid = sum(1 for n in token_counts if n > 0)
     total = sum(per_sequence_sums)
@@ -106,9 +113,28 @@ CASES = list(
 )
 
 
-@pytest.mark.parametrize("loss_type,level,correction,beta", CASES)
-def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction, beta):
-    rng = random.Random(hash((loss_type, level, correction, beta)) % 10_000)
+# TRL's knobs (LossSettings' names), each on its own and all together, over every loss type.
+KNOBS = [
+    dict(delta=1.25),
+    dict(kl_ratio=True),
+    dict(off_policy_threshold=0.05),
+    dict(sequence_log_ratio="sum"),
+    dict(delta=1.1, kl_ratio=True, off_policy_threshold=0.0, sequence_log_ratio="sum"),
+]
+KNOB_CASES = [(loss_type, level, correction, 0.05, knobs) for loss_type in LOSS_TYPES for knobs in KNOBS
+              for level, correction in (("token", "sequence_mask"), ("sequence", "sequence_truncate"))]
+
+
+def _reference_knobs(knobs):
+    knobs = knobs or {}
+    return dict(delta=knobs.get("delta"), kl_ratio=knobs.get("kl_ratio", False),
+                off_policy=knobs.get("off_policy_threshold"), log_ratio_sum=knobs.get("sequence_log_ratio") == "sum")
+
+
+@pytest.mark.parametrize("loss_type,level,correction,beta,knobs",
+                         [case + (None,) for case in CASES] + KNOB_CASES)
+def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction, beta, knobs):
+    rng = random.Random(hash((loss_type, level, correction, beta, repr(knobs))) % 10_000)
     rollouts = random_rollouts(5, 3, vocab_size=50, seed=rng.randrange(1000), fully_masked_fraction=0.2,
                                shared_turn_fraction=0.6)
     rollouts[0].completion_mask = [0] * len(rollouts[0].completion_mask)  # always one fully masked sequence
@@ -117,7 +143,8 @@ def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction
     sequences = prepare_sequences(rollouts, advantages, max_seq_len, overlong="truncate")
     gen = torch.Generator().manual_seed(rng.randrange(1000))
     leaves = [(-torch.rand(len(s), generator=gen) * 3).requires_grad_() for s in sequences]
-    proximal = [-torch.rand(len(s), generator=gen) * 3 for s in sequences] if rng.random() < 0.5 else None
+    # The knobs act through the ratio to a proximal policy: their cases always have one.
+    proximal = [-torch.rand(len(s), generator=gen) * 3 for s in sequences] if knobs or rng.random() < 0.5 else None
     # Sampler log-probs near the proximal ones, so truncation and masking each hit some tokens and miss others.
     sampler = [(proximal[i] if proximal is not None else leaves[i].detach()) + 0.6 * torch.randn(len(s), generator=gen)
                for i, s in enumerate(sequences)]
@@ -125,9 +152,21 @@ def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction
     horizon = 37
     cap, cap_min = 1.5, (0.4 if correction.endswith("mask") else None)
 
+    if knobs and "sequence_log_ratio" in knobs:
+        # Summed log-ratios grow with length: sampler log-probs closer to the proximal ones, so the caps still bite
+        # on some sequences and not on others.
+        sampler = [(proximal[i] if proximal is not None else leaves[i].detach()) + 0.1 * torch.randn(len(s), generator=gen)
+                   for i, s in enumerate(sequences)]
     expected = reference_loss(sequences, leaves, proximal, sampler, ref, loss_type, level, correction, cap, cap_min,
-                              beta, horizon)
+                              beta, horizon, **_reference_knobs(knobs))
     expected_grads = torch.autograd.grad(expected, leaves, allow_unused=True)
+    if knobs:  # the knobs' cases have teeth: without the knobs, the loss or its gradient differs
+        plain = reference_loss(sequences, leaves, proximal, sampler, ref, loss_type, level, correction, cap, cap_min,
+                               beta, horizon)
+        plain_grads = torch.autograd.grad(plain, leaves, allow_unused=True)
+        assert abs(plain.item() - expected.item()) > 1e-9 or any(
+            g is not None and h is not None and float((g - h).abs().max()) > 1e-9
+            for g, h in zip(plain_grads, expected_grads))
 
     partitions = [
         dict(world_size=1, mode="padded", rows_per_micro_batch=15),  # one pass over everything
@@ -161,13 +200,9 @@ def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction
                     proximal_logps=scatter_to_micro_batch(mb, proximal) if proximal is not None else None,
                     sampler_logps=scatter_to_micro_batch(mb, sampler),
                     ref_logps=scatter_to_micro_batch(mb, ref) if beta else None,
-                    level=level,
-                    epsilon_low=0.2,
-                    epsilon_high=0.28,
-                    correction=correction,
-                    correction_cap=cap,
-                    correction_cap_min=cap_min,
-                    beta=beta,
+                    settings=LossSettings(level=level, epsilon_low=0.2, epsilon_high=0.28, correction=correction,
+                                          correction_cap=cap, correction_cap_min=cap_min, beta=beta,
+                                          **(knobs or {})),
                 )
                 weights = aggregation_weights(loss_type, mb.loss_mask.double(), mb.sequence_loss_tokens.double(), mb.counts)
                 total = total + (terms.per_token_loss * weights).sum()

@@ -12,11 +12,11 @@ from trl import GRPOConfig
 
 from . import compat
 from .batching import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
-from .grpo_fields import check_fields
+from .grpo_fields import apply_trl_names, check_fields
 from .inference.vllm_http import check_server_url
 from .inference.weight_transfer import WeightTransfer
 from .launch import launched_world_size, prepare_process
-from .loss import CorrectionMode, ImportanceSamplingLevel, LossType, check_choice
+from .loss import CorrectionMode, ImportanceSamplingLevel, LossType, SequenceLogRatio, check_choice
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class Range:
         allowed = [str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"]
         raise ValueError(f"{name} must be {' or '.join(allowed)}, got {value}.")
 
+
+# TRL's loss_type names for ours (grpo_fields.TRL_LOSS_TYPES), accepted by the parser and mapped in __post_init__.
+LossTypeOrTRL = Literal[(*get_args(LossType), "dapo", "bnpo")]
 
 AT_LEAST_ONE, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, strict=True)
 
@@ -68,6 +71,8 @@ RANGES: dict[str, Range] = {
     "num_iterations": AT_LEAST_ONE,
     "epsilon": NON_NEGATIVE,
     "epsilon_high": NON_NEGATIVE,
+    "delta": POSITIVE,
+    "off_policy_mask_threshold": NON_NEGATIVE,
 }
 
 
@@ -81,11 +86,12 @@ class RLConfig(GRPOConfig):
     inside one ``training_step``.
     """
 
-    loss_type: LossType = field(
+    loss_type: LossTypeOrTRL = field(
         default="grpo",
         metadata={
             "help": "Aggregation over the global batch: grpo (sequence mean of token means), dr_grpo (token sum / "
-            "(valid sequences * horizon)), token_mean (DAPO), seq_mean_token_sum.",
+            "(valid sequences * horizon)), token_mean (DAPO; TRL's names dapo and bnpo mean it too), "
+            "seq_mean_token_sum.",
         },
     )
     importance_sampling_level: ImportanceSamplingLevel = field(
@@ -99,6 +105,11 @@ class RLConfig(GRPOConfig):
         },
     )
     importance_cap: float = field(default=2.0, metadata={"help": "Upper bound C of the importance weight."})
+    importance_sequence_log_ratio: SequenceLogRatio = field(
+        default="mean",
+        metadata={"help": "The sequence modes' log-ratio: mean over the sequence's tokens (length-normalised) or "
+                  "sum (TRL's vllm_importance_sampling sequence modes)."},
+    )
     importance_cap_min: float | None = field(
         default=None, metadata={"help": "Lower bound of the importance weight (mask modes: the lower edge)."}
     )
@@ -306,6 +317,7 @@ class RLConfig(GRPOConfig):
 
     def __post_init__(self):
         check_fields(self)  # before anything below derives a field from another
+        apply_trl_names(self)
         if self.bf16 is None:
             self.bf16 = torch.cuda.is_available() and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),

@@ -12,6 +12,7 @@ field fails there until it is classified. ``python -m verifiers_rl.grpo_fields``
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, NamedTuple
 
 Status = Literal["acts", "refused"]
@@ -35,7 +36,10 @@ _TRL_VLLM = _refused("TRL's own vLLM client; start ours (`python -m verifiers_rl
 _NO_SAMPLING_KNOB = ("the engines sample from the plain tempered softmax (with top_p / top_k), so the sampler's "
                      "log-probs are those of the distribution actually sampled; not implemented yet")
 _ENTROPY = _refused("entropy regularisation is not in our loss; a custom loss_fn (LossInputs) can add it")
-_IS = "use --importance_correction / --importance_cap / --importance_cap_min (our correction of sampler log-probs)"
+_IS = _acts("when any vllm_importance_sampling_* field is set, TRL's correction (its defaults fill the rest) "
+            "replaces ours: --importance_correction = the mode (none when correction=False), --importance_cap "
+            "[_min] = clip_max [_min], a sequence mode's log-ratio summed (--importance_sequence_log_ratio sum); "
+            "left at TRL's defaults, --importance_correction applies (token_truncate, cap 2, both engines)")
 _SEQUENCE_LOSSES = _refused("the SAPO / VESPO losses are not implemented (--loss_type lists ours)")
 _CONTINUOUS = _refused("the embedded engine batches concurrent requests itself (per event loop)")
 
@@ -81,7 +85,7 @@ GRPO_FIELDS: dict[str, Field] = {
     "beta": _acts("KL coefficient against the reference model (the base model under LoRA)"),
     "num_iterations": _acts("updates per batch (proximal log-probs computed once per batch)"),
     "epsilon": _acts("lower clip of the PPO ratio"),
-    "delta": _refused("the two-sided (INTELLECT-2) clip is not in our loss yet"),
+    "delta": _acts("the two-sided (INTELLECT-2) clip: the unclipped ratio is bounded by delta too"),
     "epsilon_high": _acts("upper clip of the PPO ratio (default: epsilon)"),
     "sapo_temperature_neg": _SEQUENCE_LOSSES,
     "sapo_temperature_pos": _SEQUENCE_LOSSES,
@@ -96,7 +100,9 @@ GRPO_FIELDS: dict[str, Field] = {
                                             "advantage (TRL's default, sum_then_normalize); normalize_then_sum is "
                                             "not implemented"),
     "scale_rewards": _acts("advantage scaling: group, batch or none"),
-    "loss_type": _acts("aggregation over the global batch (grpo, dr_grpo, token_mean, seq_mean_token_sum)"),
+    "loss_type": _acts("aggregation over the global batch (grpo, dr_grpo, token_mean, seq_mean_token_sum; TRL's "
+                       "dapo = token_mean, bnpo = token_mean over the global batch, not the local one). Our default "
+                       "is grpo, TRL 1.16's dapo"),
     "mask_truncated_completions": _acts("truncated completions get no loss"),
     "sync_ref_model": _refused("the reference model is fixed (TR-DPO's reference updates are not implemented)"),
     "ref_model_mixup_alpha": _refused("the reference model is fixed (no sync_ref_model)"),
@@ -109,15 +115,15 @@ GRPO_FIELDS: dict[str, Field] = {
     "entropy_coef_delta": _ENTROPY,
     "entropy_target": _ENTROPY,
     "max_tool_calling_iterations": _refused("tool turns belong to the environment (a ToolEnv's max_turns)"),
-    "vllm_importance_sampling_correction": _refused(_IS),
-    "vllm_importance_sampling_mode": _refused(_IS),
-    "vllm_importance_sampling_clip_max": _refused(_IS),
-    "vllm_importance_sampling_clip_min": _refused(_IS),
-    "vllm_importance_sampling_cap": _refused(_IS),
-    "off_policy_mask_threshold": _refused("the off-policy sequence mask is not in our loss yet; --importance_"
-                                          "correction sequence_mask masks by the sampler ratio"),
-    "use_bias_correction_kl": _refused("our KL term is the k3 estimator on the trained tokens, without TRL's "
-                                       "importance-weighted correction; its default is accepted, False is refused"),
+    "vllm_importance_sampling_correction": _IS,
+    "vllm_importance_sampling_mode": _IS,
+    "vllm_importance_sampling_clip_max": _IS,
+    "vllm_importance_sampling_clip_min": _IS,
+    "vllm_importance_sampling_cap": _IS,
+    "off_policy_mask_threshold": _acts("DeepSeek-V3.2's off-policy sequence mask: a negative-advantage sequence "
+                                       "whose mean KL(sampler || policy) exceeds it gets no policy loss"),
+    "use_bias_correction_kl": _acts("the KL term is r * k3 (r the PPO ratio: importance-weighted to the policy "
+                                    "that sampled), TRL's default; False: plain k3"),
     "log_completions": _acts("means --log_completions_steps = --logging_steps (tables of the trained batch)"),
     "log_multimodal": _refused("text only: there are no images to log"),
     "num_completions_to_print": _acts("sample completions printed every --print_samples_every steps"),
@@ -197,6 +203,60 @@ def check_fields(config) -> None:
             )
 
 
+# TRL's loss types that are ours under another name. TRL's bnpo divides by the tokens of the local batch, an
+# approximation of the global token mean (equal with one process and one micro-batch); dapo is the global mean.
+TRL_LOSS_TYPES = {"dapo": "token_mean", "bnpo": "token_mean"}
+_TRL_ONLY_LOSSES = ("cispo", "sapo", "vespo", "luspo")
+_TRL_IS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+           "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "vllm_importance_sampling_cap")
+_TRL_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def _is_set(config, name: str) -> bool:
+    (dataclass_field,) = [f for f in dataclasses.fields(config) if f.name == name]
+    return getattr(config, name) != _default(dataclass_field)
+
+
+def trl_importance_correction(config) -> dict | None:
+    """Our importance-correction fields for the ``vllm_importance_sampling_*`` fields a user set, TRL's meaning
+    (TRL's defaults fill the unset ones): ratio exp(p - q) per token, or exp(sum_t (p - q)) per sequence; truncate
+    clamps to [clip_min, clip_max], mask zeroes outside it (no bound where None); correction=False turns it off.
+    None when none is set (ours apply as given)."""
+    if not any(_is_set(config, name) for name in _TRL_IS):
+        return None
+    if not config.vllm_importance_sampling_correction:
+        return {"importance_correction": "none"}
+    mode = config.vllm_importance_sampling_mode
+    if mode not in _TRL_IS_MODES:
+        raise ValueError(f"Unknown vllm_importance_sampling_mode {mode!r}; expected one of {', '.join(_TRL_IS_MODES)}.")
+    clip_max = config.vllm_importance_sampling_cap or config.vllm_importance_sampling_clip_max  # cap: deprecated
+    return {
+        "importance_correction": mode,
+        "importance_cap": math.inf if clip_max is None else clip_max,
+        "importance_cap_min": config.vllm_importance_sampling_clip_min,
+        "importance_sequence_log_ratio": "sum",
+    }
+
+
+def apply_trl_names(config) -> None:
+    """Carry TRL's names for what our fields do over to ours (call before validation): ``loss_type`` dapo / bnpo,
+    and the ``vllm_importance_sampling_*`` fields (``trl_importance_correction``). One of ours set to another
+    value than the TRL fields say is an error naming both."""
+    if config.loss_type in _TRL_ONLY_LOSSES:
+        raise ValueError(f"loss_type={config.loss_type!r} is one of TRL's losses that verifiers_rl does not implement; "
+                         "ours: grpo, dr_grpo, token_mean (TRL's dapo), seq_mean_token_sum.")
+    config.loss_type = TRL_LOSS_TYPES.get(config.loss_type, config.loss_type)
+    ours = trl_importance_correction(config)
+    for name, value in (ours or {}).items():
+        if _is_set(config, name) and getattr(config, name) != value:
+            trl = next(n for n in _TRL_IS if _is_set(config, n))
+            raise ValueError(
+                f"{trl} (TRL's importance correction, which sets {name}={value!r}) and {name}="
+                f"{getattr(config, name)!r} (ours) disagree: set one of them."
+            )
+        setattr(config, name, value)
+
+
 def markdown_table() -> str:
     """The README's table of GRPOConfig fields (what ``python -m verifiers_rl.grpo_fields`` prints)."""
     lines = ["| GRPOConfig field | here | how / why |", "| --- | --- | --- |"]
@@ -208,5 +268,23 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
+def write_into(path: str) -> None:
+    """Replace the table in the markdown file ``path`` (from its header row to the last row of the second table)."""
+    with open(path) as handle:
+        text = handle.read()
+    start = text.index("| GRPOConfig field | here | how / why |")
+    lines = text[start:].split("\n")
+    n = 0
+    while n < len(lines) and (lines[n].startswith("|") or (not lines[n] and n + 1 < len(lines) and lines[n + 1].startswith("|"))):
+        n += 1
+    with open(path, "w") as handle:
+        handle.write(text[:start] + markdown_table() + "\n" + "\n".join(lines[n:]))
+
+
 if __name__ == "__main__":
-    print(markdown_table())
+    import sys
+
+    if sys.argv[1:2] == ["--write"]:  # python -m verifiers_rl.grpo_fields --write README.md
+        write_into(sys.argv[2])
+    else:
+        print(markdown_table())

@@ -23,6 +23,7 @@ import torch
 LossType = Literal["grpo", "dr_grpo", "token_mean", "seq_mean_token_sum"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
+SequenceLogRatio = Literal["mean", "sum"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
 
@@ -70,10 +71,9 @@ def aggregation_weights(
     return weights
 
 
-def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
-    """Masked mean of ``values`` over each sequence, broadcast back to its positions (0 on padding).
-
-    mean_i = sum_t m_{i,t} v_{i,t} / max(sum_t m_{i,t}, 1). Differentiable in ``values``.
+def sequence_sum(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, mean: bool = False) -> torch.Tensor:
+    """Masked sum of ``values`` over each sequence (its mean when ``mean``), broadcast back to its positions (0 on
+    padding): sum_i = sum_t m_{i,t} v_{i,t}; mean_i = sum_i / max(sum_t m_{i,t}, 1). Differentiable in ``values``.
     """
     valid = seq_index >= 0
     num_sequences = int(seq_index.max().item()) + 1 if valid.any() else 0
@@ -82,11 +82,25 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Ten
     index = seq_index[valid]
     masked = (values * mask.to(values.dtype))[valid]
     sums = torch.zeros(num_sequences, dtype=values.dtype, device=values.device).index_add(0, index, masked)
-    counts = torch.zeros(num_sequences, dtype=values.dtype, device=values.device).index_add(
-        0, index, mask.to(values.dtype)[valid]
-    )
-    means = sums / counts.clamp(min=1)
-    return torch.where(valid, means[seq_index.clamp(min=0)], torch.zeros_like(values))
+    if mean:
+        counts = torch.zeros(num_sequences, dtype=values.dtype, device=values.device).index_add(
+            0, index, mask.to(values.dtype)[valid]
+        )
+        sums = sums / counts.clamp(min=1)
+    return torch.where(valid, sums[seq_index.clamp(min=0)], torch.zeros_like(values))
+
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    """Masked mean of ``values`` over each sequence, broadcast back to its positions (0 on padding)."""
+    return sequence_sum(values, mask, seq_index, mean=True)
+
+
+def policy_ratio(logps, proximal_logps, loss_mask, seq_index, level: ImportanceSamplingLevel = "token") -> torch.Tensor:
+    """r = exp(l - p) per token, or exp(mean_t m (l - p)) per sequence (GSPO), broadcast over its positions."""
+    log_ratio = logps - proximal_logps
+    if level == "sequence":
+        log_ratio = sequence_mean(log_ratio, loss_mask, seq_index)
+    return torch.exp(log_ratio)
 
 
 def clipped_surrogate(
@@ -98,17 +112,17 @@ def clipped_surrogate(
     level: ImportanceSamplingLevel = "token",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate L = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A).
+    """PPO clipped surrogate L = -min(min(r, delta) A, clip(r, 1 - eps_low, 1 + eps_high) A).
 
     r = exp(l - p) per token, or exp(mean_t m (l - p)) per sequence (GSPO) broadcast over its positions.
+    ``delta`` (INTELLECT-2's two-sided clip, TRL's ``delta``) bounds the unclipped ratio too; None = no bound.
     Returns (per-token loss, ratio, clip-active indicator).
     """
-    log_ratio = logps - proximal_logps
-    if level == "sequence":
-        log_ratio = sequence_mean(log_ratio, loss_mask, seq_index)
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
+    ratio = policy_ratio(logps, proximal_logps, loss_mask, seq_index, level)
+    bounded = ratio if delta is None else torch.clamp(ratio, max=delta)
+    unclipped = bounded * advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
     clip_active = (clipped < unclipped).to(logps.dtype)
     return -torch.minimum(unclipped, clipped), ratio, clip_active
@@ -123,16 +137,18 @@ def importance_weights(
     mode: CorrectionMode = "token_truncate",
     cap: float = 2.0,
     cap_min: float | None = None,
+    sequence_log_ratio: SequenceLogRatio = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Detached importance weight between the proximal and the sampler policy.
 
-    rho = exp(p - q) per token, or exp(mean_t m (p - q)) per sequence (length-normalised, never the sum).
+    rho = exp(p - q) per token, or per sequence exp(mean_t m (p - q)) (length-normalised, our default) or
+    exp(sum_t m (p - q)) (``sequence_log_ratio="sum"``: TRL's vllm_importance_sampling sequence modes).
     ``*_truncate``: w = min(rho, cap) (and max(., cap_min) when given); ``*_mask``: w = rho inside
     [cap_min, cap], 0 outside; ``none``: w = 1. Returns (w, rho before truncation).
     """
     log_rho = (proximal_logps - sampler_logps) * loss_mask.to(proximal_logps.dtype)
     if mode.startswith("sequence"):
-        log_rho = sequence_mean(log_rho, loss_mask, seq_index)
+        log_rho = sequence_sum(log_rho, loss_mask, seq_index, mean=sequence_log_ratio == "mean")
     rho = torch.exp(log_rho)
     if mode == "none":
         return torch.ones_like(rho), rho
@@ -147,6 +163,43 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(pi || pi_ref) per token: exp(ref - l) - (ref - l) - 1."""
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
+
+
+@torch.no_grad()
+def off_policy_keep(
+    advantages: torch.Tensor,
+    logps: torch.Tensor,
+    behaviour_logps: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_index: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``), 1 = keep, per position:
+    keep a sequence when A >= 0 or mean_t m (b - l) <= threshold, with b the behaviour (sampler) log-probs."""
+    kl = sequence_mean(torch.nan_to_num(behaviour_logps - logps.detach(), nan=0.0), loss_mask, seq_index)
+    return ((advantages >= 0) | (kl <= threshold)).to(logps.dtype)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The knobs of the per-token loss (RLConfig's, TRL's names in brackets where they differ).
+
+    ``delta``: bound on the unclipped ratio (two-sided clip); ``kl_ratio`` [use_bias_correction_kl]: the KL term is
+    r * k3, importance-weighted to the proximal policy that sampled; ``off_policy_threshold``
+    [off_policy_mask_threshold]: drop negative-advantage sequences whose mean sampler-to-policy KL exceeds it.
+    """
+
+    level: ImportanceSamplingLevel = "token"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    delta: float | None = None
+    correction: CorrectionMode = "token_truncate"
+    correction_cap: float = 2.0
+    correction_cap_min: float | None = None
+    sequence_log_ratio: SequenceLogRatio = "mean"
+    beta: float = 0.0
+    kl_ratio: bool = False
+    off_policy_threshold: float | None = None
 
 
 @dataclass
@@ -169,36 +222,37 @@ def per_token_loss(
     proximal_logps: torch.Tensor | None = None,
     sampler_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
-    level: ImportanceSamplingLevel = "token",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    correction: CorrectionMode = "token_truncate",
-    correction_cap: float = 2.0,
-    correction_cap_min: float | None = None,
-    beta: float = 0.0,
+    settings: LossSettings = LossSettings(),
+    keep: torch.Tensor | None = None,
 ) -> TokenLossTerms:
-    """z = w * L (+ beta * k3-KL): the per-token loss of SPEC §3.
+    """z = keep * o * w * L (+ beta * k3-KL, times r when ``kl_ratio``): the per-token loss of SPEC §3.
 
-    ``proximal_logps`` defaults to ``logps.detach()`` (one update per batch). The correction is skipped
-    (w = 1) when ``sampler_logps`` is None.
+    L the clipped surrogate, w the importance weight, o the off-policy sequence mask, ``keep`` any other token mask
+    (the entropy mask); the KL term is never masked (as TRL). ``proximal_logps`` defaults to ``logps.detach()``
+    (one update per batch). The correction is skipped (w = 1) when ``sampler_logps`` is None.
     """
+    s = settings
     if proximal_logps is None:
         proximal_logps = logps.detach()
-    surrogate, _, clip_active = clipped_surrogate(
-        logps, proximal_logps, advantages, loss_mask, seq_index, level, epsilon_low, epsilon_high
+    surrogate, ratio, clip_active = clipped_surrogate(
+        logps, proximal_logps, advantages, loss_mask, seq_index, s.level, s.epsilon_low, s.epsilon_high, s.delta
     )
-    if sampler_logps is not None and correction != "none":
-        weight, rho = importance_weights(
-            proximal_logps, sampler_logps, loss_mask, seq_index, correction, correction_cap, correction_cap_min
-        )
+    if sampler_logps is not None and s.correction != "none":
+        weight, rho = importance_weights(proximal_logps, sampler_logps, loss_mask, seq_index, s.correction,
+                                         s.correction_cap, s.correction_cap_min, s.sequence_log_ratio)
     else:
         weight = torch.ones_like(surrogate)
         rho = torch.ones_like(surrogate)
     loss = weight * surrogate
+    if s.off_policy_threshold is not None:
+        behaviour = sampler_logps if sampler_logps is not None else proximal_logps
+        loss = loss * off_policy_keep(advantages, logps, behaviour, loss_mask, seq_index, s.off_policy_threshold)
+    if keep is not None:
+        loss = loss * keep.to(loss.dtype)
     kl = None
-    if beta != 0.0:
+    if s.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta != 0 needs reference log-probs.")
         kl = k3_kl(logps, ref_logps)
-        loss = loss + beta * kl
+        loss = loss + s.beta * (kl * ratio if s.kl_ratio else kl)
     return TokenLossTerms(loss, clip_active, weight, rho, kl)

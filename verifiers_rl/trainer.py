@@ -30,7 +30,7 @@ from .config import RLConfig
 from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
-from .loss import LOSS_TYPES, GlobalCounts, aggregation_weights, check_choice, per_token_loss
+from .loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
 from .modeling import unwrap
 from .policy import micro_batch_logprobs
 from .preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
@@ -219,6 +219,12 @@ class RLTrainer(GRPOTrainer):
         reduce_sum = (lambda t: accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else (lambda t: t)
         zero3 = bool(self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3)
         self.metrics = StepMetrics(sink, reduce_sum)
+        self.loss_settings = LossSettings(
+            level=args.importance_sampling_level, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
+            delta=args.delta, correction=args.importance_correction, correction_cap=args.importance_cap,
+            correction_cap_min=args.importance_cap_min, sequence_log_ratio=args.importance_sequence_log_ratio,
+            beta=self.beta, kl_ratio=args.use_bias_correction_kl, off_policy_threshold=args.off_policy_mask_threshold,
+        )
         self.steps = StepBatches(self._source, args, batching_config(args, self.model, accelerator.num_processes, pad),
                                  accelerator.device, lambda: self.state.global_step)
         self.timer = StepTimer(sink, lambda: self.steps.wait_s)
@@ -381,13 +387,7 @@ class RLTrainer(GRPOTrainer):
             proximal_logps=proximal,
             sampler_logps=mb.sampler_logps,
             ref_logps=mb.ref_logps,
-            level=args.importance_sampling_level,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            correction=args.importance_correction,
-            correction_cap=args.importance_cap,
-            correction_cap_min=args.importance_cap_min,
-            beta=self.beta,
+            settings=self.loss_settings,
         )
         inputs_for_hook = LossInputs(
             logps=logps,
