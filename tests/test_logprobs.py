@@ -14,19 +14,24 @@ from verifiers_rl.synthetic import random_rollouts
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_chunked_logprobs_match_unchunked_in_fp64(chunk_size, with_bias):
+@pytest.mark.parametrize("through", ["logps", "entropy", "both"])
+def test_chunked_logprobs_match_unchunked_in_fp64(chunk_size, with_bias, through):
+    """Values, and gradients through the log-probs, the entropy (an entropy bonus) or both."""
     gen = torch.Generator().manual_seed(chunk_size)
     hidden = torch.randn(50, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     weight = torch.randn(300, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     bias = torch.randn(300, dtype=torch.float64, generator=gen, requires_grad=True) if with_bias else None
     targets = torch.randint(0, 300, (50,), generator=gen)
     upstream = torch.randn(50, dtype=torch.float64, generator=gen)
+    upstream_h = torch.randn(50, dtype=torch.float64, generator=gen)
     results = []
     for size in (None, chunk_size):
         logps, entropy = target_logprobs(hidden, weight, targets, bias=bias, temperature=0.7, chunk_size=size)
         inputs = [hidden, weight] + ([bias] if with_bias else [])
-        grads = torch.autograd.grad((logps * upstream).sum(), inputs)
-        results.append((logps.detach(), entropy, grads))
+        objective = {"logps": (logps * upstream).sum(), "entropy": (entropy * upstream_h).sum(),
+                     "both": (logps * upstream).sum() + (entropy * upstream_h).sum()}[through]
+        grads = torch.autograd.grad(objective, inputs)
+        results.append((logps.detach(), entropy.detach(), grads))
     (ref_logps, ref_entropy, ref_grads), (logps, entropy, grads) = results
     torch.testing.assert_close(logps, ref_logps, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-12, atol=1e-12)
@@ -36,6 +41,13 @@ def test_chunked_logprobs_match_unchunked_in_fp64(chunk_size, with_bias):
     logits = (hidden @ weight.T + (bias if with_bias else 0)) / 0.7
     direct = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
     torch.testing.assert_close(logps, direct.detach(), rtol=1e-12, atol=1e-12)
+    if through != "logps":  # the entropy's gradient is the entropy's: H = -sum p log p over full logits
+        probs = torch.softmax(logits, -1)
+        direct_h = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+        want = torch.autograd.grad((direct_h * upstream_h).sum() + (0 if through == "entropy" else (direct * upstream).sum()),
+                                   [hidden, weight])
+        for got, expected in zip(grads, want):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
 def test_temperature_must_be_positive():

@@ -125,6 +125,9 @@ CASES = {
                               vllm_importance_sampling_clip_max=1.5),
     "is_sequence_mask": dict(loss_type="grpo", vllm_importance_sampling_mode="sequence_mask",
                              vllm_importance_sampling_clip_min=0.2, vllm_importance_sampling_clip_max=5.0),
+    "entropy_coef": dict(loss_type="dapo", entropy_coef=0.05),
+    "top_entropy_quantile": dict(loss_type="grpo", top_entropy_quantile=0.4),
+    "entropy_quantile_and_coef": dict(loss_type="dr_grpo", top_entropy_quantile=0.6, entropy_coef=0.1, beta=0.05),
     "everything": dict(loss_type="grpo", delta=1.3, beta=0.05, off_policy_mask_threshold=0.1,
                        vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=2.0),
 }
@@ -189,6 +192,8 @@ def test_loss_and_gradient_equal_trls(tiny_model_dir, tiny_model, tmp_path, case
             i = mb.batch_positions[int(mb.seq_index[r, 0])]
             n = prompt_lengths[i] + len(rollouts[i].completion_ids)
             assert mb.input_ids[r, :n].tolist() == rollouts[i].prompt_ids + rollouts[i].completion_ids
+    if ours.entropy.masks:  # what training_step does before the first backward
+        ours.entropy.prepare(rank_batch, lambda mb: ours._logprobs(ours.model, mb).entropy)
     ours.model.train()
     our_loss = sum(ours.compute_loss(ours.model, mb) for mb in rank_batch.micro_batches)
     our_loss.backward()

@@ -73,6 +73,7 @@ RANGES: dict[str, Range] = {
     "epsilon_high": NON_NEGATIVE,
     "delta": POSITIVE,
     "off_policy_mask_threshold": NON_NEGATIVE,
+    "top_entropy_quantile": POSITIVE,
 }
 
 
@@ -387,6 +388,8 @@ class RLConfig(GRPOConfig):
             allowed.check(name, getattr(self, name))
         if self.micro_batching != "padded":
             check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
+        if self.top_entropy_quantile > 1:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}.")
         if self.max_failed_rollouts_fraction > 1:
             raise ValueError(f"max_failed_rollouts_fraction must be <= 1, got {self.max_failed_rollouts_fraction}.")
         if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:

@@ -35,7 +35,7 @@ _TRL_VLLM = _refused("TRL's own vLLM client; start ours (`python -m verifiers_rl
                      "MODEL --port PORT`) and pass --vllm_server_url http://HOST:PORT")
 _NO_SAMPLING_KNOB = ("the engines sample from the plain tempered softmax (with top_p / top_k), so the sampler's "
                      "log-probs are those of the distribution actually sampled; not implemented yet")
-_ENTROPY = _refused("entropy regularisation is not in our loss; a custom loss_fn (LossInputs) can add it")
+_ADAPTIVE = _refused("the adaptive entropy controller is not implemented; a fixed --entropy_coef acts")
 _IS = _acts("when any vllm_importance_sampling_* field is set, TRL's correction (its defaults fill the rest) "
             "replaces ours: --importance_correction = the mode (none when correction=False), --importance_cap "
             "[_min] = clip_max [_min], a sequence mode's log-ratio summed (--importance_sequence_log_ratio sum); "
@@ -107,13 +107,15 @@ GRPO_FIELDS: dict[str, Field] = {
     "sync_ref_model": _refused("the reference model is fixed (TR-DPO's reference updates are not implemented)"),
     "ref_model_mixup_alpha": _refused("the reference model is fixed (no sync_ref_model)"),
     "ref_model_sync_steps": _refused("the reference model is fixed (no sync_ref_model)"),
-    "top_entropy_quantile": _refused("every loss token is trained (no entropy mask); not implemented yet"),
-    "entropy_coef": _ENTROPY,
-    "use_adaptive_entropy": _ENTROPY,
-    "entropy_coef_min": _ENTROPY,
-    "entropy_coef_max": _ENTROPY,
-    "entropy_coef_delta": _ENTROPY,
-    "entropy_target": _ENTROPY,
+    "top_entropy_quantile": _acts("the policy loss trains only tokens whose entropy is in the top quantile of the "
+                                  "whole step batch (TRL: of each micro-batch); one extra gradient-free forward "
+                                  "per step"),
+    "entropy_coef": _acts("entropy bonus: loss - entropy_coef * mean entropy of the trained tokens of the whole batch"),
+    "use_adaptive_entropy": _ADAPTIVE,
+    "entropy_coef_min": _ADAPTIVE,
+    "entropy_coef_max": _ADAPTIVE,
+    "entropy_coef_delta": _ADAPTIVE,
+    "entropy_target": _ADAPTIVE,
     "max_tool_calling_iterations": _refused("tool turns belong to the environment (a ToolEnv's max_turns)"),
     "vllm_importance_sampling_correction": _IS,
     "vllm_importance_sampling_mode": _IS,

@@ -20,7 +20,7 @@ from .modeling import unwrap
 @dataclass
 class PolicyOutput:
     logps: torch.Tensor  # [R, T]: log pi(x_t | x_<t) where loss_mask[t] = 1, else 0
-    entropy: torch.Tensor  # [R, T], detached, same positions
+    entropy: torch.Tensor  # [R, T], same positions; differentiable (detach it for metrics)
 
 
 def splits_packed_rows(model: torch.nn.Module) -> bool:
@@ -94,15 +94,15 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             entropy[start:stop] = -probs.mul_(logsoftmax).sum(-1)
             lse_all[start:stop] = lse
             del logsoftmax, probs
-        ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse_all, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an entropy that no loss uses costs nothing in backward
         return logps, entropy
 
     @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, bias, targets, lse_all, entropy = ctx.saved_tensors
         dtype = lse_all.dtype
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -112,11 +112,18 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             else None
         )
         for start in range(0, hidden.shape[0], ctx.chunk_size):
-            stop = start + ctx.chunk_size
-            upstream = grad_logps[start:stop, None].to(dtype)
-            # d logp_target / d logits = (onehot(target) - softmax) / T, built in place in the logits buffer.
+            stop = min(start + ctx.chunk_size, hidden.shape[0])
+            # d logp_target / d z = onehot(target) - p and d H / d z = -p (log p + H), z = logits / T; then / T.
+            upstream = (grad_logps[start:stop, None].to(dtype) if grad_logps is not None
+                        else torch.zeros((stop - start, 1), dtype=dtype, device=hidden.device))
             grad_logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
-            grad_logits.sub_(lse_all[start:stop, None]).exp_().mul_(-upstream)
+            grad_logits.sub_(lse_all[start:stop, None])  # log p
+            if grad_entropy is not None:  # -p (g_logp + g_H (log p + H)); one more [chunk, V] buffer
+                factor = (grad_logits + entropy[start:stop, None]).mul_(grad_entropy[start:stop, None].to(dtype))
+                grad_logits.exp_().mul_(factor.add_(upstream).neg_())
+                del factor
+            else:
+                grad_logits.exp_().mul_(-upstream)
             grad_logits.scatter_add_(-1, targets[start:stop, None], upstream)
             grad_logits.div_(ctx.temperature)
             # Matmuls in the parameters' dtype, so a bf16 weight is never copied to fp32 whole.
@@ -159,7 +166,8 @@ def target_logprobs(
 
     logp = (h W^T + b)[target] / T - logsumexp((h W^T + b) / T). With ``chunk_size``, logits exist for
     ``chunk_size`` tokens at a time in forward and backward (the backward recomputes them); ``None`` or 0
-    computes all logits at once through autograd (the reference). Returns (logps, detached entropy).
+    computes all logits at once through autograd (the reference). Returns (logps, entropy), both differentiable:
+    H = -sum_v p_v log p_v (an entropy bonus backpropagates through it).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}.")
@@ -168,8 +176,7 @@ def target_logprobs(
     logits = _logits(hidden, weight, bias, temperature, _compute_dtype(hidden.dtype))
     logsoftmax = torch.log_softmax(logits, dim=-1)
     logps = logsoftmax.gather(-1, targets[:, None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logsoftmax.exp() * logsoftmax).sum(-1)
+    entropy = -(logsoftmax.exp() * logsoftmax).sum(-1)
     return logps, entropy
 
 

@@ -28,6 +28,7 @@ from . import compat, evaluation, progress, reporting
 from .batching import MicroBatch, RankBatch
 from .config import RLConfig
 from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
+from .entropy_terms import EntropyTerms
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
 from .loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
@@ -219,6 +220,12 @@ class RLTrainer(GRPOTrainer):
         reduce_sum = (lambda t: accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else (lambda t: t)
         zero3 = bool(self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3)
         self.metrics = StepMetrics(sink, reduce_sum)
+        gather = ((lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=-1.0)))
+                  if accelerator.num_processes > 1 else (lambda t: t))
+        self.entropy = EntropyTerms(args.top_entropy_quantile, args.entropy_coef, gather)
+        if self.entropy.masks and self.loss_fn is not None:
+            raise ValueError("top_entropy_quantile masks the built-in loss's tokens; with a custom loss_fn leave it at "
+                             "1.0 (LossInputs carries no entropy mask).")
         self.loss_settings = LossSettings(
             level=args.importance_sampling_level, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
             delta=args.delta, correction=args.importance_correction, correction_cap=args.importance_cap,
@@ -350,6 +357,8 @@ class RLTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         rank_batch = self.steps.next(lambda batch: self._fill_fixed_logprobs(model, batch))
+        if self.entropy.masks:  # the quantile of the whole batch's entropies, before the first backward
+            self.entropy.prepare(rank_batch, lambda mb: self._logprobs(model, mb).entropy)
         world_size = self.accelerator.num_processes
         deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
         self.metrics.begin_step()
@@ -388,6 +397,7 @@ class RLTrainer(GRPOTrainer):
             sampler_logps=mb.sampler_logps,
             ref_logps=mb.ref_logps,
             settings=self.loss_settings,
+            keep=self.entropy.keep(mb),
         )
         inputs_for_hook = LossInputs(
             logps=logps,
@@ -406,6 +416,8 @@ class RLTrainer(GRPOTrainer):
         else:
             result = self.loss_fn(inputs_for_hook)
             partial = result if result.dim() == 0 else inputs_for_hook.aggregate(result)
+        if self.entropy.coef:
+            partial = partial - self.entropy.bonus(mb, output.entropy)
         # Anchor every parameter in the graph, even for a micro-batch without loss tokens.
         partial = partial + 0.0 * logps.sum()
         self.metrics.add_loss_terms(mb, output.entropy, terms)

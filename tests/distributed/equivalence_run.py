@@ -36,6 +36,7 @@ CONFIGS = {
     "grpo_uneven_ranks_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1, rollouts_per_step=3, rollouts="small"),
     # TRL's loss knobs (delta, the off-policy mask, its importance correction; the KL is bias-corrected by default).
     "trl_knobs_two_iterations_packed64": dict(loss_type="dapo", num_iterations=2, beta=0.1, delta=1.2, off_policy_mask_threshold=1.0, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.5, vllm_importance_sampling_clip_max=2.0, micro_batching="packed", max_tokens_per_microbatch=64),
+    "entropy_quantile_coef_padded2": dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.05, micro_batching="padded", per_device_train_batch_size=2),
     # Prompt once per group (share_prompt_training; the configurations above run with it off).
     "grpo_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, share_prompt_training="on"),
     "dr_grpo_shared_split_padded3": dict(loss_type="dr_grpo", micro_batching="padded", per_device_train_batch_size=3, share_prompt_training="on"),
