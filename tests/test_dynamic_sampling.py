@@ -113,3 +113,29 @@ def test_replay_filters_only(tiny_model_dir, tmp_path):
     assert (logged["groups_kept"], logged["groups_dropped"]) == (2, 2)
     trained = (tmp_path / "trained.jsonl").read_text().splitlines()
     assert len(trained) == 8  # only the groups with signal reached the batch
+
+
+@pytest.mark.parametrize("shuffle_dataset", [False, True])
+def test_shuffle_dataset_false_draws_prompts_in_the_datasets_order(tiny_model_dir, tmp_path, shuffle_dataset):
+    """TRL's shuffle_dataset reaches live generation (through RLConfig and make_source): False draws the rows in
+    order, epoch after epoch; True a seeded shuffle, another each epoch."""
+    from verifiers_rl import RLConfig
+    from verifiers_rl.generator import make_source
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    env = environment(tokenizer, informative_rows=list(range(12)))
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=8))
+    config = RLConfig(output_dir=str(tmp_path), use_cpu=True, rollouts_per_step=16, num_generations=4, seed=3,
+                      shuffle_dataset=shuffle_dataset)
+    gen = make_source(config, None, env, engine)
+    try:
+        drawn = [row for index in range(6) for _, row in gen._rows_of(index)]  # two epochs of 12 rows
+        in_order = list(range(12)) * 2
+        assert (drawn == in_order) == (not shuffle_dataset)
+        if shuffle_dataset:
+            assert sorted(drawn[:12]) == list(range(12)) and drawn[:12] != drawn[12:]
+        groups = groups_of(gen.batch(0).rollouts)  # the generated batch holds those rows' prompts
+        prompts = {members[0].prompt[-1]["content"] for members in groups.values()}
+        assert prompts == {f"Say something ({row})." for row in drawn[:4]}
+    finally:
+        gen.close()

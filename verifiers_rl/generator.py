@@ -171,6 +171,7 @@ class AsyncGenerator:
         max_refill_batches: int = 3,
         max_rollout_retries: int = 2,
         max_failed_rollouts_fraction: float = 0.0,
+        shuffle: bool = True,
     ):
         # rollouts_per_step % num_generations == 0 and max_off_policy_steps >= 0 are RLConfig's rules.
         rows = list(environment.dataset)
@@ -191,6 +192,7 @@ class AsyncGenerator:
         self._stats: dict[int, dict[str, float]] = {}
         self.timeout_s = timeout_s
         self.seed = seed
+        self.shuffle = shuffle  # False: the dataset's order, epoch after epoch (TRL's shuffle_dataset)
         self.total_batches: int | None = None  # batches the run will train on; none is generated beyond them
         self._ready: dict[int, list[Rollout]] = {}
         self._next_index = 0  # the next batch to generate; every batch before it is generated
@@ -328,7 +330,8 @@ class AsyncGenerator:
             epoch, offset = divmod(position, len(self.rows))
             while len(self._order) <= epoch * len(self.rows) + offset:
                 order = list(range(len(self.rows)))
-                random.Random(self.seed + len(self._order) // len(self.rows)).shuffle(order)
+                if self.shuffle:
+                    random.Random(self.seed + len(self._order) // len(self.rows)).shuffle(order)
                 self._order.extend(order)
             row_index = self._order[epoch * len(self.rows) + offset]
             picked.append((position, row_index))
@@ -455,4 +458,5 @@ def make_source(args, given: RolloutSource | None, environment, engine) -> Rollo
         max_off_policy_steps=args.max_off_policy_steps, timeout_s=args.generation_timeout_s, seed=args.seed,
         steps_per_batch=args.num_iterations, filter_groups=filter_groups, max_refill_batches=args.max_refill_batches,
         max_rollout_retries=args.max_rollout_retries, max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
+        shuffle=args.shuffle_dataset,
     )

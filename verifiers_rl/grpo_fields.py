@@ -55,8 +55,9 @@ GRPO_FIELDS: dict[str, Field] = {
     "max_completion_length": _acts("the engine's new-token limit (the length contract, README Environments)"),
     "ds3_gather_for_generation": _refused("generation runs in its own engine; the ZeRO-3 gather for the weight "
                                           "sync is bounded by --weight_sync_bucket_mb"),
-    "shuffle_dataset": _refused("live generation always draws prompts by a shuffle seeded by --seed (exact resume "
-                                "depends on it); replay trains the file in order"),
+    "shuffle_dataset": _acts("live generation draws prompts by a shuffle seeded by --seed, each epoch anew; False: "
+                             "in the dataset's order (dynamic sampling's refills stay seeded draws); replay trains "
+                             "the file in order either way"),
     "pad_to_multiple_of": _refused("micro-batches are padded to their longest row or packed (--micro_batching)"),
     "generation_batch_size": _refused("a batch is --rollouts_per_step rollouts, one optimizer step"),
     "steps_per_generation": _refused("generation runs --max_off_policy_steps batches ahead"),
