@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from verifiers_rl.config import RLConfig
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
+from verifiers_rl.inference.factory import build_engine
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from sampling_reference import penalised, reference_logprobs, step_logits  # noqa: E402
@@ -87,4 +89,19 @@ def test_the_weight_sync_probe_stays_at_the_plain_softmax(untied):
         logits = untied.hf_model()(torch.tensor([ids])).logits[0, :-1]
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(engine.prompt_logprobs(ids)), expected, atol=ATOL, rtol=0)
+    engine.close()
+
+
+def test_rl_config_knobs_reach_the_server_through_build_engine(untied):
+    """RLConfig's fields and generation_kwargs (overriding --temperature) -> build_engine -> the server's sampler."""
+    config = RLConfig(output_dir="/tmp/unused", report_to="none", vllm_server_url=untied.url, max_completion_length=24,
+                      temperature=1.0, min_p=0.05, repetition_penalty=1.3,
+                      generation_kwargs={"temperature": 0.3, "top_k": 40, "top_p": 0.9})
+    engine = build_engine(config, untied.model_dir, None)
+    sampling = dict(temperature=0.3, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
+    assert isinstance(engine, VLLMEngine) and engine.sampling == SamplingConfig(max_new_tokens=24, **sampling)
+    model = untied.hf_model()
+    for prompt, sample in seeded(engine, range(3)):
+        expected = reference_logprobs(model, prompt, sample.token_ids, **sampling)
+        torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=ATOL, rtol=0)
     engine.close()
