@@ -1,6 +1,6 @@
 """TRL's min_p, repetition_penalty and generation_kwargs act: RLConfig carries them into the engine build_engine makes
 (embedded; the vLLM client's request payload), generation_kwargs override the fields of the same name (the trainer's
-log-prob temperature too) and any key both engines cannot honour is refused by name."""
+log-prob temperature too) and any key both engines cannot honour is refused by name; eval.py takes the same flags."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from verifiers_rl import eval as eval_cli
 from verifiers_rl.config import RLConfig
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig, VLLMEngine
 from verifiers_rl.inference.factory import build_engine, sampling_settings
@@ -87,3 +88,11 @@ def test_knobs_out_of_range_are_refused_when_the_config_is_built(knob, value):
     with pytest.raises(ValueError, match=rf"^{knob} must be"):
         config(**{knob: value})
 
+
+def test_eval_takes_the_same_sampling_flags(capsys):
+    args = eval_cli.parse_args(["--temperature", "0.8", "--top_p", "0.9", "--top_k", "20", "--min_p", "0.1",
+                                "--repetition_penalty", "1.2"])
+    assert args.sampling == SamplingConfig(**KNOBS)  # what main() gives make_engine
+    with pytest.raises(SystemExit):
+        eval_cli.parse_args(["--min_p", "1.5"])
+    assert "error: --min_p must be in [0, 1)" in capsys.readouterr().err
