@@ -16,7 +16,7 @@ from verifiers_rl.config import RLConfig
 # A value other than the default for each refused field whose default gives no obvious one (None, strings, dicts).
 SAMPLE_VALUES = {
     "router_aux_loss_coef": 0.01, "num_generations_eval": 4, "pad_to_multiple_of": 8, "generation_batch_size": 32,
-    "steps_per_generation": 4, "min_p": 0.1, "generation_kwargs": {"typical_p": 0.9},
+    "steps_per_generation": 4,
     "chat_template_kwargs": {"enable_thinking": False}, "cache_implementation": "static", "vllm_mode": "server",
     "vllm_model_impl": "transformers", "vllm_structured_outputs_regex": "a+",
     "vllm_server_base_url": "http://127.0.0.1:8000", "vllm_server_host": "127.0.0.1", "vllm_max_model_length": 512,
@@ -63,8 +63,10 @@ def test_a_refused_field_set_by_the_user_stops_with_its_name_and_reason(name):
 
 def test_defaults_and_acting_fields_are_accepted():
     config = RLConfig(output_dir="/tmp/unused", report_to="none", beta=0.04, epsilon_high=0.28, top_p=0.9, top_k=20,
-                      mask_truncated_completions=True, disable_dropout=True, num_completions_to_print=2)
+                      mask_truncated_completions=True, disable_dropout=True, num_completions_to_print=2, min_p=0.1,
+                      repetition_penalty=1.2, generation_kwargs={"top_p": 0.95})
     assert (config.beta, config.top_k, config.num_completions_to_print) == (0.04, 20, 2)
+    assert (config.min_p, config.repetition_penalty, config.top_p) == (0.1, 1.2, 0.95)
 
 
 def test_the_readme_table_is_the_codes_table():

@@ -77,6 +77,42 @@ RANGES: dict[str, Range] = {
 }
 
 
+# generation_kwargs keys both engines honour exactly; as in TRL they override the field of the same name (here by
+# setting it, so the engines and the trainer's log-prob temperature read one value).
+GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_LENGTH_KWARG = ("the completion length is --max_completion_length (checked against the environment's limits); "
+                 "set it instead")
+_GENERATION_KWARGS_REFUSED = {
+    "max_tokens": _LENGTH_KWARG,
+    "max_new_tokens": _LENGTH_KWARG,
+    "presence_penalty": "not implemented in the embedded engine",
+    "frequency_penalty": "not implemented in the embedded engine",
+    "seed": "each rollout's seed derives from --seed",
+    "n": "--num_generations sets the samples per prompt",
+    "num_return_sequences": "--num_generations sets the samples per prompt",
+    "do_sample": "the engines sample at --temperature > 0; greedy decoding (temperature 0) is for evaluation only",
+}
+
+
+def apply_generation_kwargs(config) -> None:
+    """Write ``config.generation_kwargs`` into the sampling fields it names; raise ValueError naming a key that
+    both engines cannot honour exactly (a sampler that differs from what the log-probs say biases training)."""
+    kwargs = config.generation_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a dict (a JSON object on the command line), got {kwargs!r}.")
+    for key, value in kwargs.items():
+        if key not in GENERATION_KWARGS:
+            why = _GENERATION_KWARGS_REFUSED.get(key, "not implemented in both engines (embedded and vLLM)")
+            raise ValueError(f"generation_kwargs[{key!r}] is refused: {why}. Accepted keys: "
+                             f"{', '.join(GENERATION_KWARGS)}.")
+        if isinstance(value, bool) or not isinstance(value, int if key == "top_k" else (int, float)):
+            raise ValueError(f"generation_kwargs[{key!r}] must be {'an int' if key == 'top_k' else 'a number'}, "
+                             f"got {value!r}.")
+        setattr(config, key, value)
+
+
 @dataclass
 class RLConfig(GRPOConfig):
     """GRPOConfig plus the fields of the exact, asynchronous trainer.
@@ -350,6 +386,7 @@ class RLConfig(GRPOConfig):
         self.num_generations = requested_num_generations
         self.num_generations_eval = requested_num_generations_eval
         self.steps_per_generation = 1
+        apply_generation_kwargs(self)  # after TrainingArguments parsed a JSON string into a dict
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
                 self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * launched_world_size()
@@ -408,6 +445,10 @@ class RLConfig(GRPOConfig):
                 "`python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT`)."
             )
         check_server_url(self.vllm_server_url, "vllm_server_url")
+        from .inference import SamplingConfig
+        from .inference.factory import sampling_settings
+
+        SamplingConfig(**sampling_settings(self))  # the sampling knobs' ranges (raises naming the knob)
         if not self.rollouts_path and self.rollouts_per_step % self.num_generations:
             # Live generation samples whole groups (replay takes its groups from the file, of any size).
             raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of num_generations "

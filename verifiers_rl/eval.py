@@ -8,7 +8,8 @@
 Generates with the embedded engine (or a vLLM server serving ``--model``), prints a summary table (reward, pass@1,
 pass@k, each reward function's mean, tokens, time) and writes one JSON line per rollout. The rows, seeds and
 metrics are those of the trainer's evaluation (``verifiers_rl.evaluation``): with the same ``--seed`` (the training
-run's, 42 unless set), ``-n``, ``-k`` and ``--temperature``, a checkpoint evaluates to what the run logged at its step.
+run's, 42 unless set), ``-n``, ``-k``, ``--temperature`` and the run's sampling flags (``--top_p``, ``--top_k``,
+``--min_p``, ``--repetition_penalty``), a checkpoint evaluates to what the run logged at its step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+from .inference.engine import SamplingConfig
 from .inference.vllm_http import check_server_url
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
@@ -68,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Prompts: the held-out split's first N rows (default: all of it).")
     parser.add_argument("-k", "--samples_per_prompt", type=int, default=1, help="Samples per prompt (pass@k).")
     parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature; 0 = greedy.")
+    parser.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off), as training's --top_p.")
+    parser.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off), as training's --top_k.")
+    parser.add_argument("--min_p", type=float, default=0.0, help="Min-p sampling (0 = off), as training's --min_p.")
+    parser.add_argument("--repetition_penalty", type=float, default=1.0,
+                        help="Repetition penalty (1 = off), as training's --repetition_penalty.")
     parser.add_argument("--pass_threshold", type=float, default=1.0, help="A sample passes when its reward is >= this.")
     parser.add_argument("--holdout", type=int, default=0,
                         help="Evaluate N training rows held out by a --seed shuffle (what --eval_holdout N holds out).")
@@ -87,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1, got {value}.")
     if args.temperature < 0 or args.holdout < 0:
         parser.error("--temperature and --holdout must be >= 0.")
+    try:  # the engine's settings, as training builds them (inference.factory.build_engine)
+        args.sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
+                                       repetition_penalty=args.repetition_penalty)
+    except ValueError as error:
+        parser.error(f"--{error}")
     try:
         check_server_url(args.vllm_server_url, "--vllm_server_url")
     except ValueError as error:
@@ -106,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     from .evaluation import EvalSettings, eval_rows, evaluate
     import torch
 
-    from .inference import SamplingConfig
     from .inference.factory import make_engine
     from .progress import RolloutProgress, plain_output_when_redirected
 
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         hold_out(environment, args.holdout, args.seed)
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
-    engine = make_engine(model, tokenizer, SamplingConfig(temperature=args.temperature),  # as training builds its own
+    engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
                          max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
     progress = RolloutProgress(len(rows) * settings.samples_per_prompt)

@@ -33,8 +33,6 @@ def _refused(note: str) -> Field:
 
 _TRL_VLLM = _refused("TRL's own vLLM client; start ours (`python -m verifiers_rl.inference.vllm_server --model "
                      "MODEL --port PORT`) and pass --vllm_server_url http://HOST:PORT")
-_NO_SAMPLING_KNOB = ("the engines sample from the plain tempered softmax (with top_p / top_k), so the sampler's "
-                     "log-probs are those of the distribution actually sampled; not implemented yet")
 _ADAPTIVE = _refused("the adaptive entropy controller is not implemented; a fixed --entropy_coef acts")
 _IS = _acts("when any vllm_importance_sampling_* field is set, TRL's correction (its defaults fill the rest) "
             "replaces ours: --importance_correction = the mode (none when correction=False), --importance_cap "
@@ -64,11 +62,14 @@ GRPO_FIELDS: dict[str, Field] = {
     "temperature": _acts("sampling temperature of the engines, and of the trainer's log-probs"),
     "top_p": _acts("nucleus sampling in both engines (the sampler's log-probs are of the renormalised distribution)"),
     "top_k": _acts("top-k sampling in both engines (0 = off)"),
-    "min_p": _refused(_NO_SAMPLING_KNOB),
-    "generation_kwargs": _refused(_NO_SAMPLING_KNOB),
+    "min_p": _acts("min-p sampling in both engines, after the temperature and before top-k / top-p (vLLM's order; "
+                   "the sampler's log-probs are of the renormalised distribution)"),
+    "generation_kwargs": _acts("only temperature, top_p, top_k, min_p, repetition_penalty: each overrides its field "
+                               "(the trainer's log-prob temperature too); any other key is refused by name"),
     "chat_template_kwargs": _refused("environments render their prompts with the tokenizer's template as it is; "
                                      "not passed through yet"),
-    "repetition_penalty": _refused(_NO_SAMPLING_KNOB),
+    "repetition_penalty": _acts("in both engines, on the raw logits of tokens in the prompt or generated so far "
+                                "(HF / vLLM semantics; the sampler's log-probs are of the penalised distribution)"),
     "cache_implementation": _refused("the embedded engine keeps its own KV cache (a group's prompt prefilled once)"),
     "use_vllm": _TRL_VLLM,
     "vllm_mode": _TRL_VLLM,

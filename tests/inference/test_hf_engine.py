@@ -102,6 +102,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature):
 
     def spy(**kwargs):
         kwargs["generation_config"].output_scores = True  # the processed scores the sampler drew from
+        kwargs["generation_config"].output_logits = True  # and the raw logits
         outputs.append(original_generate(**kwargs))
         return outputs[-1]
 

@@ -15,21 +15,28 @@ from typing import Iterable, Protocol, runtime_checkable
 import torch
 
 # The record environments consume lives beside them (envs know nothing of engines); re-exported from here.
-# Engines fill ``logprobs[t]`` with log softmax(logits_t / temperature)[token_ids[t]], the quantity the trainer
-# computes for the policy at the sampling temperature; the eos that ends a "stop" sample is in ``token_ids``.
+# Engines fill ``logprobs[t]`` with the log-prob of ``token_ids[t]`` under the distribution it was drawn from (the
+# ``SamplingConfig``'s, renormalised): with the defaults that is log softmax(logits_t / temperature)[token_ids[t]],
+# the quantity the trainer computes for the policy at the sampling temperature; the eos that ends a "stop" sample is
+# in ``token_ids``.
 from ..envs.sampler import FINISH_REASONS, RolloutSampling, Sample, rollout_sampling  # noqa: F401
 
 
 @dataclass
 class SamplingConfig:
-    """How an engine samples. ``temperature=0`` is greedy. ``top_k=0`` and ``top_p=1.0`` sample from the full
-    softmax, which is what the trainer's log-probs describe; narrower settings make the sampler's distribution
-    differ from the one the importance weights assume."""
+    """How an engine samples, in vLLM's order: ``repetition_penalty`` on the raw logits (over the row's prompt and
+    generated tokens, HF's ``RepetitionPenaltyLogitsProcessor``), ``temperature``, then ``min_p``, ``top_k``,
+    ``top_p``. ``temperature=0`` is greedy (the argmax of the penalised logits; the filters do not apply). The
+    defaults (``repetition_penalty=1``, ``min_p=0``, ``top_k=0``, ``top_p=1``) sample from the full tempered softmax,
+    which is what the trainer's log-probs describe; other settings make the sampler's distribution differ from it,
+    and the engines' log-probs are those of the distribution sampled (the importance correction divides by them)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 256
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -40,6 +47,10 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}.")
+        if not 0.0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}.")
 
     def new_tokens(self, max_new_tokens: int | None) -> int:
         """A call's ``max_new_tokens``, ``self.max_new_tokens`` when None; raises when < 1."""

@@ -30,15 +30,17 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     return engine
 
 
+def sampling_settings(config) -> dict:
+    """``SamplingConfig`` keywords from ``config`` (an ``RLConfig``: its ``generation_kwargs`` are already written
+    into these fields), all but the length."""
+    return dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0,
+                min_p=config.min_p or 0.0, repetition_penalty=config.repetition_penalty)
+
+
 def build_engine(config, model: str, tokenizer):
     """The engine for ``config`` (an ``RLConfig``), built on the main process only: its sampling settings, and with
     ``vllm_server_url`` a client that accepts weight loads as the config's transfer says."""
-    sampling = SamplingConfig(
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k or 0,
-        max_new_tokens=config.max_completion_length,
-    )
+    sampling = SamplingConfig(**sampling_settings(config), max_new_tokens=config.max_completion_length)
     vllm = dict(
         max_concurrency=config.vllm_max_concurrency,
         request_timeout_s=config.vllm_request_timeout_s,

@@ -23,31 +23,54 @@ from .staged_weights import StagedWeights
 
 class RowSampler:
     """A logits processor that samples every row of a batch on its own: the scores it returns have their argmax
-    at argmax_v(logits_v / T + g_v), g_v ~ Gumbel(0, 1), after top-k / top-p filtering, so greedy decoding over
-    them draws exactly from softmax(logits / T) restricted as top-k / top-p say (the Gumbel-max trick). A row
-    with a seed draws its noise from its own generator: its tokens do not depend on the rows it is batched with
-    or on global random state. Rows with temperature 0 keep their logits (greedy).
+    at argmax_v(l_v + g_v), g_v ~ Gumbel(0, 1), where l is the row's sampling distribution as logits (below), so
+    greedy decoding over them draws exactly from softmax(l) (the Gumbel-max trick). A row with a seed draws its
+    noise from its own generator: its tokens do not depend on the rows it is batched with or on global random state.
+
+    l is vLLM's: the repetition penalty on the raw logits (HF's processor, over the row's prompt and generated
+    tokens, its left padding skipped), then / T, then min-p, top-k, top-p (HF's warpers). Rows with temperature 0
+    take the argmax of the penalised logits (greedy), and their l is those logits (the filters do not apply, as in
+    vLLM). ``processed`` keeps every step's l, for the log-probs of what was sampled.
     """
 
-    def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float):
-        from transformers import TopKLogitsWarper, TopPLogitsWarper
+    def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float,
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, pad_lengths: list[int] | None = None):
+        from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
 
         self.temperatures = torch.tensor(temperatures, dtype=torch.float32)
         self.generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
-        self.filters = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        # vLLM's order (min-p before top-k / top-p): both engines then sample from the same distribution.
+        self.filters = [MinPLogitsWarper(float(min_p))] if min_p else []
+        self.filters += ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+        pad = torch.tensor(pad_lengths or [0] * len(temperatures))  # left padding is no token of the row's text
+        self.penalty = (None if repetition_penalty == 1 else
+                        RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=pad))
+        self.processed: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logits = scores.float() if self.penalty is None else self.penalty(input_ids, scores.float())
         sampled = (self.temperatures > 0).to(scores.device)
         if not bool(sampled.any()):
-            return scores
+            self.processed.append(logits)
+            return logits
         temperature = torch.where(sampled, self.temperatures.to(scores.device), 1.0)
-        filtered = scores.float() / temperature[:, None]
+        filtered = logits / temperature[:, None]
         for keep in self.filters:
             filtered = keep(input_ids, filtered)
+        self.processed.append(torch.where(sampled[:, None], filtered, logits))
         vocab = scores.shape[-1]
         uniform = torch.stack([torch.rand(vocab, generator=generator) for generator in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
-        return torch.where(sampled[:, None], filtered + gumbel.to(scores.device), scores.float())
+        return torch.where(sampled[:, None], filtered + gumbel.to(scores.device), logits)
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[rows, steps]`` log-probs of ``tokens`` (the generated ids) under the distribution each was drawn from,
+        one step at a time (never a [rows, steps, vocab] copy)."""
+        return torch.stack(
+            [torch.log_softmax(step, dim=-1).gather(-1, tokens[:, t, None].to(step.device))[:, 0].cpu()
+             for t, step in enumerate(self.processed)],
+            dim=1,
+        )
 
 
 class EmbeddedEngine:
@@ -56,7 +79,7 @@ class EmbeddedEngine:
     Args:
         model: a model (deep-copied, wrappers removed) or a name/folder for ``AutoModelForCausalLM``.
         tokenizer: a tokenizer or a name/folder (default: the model's folder); gives the pad and eos ids.
-        sampling: temperature / top_p / top_k / default ``max_new_tokens``.
+        sampling: temperature / top_p / top_k / min_p / repetition_penalty / default ``max_new_tokens``.
         max_batch_size: most requests per ``generate`` call.
         dtype: when loading from a name/folder (default float32).
         generate_in_loop_thread: run ``generate`` on the event loop's own thread (blocking the loop meanwhile)
@@ -66,9 +89,10 @@ class EmbeddedEngine:
         share_prompt_prefill: requests of one ``generate`` call that share a prompt (a group) prefill it once and
             decode from copies of its keys/values.
 
-    Log-probs are those of the full softmax at the sampling temperature, from the raw logits (with temperature 0,
-    greedy decoding, at temperature 1). ``generate`` keeps every step's logits until it returns:
-    ``max_batch_size x max_new_tokens x vocab x 4`` bytes at most.
+    Log-probs are those of the distribution each token was drawn from (``RowSampler``: the penalised, tempered,
+    filtered and renormalised softmax; with the default ``sampling``, the full softmax at the sampling temperature;
+    with temperature 0, greedy decoding, the penalised logits at temperature 1). The sampler keeps every step's
+    logits until ``generate`` returns: ``max_batch_size x max_new_tokens x vocab x 4`` bytes at most.
     """
 
     def __init__(
@@ -161,7 +185,6 @@ class EmbeddedEngine:
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             do_sample=False,
-            output_logits=True,
             return_dict_in_generate=True,
         )
 
@@ -171,15 +194,15 @@ class EmbeddedEngine:
         from transformers import LogitsProcessorList
 
         prompts, max_new_tokens = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
-        temperatures = [r.temperature for r in requests]
-        sampler = RowSampler(temperatures, [r.seed for r in requests], self.sampling.top_k, self.sampling.top_p)
+        width, s = max(len(p) for p in prompts), self.sampling
+        sampler = RowSampler([r.temperature for r in requests], [r.seed for r in requests], s.top_k, s.top_p,
+                             s.min_p, s.repetition_penalty, pad_lengths=[width - len(p) for p in prompts])
         with self._lock:
             if self._closed:
                 raise EngineClosedError("The engine was closed while requests were waiting.")
             self.generate_calls += 1
             self.requests_served += len(prompts)
             device = self.model.get_input_embeddings().weight.device
-            width = max(len(p) for p in prompts)
             input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros_like(input_ids)
             for row, prompt in enumerate(prompts):
@@ -196,18 +219,7 @@ class EmbeddedEngine:
                 synced_gpus=False,
             )
             tokens = output.sequences[:, width:].cpu()
-            # Greedy rows report log-probs at temperature 1.
-            temperature = torch.tensor([t or 1.0 for t in temperatures], dtype=torch.float32)[:, None]
-            # One step at a time: never a [batch, steps, vocab] copy of the logits.
-            logprobs = torch.stack(
-                [
-                    torch.log_softmax(step.float() / temperature.to(step.device), dim=-1)
-                    .gather(-1, tokens[:, t, None].to(step.device))[:, 0]
-                    .cpu()
-                    for t, step in enumerate(output.logits)
-                ],
-                dim=1,
-            )
+            logprobs = sampler.logprobs(tokens)
         eos = set(self.eos_token_ids)
         samples = []
         for row, limit in enumerate(max_new_tokens):

@@ -51,7 +51,7 @@ class VLLMEngine:
         base_url: the server, e.g. ``http://127.0.0.1:8000`` (a trailing ``/v1`` is accepted).
         model: the model the server must serve (its served name, or the folder/hub id it was started with);
             ``None`` accepts whatever single model it serves.
-        sampling: temperature / top_p / top_k / default ``max_new_tokens``.
+        sampling: temperature / top_p / top_k / min_p / repetition_penalty / default ``max_new_tokens``.
         max_concurrency: most requests in flight per event loop (the server batches them).
         request_timeout_s: longest wait for one HTTP request.
         max_retries: further attempts after a connection error or HTTP 5xx, with exponential backoff
@@ -69,8 +69,9 @@ class VLLMEngine:
         require_weight_sync: ``check()`` also verifies the server can load weights (dev mode + our extension).
         wait_s: ``check()`` keeps trying this long for a server that is still starting.
 
-    Log-probs are the sampler's, at the sampling temperature (the server must run with
-    ``--logprobs-mode processed_logprobs``; ``vllm_server`` does). Like the embedded engine, ``temperature=0``
+    Log-probs are the sampler's: of the distribution sampled (repetition penalty, temperature, min-p, top-k, top-p,
+    renormalised), as the embedded engine's (the server must run with ``--logprobs-mode processed_logprobs``;
+    ``vllm_server`` does). Like the embedded engine, ``temperature=0``
     is greedy with log-probs at temperature 1, and a rollout's ``RolloutSampling`` (seed, temperature) applies
     to its calls. Methods other than ``sample`` and ``chat`` are blocking (call them outside the event loop).
     """
@@ -183,8 +184,8 @@ class VLLMEngine:
             "temperature": temperature,
             "top_p": s.top_p,
             "top_k": s.top_k if s.top_k > 0 else -1,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
+            "min_p": s.min_p,
+            "repetition_penalty": s.repetition_penalty,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
             "n": 1,
@@ -223,7 +224,7 @@ class VLLMEngine:
         check_open(self._closed)
         token_ids = check_token_ids(token_ids, self.vocab_size, "token_ids", min_length=2)
         sampling = self._sampling_payload(1.0)
-        sampling.update(top_p=1.0, top_k=-1)
+        sampling.update(top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0)  # the plain softmax the probe compares
         payload = {"prompt": token_ids, "max_tokens": 1, "prompt_logprobs": 0, **sampling}
         data = self.http.request("POST", "/v1/completions", payload)
         try:
