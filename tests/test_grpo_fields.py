@@ -95,3 +95,27 @@ def test_the_command_line_parser_defaults_pass():
 
     _, config = build_parser().parse_args_and_config(args=["--output_dir", "/tmp/unused"])
     assert config.include_num_input_tokens_seen == "no"
+
+
+def test_trls_names_map_onto_ours_and_a_conflict_is_refused():
+    def config(**values):
+        return RLConfig(output_dir="/tmp/unused", report_to="none", **values)
+
+    assert config(loss_type="dapo").loss_type == config(loss_type="bnpo").loss_type == "token_mean"
+    with pytest.raises(ValueError, match="loss_type='cispo' is one of TRL's losses"):
+        config(loss_type="cispo")
+    mapped = config(vllm_importance_sampling_mode="sequence_mask", vllm_importance_sampling_clip_min=0.2)
+    assert (mapped.importance_correction, mapped.importance_cap, mapped.importance_cap_min,
+            mapped.importance_sequence_log_ratio) == ("sequence_mask", 3.0, 0.2, "sum")  # TRL's clip_max default
+    unbounded = config(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=None)
+    assert unbounded.importance_cap == float("inf")
+    assert config(vllm_importance_sampling_correction=False).importance_correction == "none"
+    ours = config()  # TRL's fields at their defaults: ours apply
+    assert (ours.importance_correction, ours.importance_cap, ours.importance_sequence_log_ratio) == (
+        "token_truncate", 2.0, "mean")
+    assert config(vllm_importance_sampling_mode="token_mask", importance_correction="token_mask").importance_cap == 3.0
+    # (One of ours at its default cannot be told from one left unset: TRL's fields then decide.)
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode .*importance_correction='sequence_truncate'"):
+        config(vllm_importance_sampling_mode="token_mask", importance_correction="sequence_truncate")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max .*importance_cap=1.5"):
+        config(vllm_importance_sampling_clip_max=5.0, importance_cap=1.5)
