@@ -15,7 +15,7 @@ import torch
 
 from .batching import MicroBatch, RankBatch
 
-_SENTINEL = -1.0  # entropies are >= 0: padding of the cross-rank gather
+GATHER_PAD = -1.0  # entropies are >= 0: the padding of the cross-rank gather
 
 
 def entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
@@ -54,7 +54,7 @@ class EntropyTerms:
         entropies = [entropy_of(mb) for mb in rank_batch.micro_batches]
         local = torch.cat([h[mb.loss_mask > 0].float() for h, mb in zip(entropies, rank_batch.micro_batches)])
         everything = self.gather(local)
-        everything = everything[everything != _SENTINEL]
+        everything = everything[everything != GATHER_PAD]
         threshold = entropy_threshold(everything, self.quantile)
         self._effective_tokens = int((everything >= threshold).sum())
         for h, mb in zip(entropies, rank_batch.micro_batches):

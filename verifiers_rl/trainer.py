@@ -28,7 +28,7 @@ from . import compat, evaluation, progress, reporting
 from .batching import MicroBatch, RankBatch
 from .config import RLConfig
 from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
-from .entropy_terms import EntropyTerms
+from .entropy_terms import GATHER_PAD, EntropyTerms
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
 from .loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
@@ -220,7 +220,7 @@ class RLTrainer(GRPOTrainer):
         reduce_sum = (lambda t: accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else (lambda t: t)
         zero3 = bool(self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3)
         self.metrics = StepMetrics(sink, reduce_sum)
-        gather = ((lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=-1.0)))
+        gather = ((lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=GATHER_PAD)))
                   if accelerator.num_processes > 1 else (lambda t: t))
         self.entropy = EntropyTerms(args.top_entropy_quantile, args.entropy_coef, gather)
         if self.entropy.masks and self.loss_fn is not None:
