@@ -7,6 +7,7 @@ gaps are ~1e-6, the tests allow 1e-4.
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 
@@ -29,6 +30,10 @@ def run(coro):
 
 async def sample_many(engine, n, max_new_tokens, prompt=PROMPT):
     return await asyncio.gather(*(engine.sample(prompt, max_new_tokens) for _ in range(n)))
+
+
+async def sample_each(engine, prompts, max_new_tokens):
+    return await asyncio.gather(*(engine.sample(prompt, max_new_tokens) for prompt in prompts))
 
 
 async def in_rollout(seed, temperature, call):
@@ -355,10 +360,14 @@ def test_any_event_loop_and_thread(untied):
 
 
 def test_request_timeout_is_a_clear_error(untied):
-    # 1 ms: less than any completion takes (a random model may stop at its eos after a token or two).
+    # 1 ms against 32 concurrent 400-token prompts never seen before: the server cannot answer them all within it.
+    # (One short request was flaky in CI: a random model may stop at its eos at once, and a loop busy for over
+    # 1 ms can see the answer before the deadline.)
     engine = VLLMEngine(untied.url, model=untied.model_dir, request_timeout_s=0.001)
+    rng = random.Random(time.time_ns())
+    prompts = [[rng.randrange(3, 200) for _ in range(400)] for _ in range(32)]
     started = time.monotonic()
     with pytest.raises(VLLMError, match=rf"{untied.url} did not answer POST /v1/completions within 0.001 s"):
-        run(engine.sample([5, 6], 400))
+        run(sample_each(engine, prompts, 100))
     assert time.monotonic() - started < 5
     engine.close()
