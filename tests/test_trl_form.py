@@ -4,6 +4,7 @@ import changed: standard and conversational prompts, extra columns, None rewards
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -85,6 +86,30 @@ def test_a_trl_script_trains_with_only_the_import_changed(tiny_model_dir, tmp_pa
     logged = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert "rewards/letters_like_target/mean" in logged[0] and "rewards/only_math/std" in logged[0]
     assert "completions/mean_length" in logged[0]
+
+
+def test_normalize_then_sum_trains_the_standardised_objectives(tiny_model_dir, tmp_path):
+    from verifiers_rl.batching import normalize_then_sum_advantages
+
+    trainer = RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target, only_math],
+                        args=config(tmp_path, max_steps=1, reward_weights=[1.0, 0.5],
+                                    multi_objective_aggregation="normalize_then_sum"),
+                        train_dataset=Dataset.from_list(rows(False)))
+    planned = []
+    plan = trainer.steps.plan
+    trainer.steps.plan = lambda index: planned.append(plan(index)) or planned[-1]  # records what was trained
+    trainer.train()
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    values = [[r.metrics.get(name, float("nan")) for name in ("letters_like_target", "only_math")] for r in seen]
+    expected = normalize_then_sum_advantages(values, [1.0, 0.5], [r.group_id for r in seen])
+    trained = {mb.batch_positions[int(mb.seq_index[row, 0])]: float(mb.advantages[row][mb.loss_mask[row] > 0][0])
+               for mb in planned[0][0].micro_batches for row in range(mb.input_ids.shape[0])
+               if mb.loss_mask[row].any()}
+    assert trained and all(trained[i] == pytest.approx(expected[i], abs=1e-6) for i in trained)
+    assert any(math.isnan(v) for row in values for v in row), "a function that does not apply to some rows"
+    with pytest.raises(ValueError, match="normalize_then_sum standardises each of TRL-style reward_funcs"):
+        RLTrainer(tiny_model_dir, config(tmp_path, multi_objective_aggregation="normalize_then_sum"),
+                  rollout_source=[])
 
 
 def test_a_reward_model_scores_like_its_first_logit(tiny_model_dir, tmp_path):

@@ -205,3 +205,29 @@ def test_loss_and_gradient_equal_trls(tiny_model_dir, tiny_model, tmp_path, case
     errors = {name: float((our_grads[name] - grad).abs().max()) / (float(grad.abs().max()) + 1e-8)
               for name, grad in trl_grads.items()}
     assert max(errors.values()) < 1e-4, (case, errors)
+
+
+def shorter_for_ten(prompts, completions, **kwargs):
+    """A second objective, on one task only (None elsewhere: TRL's multi-task convention)."""
+    return [None if prompt.endswith("two.") else -0.3 * len(text) for prompt, text in zip(prompts, completions)]
+
+
+def test_normalize_then_sum_advantages_equal_trls(tiny_model_dir, tiny_model, tmp_path):
+    from verifiers_rl.batching import compute_advantages, normalize_then_sum_advantages
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    weights = [1.0, 0.5]
+    trl = GRPOTrainer(model=copy.deepcopy(tiny_model), reward_funcs=[vowels, shorter_for_ten],
+                      processing_class=tokenizer, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                      args=GRPOConfig(**_common(tmp_path, "trl"), reward_weights=weights,
+                                      multi_objective_aggregation="normalize_then_sum"))
+    batch = _trl_batch(trl)
+    texts = tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
+    prompts = [prompt for prompt in PROMPTS for _ in range(GENERATIONS)]
+    columns = [vowels(texts), shorter_for_ten(prompts, texts)]
+    values = [[float("nan") if f[i] is None else f[i] for f in columns] for i in range(len(texts))]
+    groups = [i // GENERATIONS for i in range(len(texts))]
+    ours = torch.tensor(normalize_then_sum_advantages(values, weights, groups), dtype=torch.float64)
+    torch.testing.assert_close(ours, batch["advantages"].double(), rtol=1e-5, atol=1e-5)
+    summed = [sum(w * v for w, v in zip(weights, row) if v == v) for row in values]
+    assert (torch.tensor(compute_advantages(summed, groups)) - ours).abs().max() > 0.05, "the two modes differ here"

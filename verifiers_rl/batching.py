@@ -61,6 +61,47 @@ def compute_advantages(rewards: list[float], group_ids: list, scale_rewards: Sca
     return advantages.tolist()
 
 
+def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """Unbiased standard deviation over the non-NaN entries (TRL's ``nanstd``: NaN where fewer than two)."""
+    count = (~values.isnan()).sum(dim)
+    centred = values - torch.nanmean(values, dim, keepdim=True)
+    return (torch.nanmean(centred**2, dim) * count / (count - 1)).sqrt()
+
+
+def normalize_then_sum_advantages(values: list[list[float]], weights: list[float], group_ids: list) -> list[float]:
+    """TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO): each reward function standardised in its
+    group, weighted and summed, then the sums standardised over the batch:
+
+        s_i = sum_k w_k (v_ik - mean_g(i) v_k) / (std_g(i) v_k + 1e-4)   over the functions that apply to i,
+        A_i = (s_i - mean s) / (std s + 1e-4).
+
+    ``values[i][k]`` is function k's value for rollout i, NaN where it does not apply (TRL's None); a function with
+    fewer than two values in a group adds nothing there, a group of one rollout has s = 0. Standard deviations are
+    unbiased (TRL's ``nanstd``); ``scale_rewards`` does not apply (TRL ignores it in this mode).
+    """
+    table = torch.tensor(values, dtype=torch.float64).reshape(len(values), len(weights))
+    sums = torch.zeros(len(values), dtype=torch.float64)
+    for members in group_by_id(range(len(group_ids)), group_ids.__getitem__):
+        grouped = table[members]
+        if len(members) > 1:
+            standardised = (grouped - torch.nanmean(grouped, 0)) / (_nanstd(grouped, 0) + ADVANTAGE_EPS)
+            sums[members] = torch.nansum(standardised * torch.tensor(weights, dtype=torch.float64), 1)
+    batch_std = sums.std() if len(values) > 1 else torch.tensor(0.0, dtype=torch.float64)
+    return ((sums - sums.mean()) / (batch_std + ADVANTAGE_EPS)).tolist()
+
+
+def batch_advantages(rollouts: list[Rollout], scale_rewards: ScaleRewards = "group",
+                     reward_functions: tuple[tuple[str, float], ...] = ()) -> list[float]:
+    """The step batch's advantages: ``compute_advantages`` of the rewards, or, when ``reward_functions`` (name,
+    weight) are given, ``normalize_then_sum_advantages`` of those functions' values in each rollout's metrics (a
+    function missing from a rollout's metrics did not apply to it)."""
+    group_ids = [r.group_id for r in rollouts]
+    if not reward_functions:
+        return compute_advantages([float(r.reward) for r in rollouts], group_ids, scale_rewards)
+    values = [[float(r.metrics.get(name, math.nan)) for name, _ in reward_functions] for r in rollouts]
+    return normalize_then_sum_advantages(values, [w for _, w in reward_functions], group_ids)
+
+
 @dataclass
 class TrainSequence:
     """One rollout as the trainer sees it: prompt + completion, masks aligned to token positions.
@@ -399,6 +440,8 @@ class BatchingConfig:
     overlong: OverlongPolicy = "error"
     mask_truncated_completions: bool = False
     scale_rewards: ScaleRewards = "group"
+    # (name, weight) of TRL-style reward functions: advantages by normalize_then_sum; empty: of the summed reward.
+    reward_functions: tuple[tuple[str, float], ...] = ()
     pad_token_id: int = 0
     share_prompt_training: str = "off"
     attention_cost: float = 0.0  # one attention cell's cost in token units (``prefix.modelled_cost``), for auto
@@ -428,7 +471,7 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
     if not rollouts:
         raise ValueError("A batch needs at least one rollout.")
     rewards = [float(r.reward) for r in rollouts]
-    advantages = compute_advantages(rewards, [r.group_id for r in rollouts], config.scale_rewards)
+    advantages = batch_advantages(rollouts, config.scale_rewards, config.reward_functions)
     sequences = prepare_sequences(
         rollouts, advantages, config.max_seq_len, config.overlong, config.mask_truncated_completions
     )

@@ -98,9 +98,10 @@ GRPO_FIELDS: dict[str, Field] = {
     "importance_sampling_level": _acts("token or sequence (GSPO) ratio"),
     "reward_weights": _acts("weights of TRL-style reward_funcs (RLTrainer(reward_funcs=..., train_dataset=...)); "
                             "with an environment its rubric weights its own functions, and a value is refused"),
-    "multi_objective_aggregation": _refused("rewards are summed with their weights, then normalised per group by the "
-                                            "advantage (TRL's default, sum_then_normalize); normalize_then_sum is "
-                                            "not implemented"),
+    "multi_objective_aggregation": _acts("sum_then_normalize: the weighted sum of the rewards, normalised by "
+                                         "--scale_rewards; normalize_then_sum (TRL-style reward_funcs only): each "
+                                         "function standardised in its group, weighted, summed, then standardised "
+                                         "over the step batch (TRL's formula; --scale_rewards does not apply)"),
     "scale_rewards": _acts("advantage scaling: group, batch or none"),
     "loss_type": _acts("aggregation over the global batch (grpo, dr_grpo, token_mean, seq_mean_token_sum; TRL's "
                        "dapo = token_mean, bnpo = token_mean over the global batch, not the local one). Our default "

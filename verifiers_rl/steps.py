@@ -25,9 +25,11 @@ from .rollouts import Rollout, append_rollouts
 logger = logging.getLogger(__name__)
 
 
-def batching_config(args: RLConfig, model, world_size: int, pad_token_id: int) -> BatchingConfig:
+def batching_config(args: RLConfig, model, world_size: int, pad_token_id: int,
+                    reward_functions: tuple[tuple[str, float], ...] = ()) -> BatchingConfig:
     """The run's ``BatchingConfig``: the config's knobs, resolved against the model's attention kernel (a
-    flash/varlen kernel splits packed rows by position ids, but cannot take the shared rows' tree mask)."""
+    flash/varlen kernel splits packed rows by position ids, but cannot take the shared rows' tree mask);
+    ``reward_functions``: what normalize_then_sum standardises (``trainer._normalized_reward_functions``)."""
     varlen = splits_packed_rows(model)
     share = args.share_prompt_training
     return BatchingConfig(
@@ -40,6 +42,7 @@ def batching_config(args: RLConfig, model, world_size: int, pad_token_id: int) -
         overlong=args.overlong,
         mask_truncated_completions=args.mask_truncated_completions,
         scale_rewards=args.scale_rewards,
+        reward_functions=reward_functions,
         pad_token_id=pad_token_id,
         # "on" with a varlen kernel is left as asked: it then fails with the flag's name.
         share_prompt_training="off" if share == "auto" and varlen else share,

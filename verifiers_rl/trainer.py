@@ -112,6 +112,19 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
     return environment
 
 
+def _normalized_reward_functions(args, environment) -> tuple[tuple[str, float], ...]:
+    """(name, weight) of the reward functions ``multi_objective_aggregation=normalize_then_sum`` standardises one by
+    one (``batching.normalize_then_sum_advantages``); empty for TRL's default, sum_then_normalize."""
+    if args.multi_objective_aggregation != "normalize_then_sum":
+        return ()
+    names = getattr(environment, "reward_names", None)
+    if not names:
+        raise ValueError("multi_objective_aggregation=normalize_then_sum standardises each of TRL-style reward_funcs "
+                         "(RLTrainer(reward_funcs=..., train_dataset=...)) on its own; an environment or a rollout "
+                         "file gives one reward per rollout: leave it at sum_then_normalize.")
+    return tuple(zip(names, environment.reward_weights))
+
+
 def _unused_reward(completions, **kwargs):
     """Rewards come with the rollouts; TRL's constructor still asks for a reward function."""
     return [0.0] * len(completions)
@@ -169,6 +182,7 @@ class RLTrainer(GRPOTrainer):
             raise ValueError("reward_weights weights TRL-style reward_funcs; an environment's rubric weights its own "
                              "functions (set them there).")
         self.engine = engine
+        self._reward_functions = _normalized_reward_functions(args, environment)
         self.live = environment is not None  # on every rank (only the main process holds the generator)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
@@ -232,7 +246,8 @@ class RLTrainer(GRPOTrainer):
             correction_cap_min=args.importance_cap_min, sequence_log_ratio=args.importance_sequence_log_ratio,
             beta=self.beta, kl_ratio=args.use_bias_correction_kl, off_policy_threshold=args.off_policy_mask_threshold,
         )
-        self.steps = StepBatches(self._source, args, batching_config(args, self.model, accelerator.num_processes, pad),
+        batching = batching_config(args, self.model, accelerator.num_processes, pad, self._reward_functions)
+        self.steps = StepBatches(self._source, args, batching,
                                  accelerator.device, lambda: self.state.global_step)
         self.timer = StepTimer(sink, lambda: self.steps.wait_s)
         self.checkpoints = RunCheckpoints(

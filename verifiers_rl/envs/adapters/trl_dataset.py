@@ -197,6 +197,10 @@ class RewardFunctionsEnv(Environment):
                                             for f, n in zip(self.reward_funcs, self.reward_names)))
         except Exception as error:
             raise RolloutError(f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}") from error
+        shadowing = sorted(set(logged) & set(self.reward_names))
+        if shadowing:  # a rollout's metric under a function's name is that function's value (normalize_then_sum)
+            raise RolloutError(f"{self.name}: log_metric names {shadowing} are reward functions' names; "
+                               "log under another name.")
         for i, rollout in enumerate(rollouts):
             column = [value[i] for value in values]
             if all(v is None for v in column):
