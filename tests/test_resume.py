@@ -95,6 +95,51 @@ def test_replay_resume_part_way_through_a_batch_equals_the_uninterrupted_run(bac
     assert_equal_parameters(tmp_path / "resumed", tmp_path / "full", initial=checkpoint)
 
 
+def saved_reference(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's reference model under model.safetensors' names (the tiny model ties its output layer to the
+    input embedding: HF keeps the embedding's name, safetensors' save_model the output layer's)."""
+    weights = load_file(checkpoint / "reference_model.safetensors")
+    weights["model.embed_tokens.weight"] = weights.pop("lm_head.weight")
+    return weights
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["single", "zero3"])
+def test_a_synced_reference_model_mixes_as_trl_says_and_resumes_exactly(backend, tiny_model_dir, rollouts_file,
+                                                                       tmp_path):
+    """--sync_ref_model (TRL's callback): the reference becomes alpha * policy + (1 - alpha) * reference every
+    ref_model_sync_steps steps; the checkpoint keeps it, so a run resumed between two mixes (its KL term against the
+    mixed reference) ends with the uninterrupted run's parameters and reference."""
+    prefix = [sys.executable] if backend == "single" else accelerate(f"{backend}_cpu.yaml")
+    args = ["--model", tiny_model_dir, "--rollouts_path", str(rollouts_file), "--rollouts_per_step", "8",
+            "--max_steps", "5", "--beta", "0.5", "--sync_ref_model", "true", "--ref_model_sync_steps", "2",
+            "--ref_model_mixup_alpha", "0.5", "--save_strategy", "steps", "--save_steps", "1"]
+    run(prefix, tmp_path / "full", args, tmp_path / "full.log")
+    full = tmp_path / "full"
+    initial = load_file(Path(tiny_model_dir) / "model.safetensors")
+    policy = {step: final_parameters(full / f"checkpoint-{step}") for step in (2, 4)}
+    reference = {step: saved_reference(full / f"checkpoint-{step}") for step in (1, 2, 3, 4)}
+    for name, start in initial.items():
+        mixed2 = 0.5 * policy[2][name] + 0.5 * start
+        torch.testing.assert_close(reference[1][name], start)  # no mix before step 2
+        torch.testing.assert_close(reference[2][name], mixed2, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(reference[3][name], mixed2)
+        torch.testing.assert_close(reference[4][name], 0.5 * policy[4][name] + 0.5 * mixed2, rtol=1e-6, atol=1e-7)
+    assert max(float((reference[2][k] - initial[k]).abs().max()) for k in initial) > 1e-4, "the mix moved it"
+
+    checkpoint = full / "checkpoint-3"
+    run(prefix, tmp_path / "resumed", args + ["--resume_from_checkpoint", str(checkpoint)], tmp_path / "resumed.log")
+    assert_equal_parameters(tmp_path / "resumed", full, initial=checkpoint)
+    resumed, want = saved_reference(tmp_path / "resumed" / "checkpoint-5"), saved_reference(full / "checkpoint-5")
+    assert want.keys() == initial.keys() and all(torch.equal(resumed[k], want[k]) for k in want)
+    if backend == "single":  # a checkpoint without the reference (its run's stayed the initial model) is refused
+        plain = [a for a in args if a not in ("--sync_ref_model", "true")]
+        run(prefix, tmp_path / "plain", plain + ["--max_steps", "1"], tmp_path / "plain.log")
+        log = run(prefix, tmp_path / "bad", args + ["--resume_from_checkpoint", str(tmp_path / "plain" / "checkpoint-1")],
+                  tmp_path / "bad.log", expect=1)
+        assert "has no reference_model.safetensors: it was written by a run without --sync_ref_model" in log
+
+
 # --- live -----------------------------------------------------------------------------------------------------------
 
 

@@ -138,6 +138,9 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
         RewardFunctionsEnv(rows(True), [letters_like_target], tokenizer, reward_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="clash with the reward functions' own arguments"):
         RewardFunctionsEnv([{"prompt": "hi", "completions": 1}], [letters_like_target], tokenizer)
+    with pytest.raises(ValueError, match="sync_ref_model=True` while `beta=0.0`"):  # TRL's own check
+        RLTrainer(tiny_model_dir, config(tmp_path, sync_ref_model=True), reward_funcs=[letters_like_target],
+                  train_dataset=rows(True))
     with pytest.raises(ValueError, match="reward_weights weights TRL-style reward_funcs"):
         RLTrainer(tiny_model_dir, config(tmp_path, reward_weights=[1.0]), rollout_source=[])
 

@@ -107,9 +107,12 @@ GRPO_FIELDS: dict[str, Field] = {
                        "dapo = token_mean, bnpo = token_mean over the global batch, not the local one). Our default "
                        "is grpo, TRL 1.16's dapo"),
     "mask_truncated_completions": _acts("truncated completions get no loss"),
-    "sync_ref_model": _refused("the reference model is fixed (TR-DPO's reference updates are not implemented)"),
-    "ref_model_mixup_alpha": _refused("the reference model is fixed (no sync_ref_model)"),
-    "ref_model_sync_steps": _refused("the reference model is fixed (no sync_ref_model)"),
+    "sync_ref_model": _acts("TRL's SyncRefModelCallback: every ref_model_sync_steps optimizer steps, reference = "
+                            "alpha * policy + (1 - alpha) * reference (ZeRO-3: gathered); checkpoints keep the "
+                            "reference (reference_model.safetensors) so a resume continues exactly; TRL refuses it "
+                            "with beta = 0 and with PEFT (the reference is the base model under the adapters)"),
+    "ref_model_mixup_alpha": _acts("alpha of sync_ref_model's mix"),
+    "ref_model_sync_steps": _acts("optimizer steps between sync_ref_model's mixes"),
     "top_entropy_quantile": _acts("the policy loss trains only tokens whose entropy is in the top quantile of the "
                                   "whole step batch (TRL: of each micro-batch); one extra gradient-free forward "
                                   "per step"),

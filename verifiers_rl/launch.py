@@ -44,6 +44,12 @@ def prepare_process(args) -> None:
             from accelerate import PartialState
 
             PartialState(cpu=True, backend=args.ddp_backend, timeout=timedelta(seconds=args.ddp_timeout))
+        if env_flag("ACCELERATE_USE_DEEPSPEED"):
+            # DeepSpeed's own view of that group: without it, a model built under zero.Init before the engine
+            # starts (TRL's reference model) takes the world size for 1 and fails DeepSpeed's batch-size check.
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:

@@ -3,7 +3,8 @@
 ``RunCheckpoints`` writes a checkpoint atomically (HF's files and this run's state under ``.partial-checkpoint-N``,
 renamed to ``checkpoint-N`` once every rank has written its part) and restores a run from one: the rollout source's
 position, the batches generated ahead, each rank's slice of a batch part-way through its updates, and the
-``--save_rollouts_path`` file's length. The file formats are ``checkpoint.py``'s.
+``--save_rollouts_path`` file's length, and with ``sync_ref_model`` the reference model (TRL's callback moves it
+towards the policy, so a resume needs it as it stood). The file formats are ``checkpoint.py``'s.
 """
 
 from __future__ import annotations
@@ -36,17 +37,22 @@ from .config import RLConfig
 from .distributed import agreed_max, main_process_outcome
 from .generator import AsyncGenerator
 from .steps import StepBatches
+from .weights import gathered
+
+REFERENCE_FILE = "reference_model.safetensors"
 
 logger = logging.getLogger(__name__)
 
 
 class RunCheckpoints:
     """Checkpoints of one run. ``model`` returns the bare model (its architecture identifies the run);
-    ``zero_stage`` is 0 outside DeepSpeed."""
+    ``zero_stage`` is 0 outside DeepSpeed; ``reference`` returns the bare reference model when it changes during
+    the run (``sync_ref_model``), else None."""
 
     def __init__(self, args: RLConfig, accelerator, steps: StepBatches, generator: AsyncGenerator | None,
-                 model: Callable[[], object], zero_stage: int):
+                 model: Callable[[], object], zero_stage: int, reference: Callable[[], object | None] = lambda: None):
         self.args = args
+        self.reference = reference
         self.accelerator = accelerator
         self.steps = steps
         self.generator = generator
@@ -97,6 +103,10 @@ class RunCheckpoints:
                 return None, None
             saved = load_run_state(path)
             check_fits(saved, self.run_state(global_step), path)
+            if self.reference() is not None and not (path / REFERENCE_FILE).is_file():
+                raise CheckpointError(f"{path} has no {REFERENCE_FILE}: it was written by a run without "
+                                      "--sync_ref_model, whose reference model stays the initial one. Resume it "
+                                      "without --sync_ref_model, or start a new run.")
             if self.generator is not None:
                 self.generator.restore(saved.next_batch, load_pending(path, saved))
             self._truncate_saved_rollouts(saved)
@@ -107,6 +117,7 @@ class RunCheckpoints:
             if self.accelerator.is_main_process:
                 logger.info("No checkpoint to resume from in %s: starting fresh.", self.args.output_dir)
             return None
+        self._load_reference(Path(path) / REFERENCE_FILE)
         rank_batch = load_rank_batch(Path(path), self.accelerator.process_index) if saved.mid_batch() else None
         self.steps.restore(saved.next_batch, saved.iteration, rank_batch)
         self.resumed_from = path
@@ -174,8 +185,33 @@ class RunCheckpoints:
             "the folder) and resume with --resume_from_checkpoint latest."
         ) from error
 
+    def _load_reference(self, file: Path) -> None:
+        """Every rank: the reference model as the checkpoint saved it (under ZeRO-3 the main process loads it whole
+        and its shards are sent back to every rank)."""
+        reference = self.reference()
+        if reference is None:
+            return
+        from safetensors.torch import load_model
+
+        zero3 = self.zero_stage == 3
+        with gathered(list(reference.parameters()), zero3, modifier_rank=0):
+            if not zero3 or self.accelerator.is_main_process:
+                load_model(reference, file)
+
+    def _save_reference(self, folder: Path) -> None:
+        """Every rank (ZeRO-3 gathers collectively); the main process writes ``reference_model.safetensors``."""
+        reference = self.reference()
+        if reference is None:
+            return
+        from safetensors.torch import save_model
+
+        with gathered(list(reference.parameters()), self.zero_stage == 3):
+            if self.accelerator.is_main_process:
+                save_model(reference, str(folder / REFERENCE_FILE))
+
     def _save_run_state(self, folder: Path, global_step: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
+        self._save_reference(folder)
         mid_batch = self.steps.mid_batch()
         if mid_batch is not None:
             save_rank_batch(folder, self.accelerator.process_index, mid_batch)

@@ -253,6 +253,8 @@ class RLTrainer(GRPOTrainer):
         self.checkpoints = RunCheckpoints(
             args, accelerator, self.steps, self.generator, lambda: unwrap(self.model),
             accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0,
+            # TRL's SyncRefModelCallback (added by GRPOTrainer for --sync_ref_model) moves it: checkpoints keep it.
+            reference=lambda: unwrap(self.ref_model) if args.sync_ref_model else None,
         )
         self.weight_sync = EngineWeightSync(
             args, accelerator, self.engine, self.generator, tokenizer,

@@ -200,13 +200,14 @@ def weight_sources(model: torch.nn.Module) -> list[_Source]:
     return sources
 
 
-def _gathered(params: list[torch.nn.Parameter], zero3: bool):
+def gathered(params: list[torch.nn.Parameter], zero3: bool, modifier_rank: int | None = None):
+    """Under ZeRO-3, ``params`` whole inside the block (every rank enters it); ``modifier_rank``: the rank whose
+    changes are broadcast back when it ends (None: read-only, nothing is sent back)."""
     if not zero3:
         return contextlib.nullcontext()
     import deepspeed
 
-    # modifier_rank=None: read-only; nothing is broadcast back when the bucket is released.
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 def gathered_named_weights(
@@ -232,7 +233,7 @@ def gathered_named_weights(
     failure: BaseException | None = None
     for bucket in plan_buckets([s.nbytes for s in sources], bucket_bytes):
         params = [p for index in bucket for p in sources[index].params]
-        with _gathered(params, zero3):
+        with gathered(params, zero3):
             if stats is not None:
                 stats.buckets += 1
                 stats.gathered_bytes += _nbytes(params)

@@ -40,6 +40,9 @@ CONFIGS = {
     # Prompt once per group (share_prompt_training; the configurations above run with it off).
     "grpo_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, share_prompt_training="on"),
     "dr_grpo_shared_split_padded3": dict(loss_type="dr_grpo", micro_batching="padded", per_device_train_batch_size=3, share_prompt_training="on"),
+    # TRL's sync_ref_model: the reference mixed towards the policy after every step (ZeRO-3: gathered, mixed on
+    # rank 0, re-partitioned), so steps 2 and 3 take their KL against a moved reference.
+    "sync_ref_kl_three_steps": dict(loss_type="grpo", beta=0.1, max_steps=3, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5, micro_batching="padded", per_device_train_batch_size=4),
     "grpo_kl_mask_shared_padded4": dict(loss_type="grpo", beta=0.1, max_steps=2, importance_correction="token_mask", importance_cap_min=0.5, micro_batching="padded", per_device_train_batch_size=4, share_prompt_training="on"),
     "dr_grpo_two_iterations_shared_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64, share_prompt_training="on"),
     "token_mean_shared_auto_packed256": dict(loss_type="token_mean", micro_batching="packed", max_tokens_per_microbatch=256, share_prompt_training="auto"),
