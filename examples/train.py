@@ -18,6 +18,8 @@ for 60 steps (live runs default to 60 steps) on the CPU: 5-10 minutes on 2 cores
 field is a flag that overrides them (``--help`` lists them), and ``--config`` reads them from YAML. The final model
 and tokenizer are saved to ``--output_dir``. ``--max_seq_len`` and ``--max_completion_length`` default to the
 environment's own limits (``verifiers_rl.envs.limits``); a value given that disagrees with them is an error.
+``--chat_template_kwargs '{"enable_thinking": false}'`` reaches every chat template the run applies (the
+environments' prompts and tool turns, the vLLM chat endpoint), as in TRL.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     given = flags_given(parser, argv, config, LIMIT_FLAGS)
     if not config.rollouts_path:
         environment = load_environment(script_args.env, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **env_args)
+        # Before the limits and the holdout filter rows: the kwargs change the rendered prompts' lengths.
+        environment.use_chat_template_kwargs(config.chat_template_kwargs)
         current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
         lengths = resolve_limits(environment, current, given)
         if lengths != current:
@@ -178,6 +182,7 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
         kwargs = json_flag(parser, flag, text)
         spec = script_args.eval_env if own else script_args.env
         environment = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **kwargs)
+        environment.use_chat_template_kwargs(config.chat_template_kwargs)  # as the training environment's
         keep_eval_limits(environment, config, given, flag)
         if config.eval_holdout and "environment" not in live:  # replay: the rows come out of the eval environment
             hold_out(environment, config.eval_holdout, config.seed)

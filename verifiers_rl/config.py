@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from . import compat
+from .envs.environment import check_chat_template_kwargs
 from .batching import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
 from .grpo_fields import apply_trl_names, check_fields
 from .inference.vllm_http import check_server_url
@@ -387,6 +388,8 @@ class RLConfig(GRPOConfig):
         self.num_generations_eval = requested_num_generations_eval
         self.steps_per_generation = 1
         apply_generation_kwargs(self)  # after TrainingArguments parsed a JSON string into a dict
+        if self.chat_template_kwargs is not None:  # likewise parsed: every environment and engine renders with them
+            self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs, "--chat_template_kwargs")
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
                 self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * launched_world_size()

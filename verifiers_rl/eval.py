@@ -9,7 +9,8 @@ Generates with the embedded engine (or a vLLM server serving ``--model``), print
 pass@k, each reward function's mean, tokens, time) and writes one JSON line per rollout. The rows, seeds and
 metrics are those of the trainer's evaluation (``verifiers_rl.evaluation``): with the same ``--seed`` (the training
 run's, 42 unless set), ``-n``, ``-k``, ``--temperature`` and the run's sampling flags (``--top_p``, ``--top_k``,
-``--min_p``, ``--repetition_penalty``), a checkpoint evaluates to what the run logged at its step.
+``--min_p``, ``--repetition_penalty``, ``--chat_template_kwargs``), a checkpoint evaluates to what the run logged
+at its step.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=None, help="Tokenizer folder or id; default: the model's.")
     parser.add_argument("--env", default="reverse_text", help="A built-in name, 'pkg.module:function', or a .py file.")
     parser.add_argument("--env_args", default="{}", help="JSON keyword arguments for the environment's loader.")
+    parser.add_argument("--chat_template_kwargs", default="{}",
+                        help="JSON variables for the chat template, as training's --chat_template_kwargs "
+                             "(e.g. '{\"enable_thinking\": false}' for Qwen3).")
     parser.add_argument("-n", "--num_examples", type=int, default=None,
                         help="Prompts: the held-out split's first N rows (default: all of it).")
     parser.add_argument("-k", "--samples_per_prompt", type=int, default=1, help="Samples per prompt (pass@k).")
@@ -88,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.env_kwargs = json.loads(args.env_args)
     except json.JSONDecodeError as error:
         parser.error(f"--env_args is not valid JSON: {error}")
+    args.chat_template_kwargs = template_kwargs(parser, args.chat_template_kwargs)
     for name in ("num_examples", "samples_per_prompt", "max_batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -104,6 +109,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     return args
+
+
+def template_kwargs(parser: argparse.ArgumentParser, text: str) -> dict:
+    """``--chat_template_kwargs``' JSON as the dict every template is rendered with; a usage error names the flag."""
+    from .envs.environment import check_chat_template_kwargs
+
+    try:
+        return check_chat_template_kwargs(json.loads(text), "--chat_template_kwargs")
+    except json.JSONDecodeError as error:
+        parser.error(f"--chat_template_kwargs is not valid JSON: {error}")
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     plain_output_when_redirected()
     tokenizer = load_tokenizer(args.tokenizer or model)
     environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
+    environment.use_chat_template_kwargs(args.chat_template_kwargs)  # before --holdout, as training does
     if args.holdout:
         hold_out(environment, args.holdout, args.seed)
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
+                         vllm={"chat_template_kwargs": args.chat_template_kwargs},
                          max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
     progress = RolloutProgress(len(rows) * settings.samples_per_prompt)
     try:

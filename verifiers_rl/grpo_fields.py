@@ -66,8 +66,13 @@ GRPO_FIELDS: dict[str, Field] = {
                    "the sampler's log-probs are of the renormalised distribution)"),
     "generation_kwargs": _acts("only temperature, top_p, top_k, min_p, repetition_penalty: each overrides its field "
                                "(the trainer's log-prob temperature too); any other key is refused by name"),
-    "chat_template_kwargs": _refused("environments render their prompts with the tokenizer's template as it is; "
-                                     "not passed through yet"),
+    "chat_template_kwargs": _acts("variables of every chat template the run applies: environments' prompts, tool "
+                                  "turns and the tokens between turns (Environment.use_chat_template_kwargs, called "
+                                  "from the config by the trainer, examples/train.py and `python -m verifiers_rl.eval "
+                                  "--chat_template_kwargs`; the rows are length-filtered again), classic verifiers "
+                                  "environments, TRL-form reward models' templates (as TRL) and the vLLM engine's "
+                                  "chat(); keys the rendering sets itself (tools, add_generation_prompt, ...) and "
+                                  "environments with a render() of their own refuse them"),
     "repetition_penalty": _acts("in both engines, on the raw logits of tokens in the prompt or generated so far "
                                 "(HF / vLLM semantics; the sampler's log-probs are of the penalised distribution)"),
     "cache_implementation": _refused("the embedded engine keeps its own KV cache (a group's prompt prefilled once)"),

@@ -21,9 +21,13 @@ TINY_CORPUS = [
     "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ?",
 ]
 
+# ChatML; like Qwen3's, ``enable_thinking=False`` (a chat_template_kwargs variable) writes an empty think block after
+# the generation prompt, so tests can see the kwargs reach every rendering.
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
-    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 

@@ -106,6 +106,7 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
         train_dataset, reward_funcs, tokenizer, reward_weights=args.reward_weights,
         reward_processing_classes=reward_processing_classes, trainer_state=trainer_state,
         max_new_tokens=args.max_completion_length, max_seq_len=args.max_seq_len, eval_dataset=eval_dataset,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     if args.eval_holdout:  # this is where TRL's form loads its environment
         hold_out(environment, args.eval_holdout, args.seed)
@@ -123,6 +124,18 @@ def _normalized_reward_functions(args, environment) -> tuple[tuple[str, float], 
                          "(RLTrainer(reward_funcs=..., train_dataset=...)) on its own; an environment or a rollout "
                          "file gives one reward per rollout: leave it at sum_then_normalize.")
     return tuple(zip(names, environment.reward_weights))
+
+
+def _render_with_config(args, environment, eval_environment) -> None:
+    """The config's ``chat_template_kwargs`` into every environment the run renders prompts of (the one place that
+    decides them; ``Environment.use_chat_template_kwargs``). A run with none has nothing they could act on."""
+    environments = [env for env in (environment, eval_environment) if env is not None]
+    if args.chat_template_kwargs and not environments:
+        raise ValueError("--chat_template_kwargs acts where environments render prompts; a replay run without an "
+                         "evaluation environment (--eval_env, eval_environment=) has none: its rollouts are token ids "
+                         "already. Leave it unset.")
+    for env in environments:
+        env.use_chat_template_kwargs(args.chat_template_kwargs)
 
 
 def _unused_reward(completions, **kwargs):
@@ -184,6 +197,7 @@ class RLTrainer(GRPOTrainer):
         self.engine = engine
         self._reward_functions = _normalized_reward_functions(args, environment)
         self.live = environment is not None  # on every rank (only the main process holds the generator)
+        _render_with_config(args, environment, eval_environment)  # before the rows are counted (lengths may change)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
         if (environment is not None) == (rollout_source is not None or bool(args.rollouts_path)):

@@ -17,6 +17,27 @@ from .sampler import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
 logger = logging.getLogger(__name__)
 
 
+# apply_chat_template arguments the renderers set themselves: chat_template_kwargs cannot carry them.
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                            "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+                            "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs")
+
+
+def check_chat_template_kwargs(kwargs: Any, flag: str = "chat_template_kwargs") -> dict[str, Any]:
+    """``kwargs`` as the dict every chat template is rendered with (None: none); raises ValueError naming ``flag``
+    for anything but a dict of string keys, or a key the renderers set themselves (``RESERVED_TEMPLATE_KWARGS``)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+        raise ValueError(f"{flag} must be a dict of template variables (a JSON object on the command line), "
+                         f"got {kwargs!r}.")
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"{flag}: {reserved} are set by the environment's rendering itself, not template variables "
+                         "it can pass on; give only the variables the chat template reads (e.g. enable_thinking).")
+    return dict(kwargs)
+
+
 class RolloutError(RuntimeError):
     """A rollout failed; the message names the environment and the dataset row."""
 
@@ -54,7 +75,9 @@ class Environment(ABC):
     ``examples/train.py`` takes its ``--max_seq_len`` and ``--max_completion_length`` from them. Rows whose rendered
     prompt leaves no room for a completion token within ``max_seq_len`` are dropped here, with a warning giving
     their count (an error if no row remains). ``eval_dataset`` (same row format, optional) is the held-out split
-    evaluation uses: rows the training run never trains on.
+    evaluation uses: rows the training run never trains on. ``chat_template_kwargs`` are passed to every rendering
+    of the chat template (``use_chat_template_kwargs``, which the trainer and ``python -m verifiers_rl.eval`` call
+    with the run's ``--chat_template_kwargs``).
     """
 
     # Limits this environment does not state itself; it takes the trainer's (``adopt_limits``). Adapters of other
@@ -62,6 +85,14 @@ class Environment(ABC):
     unstated_limits: frozenset[str] = frozenset()
     # Prompts are chat messages rendered by the template; an environment of plain-text prompts sets this False.
     _requires_chat_template = True
+    # Whether ``render`` passes ``chat_template_kwargs`` to the template. A subclass that defines its own ``render``
+    # is taken not to (``use_chat_template_kwargs`` refuses them) until it sets this True itself.
+    renders_chat_template_kwargs = True
+
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if "render" in vars(cls) and "renders_chat_template_kwargs" not in vars(cls):
+            cls.renders_chat_template_kwargs = False
 
     def __init__(
         self,
@@ -74,6 +105,7 @@ class Environment(ABC):
         max_seq_len: int = 1024,
         name: str | None = None,
         eval_dataset: Iterable[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         self.name = name or type(self).__name__
         if max_new_tokens < 1 or max_seq_len < 2:
@@ -82,6 +114,7 @@ class Environment(ABC):
             raise ValueError(f"{self.name}: the tokenizer has no chat template, so prompts cannot be rendered.")
         self.rubric = rubric
         self.tokenizer = tokenizer
+        self.chat_template_kwargs = self._reachable(chat_template_kwargs)
         self.max_new_tokens = max_new_tokens
         self.max_seq_len = max_seq_len
         self._all_rows = [self._row(index, record, system_prompt) for index, record in enumerate(dataset)]
@@ -97,6 +130,39 @@ class Environment(ABC):
         if max_new_tokens is not None:
             self.max_new_tokens = max_new_tokens
         self._keep_fitting_rows()
+
+    def use_chat_template_kwargs(self, kwargs: Mapping[str, Any] | None) -> None:
+        """Render every chat template of this environment (prompts, tool turns, the bridges between turns) with
+        ``kwargs``: TRL's ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}`` for Qwen3. The trainer and
+        the evaluation entry points call this with the run's config, so the config is the one place that decides
+        them: an environment built with other kwargs (its ``chat_template_kwargs`` argument) refuses, and so does
+        one whose own ``render`` does not pass them on (``renders_chat_template_kwargs``). The rows are filtered
+        again (prompt lengths may change)."""
+        kwargs = self._reachable(kwargs)
+        if kwargs == self.chat_template_kwargs:
+            return
+        if self.chat_template_kwargs:
+            raise ValueError(
+                f"{self.name} already renders with chat_template_kwargs={self.chat_template_kwargs}, but the run's "
+                f"chat_template_kwargs are {kwargs}: set them in one place, the config (--chat_template_kwargs)."
+            )
+        self.chat_template_kwargs = kwargs
+        self._chat_template_kwargs_changed()
+        self._keep_fitting_rows()
+
+    def _reachable(self, kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``kwargs`` checked (``check_chat_template_kwargs``), refused when this class's ``render`` ignores them."""
+        kwargs = check_chat_template_kwargs(kwargs)
+        if kwargs and not self.renders_chat_template_kwargs:
+            raise ValueError(
+                f"{self.name}: chat_template_kwargs={kwargs} cannot reach its prompts: {type(self).__qualname__} "
+                "renders them with its own render(). Leave chat_template_kwargs unset, or render with "
+                "self.apply_chat_template (which passes them) and set renders_chat_template_kwargs = True."
+            )
+        return kwargs
+
+    def _chat_template_kwargs_changed(self) -> None:
+        """Hook: pass the new ``chat_template_kwargs`` on to the renderers a subclass keeps (before rows re-render)."""
 
     def _keep_fitting_rows(self) -> None:
         self.dataset = self._fitting(self._all_rows, "dataset")
@@ -147,7 +213,13 @@ class Environment(ABC):
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         """The chat template applied to ``messages`` (as text)."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.apply_chat_template(messages, add_generation_prompt)
+
+    def apply_chat_template(self, messages: Messages, add_generation_prompt: bool, **extra: Any) -> str:
+        """The tokenizer's chat template over ``messages`` as text, with this environment's ``chat_template_kwargs``
+        (``extra``: other ``apply_chat_template`` arguments, e.g. ``tools``)."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **extra, **self.chat_template_kwargs)
 
     def prompt_ids(self, prompt: Messages) -> list[int]:
         """The token ids of ``prompt`` rendered for the model's first turn."""

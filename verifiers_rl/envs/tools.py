@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .awaitable import maybe_await
+from .environment import check_chat_template_kwargs
 from .messages import Message, Messages
 from .multiturn import MultiTurnEnv
 
@@ -61,12 +62,17 @@ class ToolRenderer:
     tool's name, else ``text`` with a one-line notice. Either way the model writes calls as ``<tool_call>`` blocks.
     """
 
-    def __init__(self, tokenizer: Any, schemas: Sequence[dict[str, Any]], mode: str | None = None, name: str = "ToolEnv"):
+    def __init__(self, tokenizer: Any, schemas: Sequence[dict[str, Any]], mode: str | None = None, name: str = "ToolEnv",
+                 chat_template_kwargs: dict[str, Any] | None = None):
         mode = _DEFAULT_TOOL_MODE.get() if mode is None else mode
         if mode not in TOOL_MODES:
             raise ValueError(f"{name}: unknown tool_mode {mode!r}; expected one of {', '.join(TOOL_MODES)} (--tool_mode).")
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
+        self.requested_mode = mode
+        self.name = name
+        # Every rendering passes them (the environment's chat_template_kwargs, e.g. enable_thinking).
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.mode = "template"
         if mode == "text" or (mode == "auto" and self._hidden_tools()):
             self.mode = "text"
@@ -83,6 +89,10 @@ class ToolRenderer:
                 "the system prompt."
             )
 
+    def with_kwargs(self, chat_template_kwargs: dict[str, Any]) -> "ToolRenderer":
+        """A renderer of the same tools and requested mode with ``chat_template_kwargs`` (``auto`` decides anew)."""
+        return ToolRenderer(self.tokenizer, self.schemas, self.requested_mode, self.name, chat_template_kwargs)
+
     def _hidden_tools(self) -> list[str]:
         """Tools whose names the chat template leaves out of a rendered prompt."""
         probe = self._template([{"role": "user", "content": "?"}], True)
@@ -91,13 +101,15 @@ class ToolRenderer:
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         if self.mode == "text" and self.schemas:
             return self.tokenizer.apply_chat_template(
-                self._with_description(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+                self._with_description(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                **self.chat_template_kwargs,
             )
         return self._template(messages, add_generation_prompt)
 
     def _template(self, messages: Messages, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.schemas or None, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tools=self.schemas or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **self.chat_template_kwargs,
         )
 
     def _with_description(self, messages: Messages) -> Messages:
@@ -134,6 +146,8 @@ class ToolEnv(MultiTurnEnv):
     ``tool_mode`` (``auto``, ``template`` or ``text``: see ``ToolRenderer``).
     """
 
+    renders_chat_template_kwargs = True  # its ToolRenderer passes them on
+
     def __init__(
         self,
         dataset: Any,
@@ -152,7 +166,8 @@ class ToolEnv(MultiTurnEnv):
         except Exception as error:  # transformers raises several exception types, all meaning "cannot describe it"
             raise ValueError(f"ToolEnv: cannot describe a tool to the model: {error}") from error
         # Before Environment.__init__, which renders every prompt to check its length.
-        self.tool_renderer = ToolRenderer(tokenizer, self.tool_schemas, tool_mode, kwargs.get("name") or "ToolEnv")
+        self.tool_renderer = ToolRenderer(tokenizer, self.tool_schemas, tool_mode, kwargs.get("name") or "ToolEnv",
+                                          check_chat_template_kwargs(kwargs.get("chat_template_kwargs")))
         super().__init__(dataset, rubric, tokenizer, **kwargs)
 
     @property
@@ -162,6 +177,9 @@ class ToolEnv(MultiTurnEnv):
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         return self.tool_renderer.render(messages, add_generation_prompt)
+
+    def _chat_template_kwargs_changed(self) -> None:
+        self.tool_renderer = self.tool_renderer.with_kwargs(self.chat_template_kwargs)
 
     def is_completed(self, messages: Messages, state: dict[str, Any]) -> bool:
         return not parse_tool_calls(messages[-1]["content"])

@@ -50,6 +50,7 @@ def build_engine(config, model: str, tokenizer):
         weight_transfer_address=config.vllm_weight_transfer_address,
         # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
         weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
+        chat_template_kwargs=config.chat_template_kwargs,  # what its chat() asks the server's template for
     )
     # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
     return make_engine(model, tokenizer, sampling, vllm_server_url=config.vllm_server_url, vllm=vllm,

@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from ..envs.environment import check_chat_template_kwargs
 from .engine import Sample, SamplingConfig, WORKER_EXTENSION, check_open, check_token_ids
 from .vllm_http import (
     CHECK_TIMEOUT_S,
@@ -68,6 +69,8 @@ class VLLMEngine:
         check: run ``check()`` now (fails fast with a clear error when the server is missing or wrong).
         require_weight_sync: ``check()`` also verifies the server can load weights (dev mode + our extension).
         wait_s: ``check()`` keeps trying this long for a server that is still starting.
+        chat_template_kwargs: variables for the server's chat template in every ``chat`` call (the run's
+            ``--chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); ``sample`` takes rendered ids.
 
     Log-probs are the sampler's: of the distribution sampled (repetition penalty, temperature, min-p, top-k, top-p,
     renormalised), as the embedded engine's (the server must run with ``--logprobs-mode processed_logprobs``;
@@ -93,6 +96,7 @@ class VLLMEngine:
         weight_transfer_address: str | None = None,
         weight_transfer_bucket_mb: float = 256.0,
         api_key: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ):
         require_transfer(weight_transfer)
         if weight_transfer_bucket_mb <= 0:
@@ -101,6 +105,7 @@ class VLLMEngine:
         self.base_url = self.http.base_url
         self.expected_model = None if model is None else str(model)
         self.sampling = sampling or SamplingConfig()
+        self.chat_template_kwargs = check_chat_template_kwargs(chat_template_kwargs)  # sent with every chat()
         self.server = ServerInfo()  # filled by check()
         self.weight_transfer = weight_transfer
         self.transfer: WeightLoad = (
@@ -152,7 +157,8 @@ class VLLMEngine:
         self, messages: list[dict], max_new_tokens: int | None = None, tools: list[dict] | None = None
     ) -> ChatSample:
         """Sample one assistant reply to chat ``messages`` through ``/v1/chat/completions``: the server applies
-        the model's chat template (with ``tools``, if given) and a generation prompt.
+        the model's chat template (with ``tools``, if given, and the engine's ``chat_template_kwargs``, e.g.
+        ``{"enable_thinking": False}``) and a generation prompt.
 
         Returns the prompt ids the server rendered beside the sample, so the result can be trained on exactly
         as sampled (no re-tokenization). Same sampling, seeds, log-probs and limits as ``sample``.
@@ -165,6 +171,8 @@ class VLLMEngine:
                    "add_generation_prompt": True, **self._sampling_payload(*self.sampling.for_this_call())}
         if tools:
             payload["tools"] = tools
+        if self.chat_template_kwargs:
+            payload["chat_template_kwargs"] = self.chat_template_kwargs
         data = await self.http.arequest("POST", "/v1/chat/completions", payload)
         self.requests_served += 1
         prompt_ids = data.get("prompt_token_ids") if isinstance(data, dict) else None

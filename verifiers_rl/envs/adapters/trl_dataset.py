@@ -11,8 +11,10 @@ What TRL documents (trl 1.16), and what this does with it:
   completions of one prompt; TRL calls it once per generation batch: a function that compares completions across
   prompts sees fewer at a time).
 - A reward model: a sequence-classification model (or a hub id / folder of one), scoring the prompt and completion
-  rendered as TRL renders them, with its ``reward_processing_class`` (default: its own tokenizer); its first logit
-  is the reward.
+  rendered as TRL renders them, with its ``reward_processing_class`` (default: its own tokenizer) and the run's
+  ``chat_template_kwargs`` (as TRL does); its first logit is the reward.
+- ``chat_template_kwargs`` (TRL's config field) reach every rendering of a conversational prompt, the policy's and
+  the reward models'; standard (text) prompts have no template to reach, as in TRL.
 - ``reward_weights`` (default 1 each): the reward is the weighted sum of the functions' values, ``None`` left out
   (TRL's ``nansum``); a completion no function applies to is an error naming its prompt.
 Each function's value is a rollout metric under the function's name (TRL's: its ``__name__``, or the reward
@@ -56,10 +58,12 @@ class RewardModel:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.__name__ = reward_name(model)
+        self.chat_template_kwargs: dict[str, Any] = {}  # the environment's (TRL renders with them here too)
 
     def texts(self, prompts: list, completions: list) -> list[str]:
         if isinstance(prompts[0], list):  # conversational: the whole conversation through the chat template
-            return [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+            return [self.tokenizer.apply_chat_template(p + c, tokenize=False, **self.chat_template_kwargs)
+                    for p, c in zip(prompts, completions)]
         return [p + c for p, c in zip(prompts, completions)]
 
     def __call__(self, prompts, completions, **_) -> list[float]:
@@ -81,7 +85,8 @@ class RewardFunctionsEnv(Environment):
     def __init__(self, dataset: Iterable[Mapping[str, Any]], reward_funcs: Sequence, tokenizer: Any, *,
                  reward_weights: Sequence[float] | None = None, reward_processing_classes: Sequence | None = None,
                  trainer_state: Callable[[], Any] = lambda: None, max_new_tokens: int = 256, max_seq_len: int = 1024,
-                 eval_dataset: Iterable[Mapping[str, Any]] | None = None, name: str = "trl_dataset"):
+                 eval_dataset: Iterable[Mapping[str, Any]] | None = None, name: str = "trl_dataset",
+                 chat_template_kwargs: Mapping[str, Any] | None = None):
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs:
             raise ValueError("reward_funcs is empty: give at least one reward function or reward model.")
@@ -102,7 +107,14 @@ class RewardFunctionsEnv(Environment):
         self.conversational = self._format(dataset + eval_rows)
         self._requires_chat_template = self.conversational
         super().__init__(dataset, rubric=None, tokenizer=tokenizer, max_new_tokens=max_new_tokens,
-                         max_seq_len=max_seq_len, name=name, eval_dataset=eval_rows or None)
+                         max_seq_len=max_seq_len, name=name, eval_dataset=eval_rows or None,
+                         chat_template_kwargs=chat_template_kwargs)
+        self._chat_template_kwargs_changed()
+
+    def _chat_template_kwargs_changed(self) -> None:
+        for func in self.reward_funcs:  # reward models render the conversation with their own tokenizer's template
+            if isinstance(func, RewardModel):
+                func.chat_template_kwargs = self.chat_template_kwargs
 
     @staticmethod
     def _as_function(func, processing_class):

@@ -90,7 +90,8 @@ class EngineClient(vf.Client):
     """
 
     def __init__(self, sampler: Sampler | None, tokenizer: Any, *, max_seq_len: int, max_new_tokens: int,
-                 tool_mode: str, name: str, renderers: dict[str, ToolRenderer] | None = None):
+                 tool_mode: str, name: str, renderers: dict[str, ToolRenderer] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None):
         super().__init__(sampler)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
@@ -98,6 +99,7 @@ class EngineClient(vf.Client):
         self.tool_mode = tool_mode
         self.name = name
         self._renderers = {} if renderers is None else renderers  # shared by an environment's clients
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})  # the environment's: every rendering gets them
 
     def setup_client(self, config: Any) -> Any:
         raise TypeError("EngineClient wraps a verifiers_rl inference engine; it is not built from a ClientConfig.")
@@ -106,7 +108,8 @@ class EngineClient(vf.Client):
         """The renderer for a set of tools (one per set: ``auto`` decides, and notices, once)."""
         key = json.dumps(schemas or [], sort_keys=True)
         if key not in self._renderers:
-            self._renderers[key] = ToolRenderer(self.tokenizer, schemas or [], self.tool_mode, self.name)
+            self._renderers[key] = ToolRenderer(self.tokenizer, schemas or [], self.tool_mode, self.name,
+                                                self.chat_template_kwargs)
         return self._renderers[key]
 
     def encode(self, text: str) -> list[int]:

@@ -77,6 +77,8 @@ class VerifiersEnv(Environment):
     computes advantages from rewards (``--scale_rewards``).
     """
 
+    renders_chat_template_kwargs = True  # its EngineClient's ToolRenderers pass them on
+
     def __init__(
         self,
         vf_env: Any,
@@ -150,6 +152,10 @@ class VerifiersEnv(Environment):
 
     def render(self, messages, add_generation_prompt: bool) -> str:
         return self.client(None).renderer(self.tools).render(messages, add_generation_prompt)
+
+    def _chat_template_kwargs_changed(self) -> None:
+        # New renderers (the cached ones render with the old kwargs), shared by every client made from now on.
+        self._client_args.update(chat_template_kwargs=self.chat_template_kwargs, renderers={})
 
     async def generate(self, sampler, prompt, prompt_ids, state):
         raise NotImplementedError("VerifiersEnv runs the verifiers environment's own rollout (rollout_group).")
