@@ -17,7 +17,7 @@ from verifiers_rl.config import RLConfig
 SAMPLE_VALUES = {
     "router_aux_loss_coef": 0.01, "num_generations_eval": 4, "pad_to_multiple_of": 8, "generation_batch_size": 32,
     "steps_per_generation": 4,
-    "chat_template_kwargs": {"enable_thinking": False}, "cache_implementation": "static", "vllm_mode": "server",
+    "cache_implementation": "static", "vllm_mode": "server",
     "vllm_model_impl": "transformers", "vllm_structured_outputs_regex": "a+",
     "vllm_server_base_url": "http://127.0.0.1:8000", "vllm_server_host": "127.0.0.1", "vllm_max_model_length": 512,
     "delta": 4.0, "reward_weights": [1.0, 0.5], "multi_objective_aggregation": "normalize_then_sum",
