@@ -88,3 +88,54 @@ def test_shared_prompts_give_the_unshared_adapters(lora_run, lora_work, tiny_mod
         assert len(got) == len(want) == 2
         for g, w in zip(got, want):
             assert abs(g - w) <= 1e-5 * max(abs(w), 1e-3), (key, got, want)
+
+
+def test_sync_ref_model_mixes_the_adapters_and_resumes_exactly(lora_work, tiny_model_dir, tmp_path):
+    """--sync_ref_model under LoRA (TRL refuses it): the reference is the base model with a copy of the adapters,
+    copy = alpha * adapters + (1 - alpha) * copy after every ref_model_sync_steps-th step; the KL is taken against
+    it; a checkpoint keeps the copy, so a resumed run ends with the uninterrupted run's adapters."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    class Adapters(TrainerCallback):  # the policy's adapters after each optimizer step
+        def __init__(self):
+            self.after = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.after[state.global_step] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    def trainer(name, steps, sync=True, **extra):
+        args = RLConfig(output_dir=str(tmp_path / name), use_cpu=True, report_to="none", max_steps=steps,
+                        rollouts_path=str(lora_work / "r.jsonl"), rollouts_per_step=4, max_seq_len=64,
+                        learning_rate=5e-2, beta=0.5, logging_steps=1, gradient_checkpointing=False, disable_tqdm=True,
+                        sync_ref_model=sync, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
+                        save_strategy="steps", save_steps=1, **extra)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        seen = Adapters()
+        made = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                         peft_config=lora, callbacks=[seen])
+        made.seen = seen
+        return made
+
+    full = trainer("full", 3)
+    initial = {n: p.detach().clone() for n, p in full.model.named_parameters() if p.requires_grad}
+    full.train()
+    expected = dict(initial)
+    for step in (1, 2, 3):
+        expected = {n: 0.5 * full.seen.after[step][n] + 0.5 * expected[n] for n in initial}
+        if step == 1:
+            saved = load_file(tmp_path / "full" / "checkpoint-1" / "reference_model.safetensors")
+            assert all(torch.allclose(saved[n.replace(".", "__")], expected[n], atol=1e-7) for n in initial)
+    copies = dict(full.adapter_reference.named_buffers())
+    assert all(torch.allclose(copies[n.replace(".", "__")], expected[n], atol=1e-7) for n in initial)
+
+    plain = trainer("plain", 2, sync=False)
+    plain.train()
+    kl = {name: [e["kl"] for e in t.state.log_history if "kl" in e] for name, t in (("sync", full), ("plain", plain))}
+    assert kl["sync"][0] == kl["plain"][0] == 0.0  # step 1: the reference is the base model either way
+    assert abs(kl["sync"][1] - kl["plain"][1]) > 1e-6, kl  # step 2: against the mixed adapters, not the base
+
+    resumed = trainer("resumed", 3)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    final = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(final[n], full.seen.after[3][n]) for n in initial)

@@ -114,8 +114,9 @@ GRPO_FIELDS: dict[str, Field] = {
     "mask_truncated_completions": _acts("truncated completions get no loss"),
     "sync_ref_model": _acts("TRL's SyncRefModelCallback: every ref_model_sync_steps optimizer steps, reference = "
                             "alpha * policy + (1 - alpha) * reference (ZeRO-3: gathered); checkpoints keep the "
-                            "reference (reference_model.safetensors) so a resume continues exactly; TRL refuses it "
-                            "with beta = 0 and with PEFT (the reference is the base model under the adapters)"),
+                            "reference (reference_model.safetensors) so a resume continues exactly; under PEFT (which "
+                            "TRL refuses) the reference is the base model with a copy of the adapters, mixed the "
+                            "same way (not with ZeRO-3); refused with beta = 0 (TRL's check)"),
     "ref_model_mixup_alpha": _acts("alpha of sync_ref_model's mix"),
     "ref_model_sync_steps": _acts("optimizer steps between sync_ref_model's mixes"),
     "top_entropy_quantile": _acts("the policy loss trains only tokens whose entropy is in the top quantile of the "

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from trl import GRPOTrainer
 
 from . import compat, evaluation, progress, reporting
+from .adapter_reference import AdapterReference, AdapterReferenceCallback
 from .batching import MicroBatch, RankBatch
 from .config import RLConfig
 from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
@@ -138,6 +139,14 @@ def _render_with_config(args, environment, eval_environment) -> None:
         env.use_chat_template_kwargs(args.chat_template_kwargs)
 
 
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def _unused_reward(completions, **kwargs):
     """Rewards come with the rollouts; TRL's constructor still asks for a reward function."""
     return [0.0] * len(completions)
@@ -218,6 +227,10 @@ class RLTrainer(GRPOTrainer):
         if self.generator is not None:
             self.generator.total_batches = math.ceil(args.max_steps / args.num_iterations)
         placeholder = Dataset.from_dict({"prompt": ["(rollouts come from the rollout source)"]})
+        # TRL refuses sync_ref_model under PEFT (it keeps no reference model); ours mixes a copy of the adapters
+        # (adapter_reference.py). With beta = 0 TRL's own refusal stands.
+        adapter_sync = bool(args.sync_ref_model and args.beta != 0.0 and (peft_config is not None or _is_peft(model)))
+        args.sync_ref_model = args.sync_ref_model and not adapter_sync
         super().__init__(
             model=model,
             # TRL checks reward_weights against its reward functions: one placeholder per weight.
@@ -238,7 +251,17 @@ class RLTrainer(GRPOTrainer):
                 "launch; never `accelerate launch --cpu --num_processes N`."
             )
         self.loss_fn = loss_fn
+        args.sync_ref_model = args.sync_ref_model or adapter_sync
+        self.adapter_reference = self._adapter_reference() if adapter_sync else None
         self._build_parts()
+
+    def _adapter_reference(self) -> AdapterReference:
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ValueError("sync_ref_model under PEFT mixes a copy of the adapters, which ZeRO-3 partitions across "
+                             "ranks: not implemented. Use DDP (or ZeRO-1/2), or leave sync_ref_model off.")
+        reference = AdapterReference(unwrap(self.model))
+        self.add_callback(AdapterReferenceCallback(reference))
+        return reference
 
     def _build_parts(self) -> None:
         args, accelerator = self.args, self.accelerator
@@ -268,7 +291,8 @@ class RLTrainer(GRPOTrainer):
             args, accelerator, self.steps, self.generator, lambda: unwrap(self.model),
             accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else 0,
             # TRL's SyncRefModelCallback (added by GRPOTrainer for --sync_ref_model) moves it: checkpoints keep it.
-            reference=lambda: unwrap(self.ref_model) if args.sync_ref_model else None,
+            reference=lambda: (self.adapter_reference if self.adapter_reference is not None
+                               else unwrap(self.ref_model) if args.sync_ref_model else None),
         )
         self.weight_sync = EngineWeightSync(
             args, accelerator, self.engine, self.generator, tokenizer,
@@ -469,6 +493,9 @@ class RLTrainer(GRPOTrainer):
     def _reference_logprobs(self, model, mb: MicroBatch) -> torch.Tensor:
         if self.ref_model is not None:
             return self._logprobs(self.ref_model, mb).logps
+        if self.adapter_reference is not None:  # PEFT with sync_ref_model: the base and the mixed adapters
+            with self.adapter_reference.swapped():
+                return self._logprobs(model, mb).logps
         with unwrap(model).disable_adapter():  # PEFT: the base model is the reference
             return self._logprobs(model, mb).logps
 
