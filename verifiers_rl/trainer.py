@@ -27,10 +27,17 @@ from trl import GRPOTrainer
 from . import compat, evaluation, progress, reporting
 from .batching import MicroBatch, RankBatch
 from .config import RLConfig
-from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
+from .distributed import (
+    collective_failure_note,
+    is_collective_failure,
+    lost_peer_note,
+    main_process_outcome,
+    record_peers,
+)
 from .entropy_terms import GATHER_PAD, EntropyTerms
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
+from .launch import restart_count
 from .loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
 from .modeling import unwrap
 from .policy import micro_batch_logprobs
@@ -155,6 +162,7 @@ class RLTrainer(GRPOTrainer):
     ):
         args = _config(args, model)
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
+        record_peers()  # every rank's pid: a survivor names a peer that died
         self._built_engine = False
         if reward_funcs is not None or train_dataset is not None:
             if environment is not None or rollout_source is not None or args.rollouts_path:
@@ -246,7 +254,7 @@ class RLTrainer(GRPOTrainer):
         )
         if self.live:  # every rank: the weight sync's gathers, probe and error hand-over are collective
             self.add_callback(WeightSyncCallback(self.sync_weights, lambda: self.checkpoints.resumed_from is not None))
-        self.preemption = PreemptionSignal()
+        self.preemption = PreemptionSignal(lambda: lost_peer_note(self.accelerator.process_index, self.args.output_dir))
         self._preemption = PreemptionCallback(self.preemption, accelerator.device)
         self.add_callback(self._preemption)
         self.add_callback(self.timer)  # after the weight sync: a step ends when the engine holds its weights
@@ -262,6 +270,7 @@ class RLTrainer(GRPOTrainer):
         try:
             path = (self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
                     if resume_from_checkpoint else None)
+            self._say_restart(resume_from_checkpoint, path)
             self.preemption.install()
             try:
                 output = super().train(resume_from_checkpoint=path, **kwargs)
@@ -282,6 +291,16 @@ class RLTrainer(GRPOTrainer):
         if stopped_by is not None and self.state.global_step < self.state.max_steps:
             raise TrainingPreempted(stopped_by, self.checkpoints.last_checkpoint, self.state.global_step)
         return output
+
+    def _say_restart(self, spec, path: str | None) -> None:
+        """In workers restarted by torch elastic (``--max_restarts``): one line saying where the restart goes on."""
+        count = restart_count()
+        if not count or not self.accelerator.is_main_process:
+            return
+        where = (f"resuming from {path}" if path else
+                 f"--resume_from_checkpoint {spec}: no checkpoint yet, starting fresh" if spec else
+                 "no --resume_from_checkpoint (auto makes a restart resume): training starts from the beginning")
+        print(f"verifiers_rl: restart {count} of this launch (torch elastic): {where}.", flush=True)
 
     @property
     def engine(self):
