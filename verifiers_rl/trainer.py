@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -267,22 +268,26 @@ class RLTrainer(GRPOTrainer):
         step, write a checkpoint and raise ``TrainingPreempted`` on every rank (a second signal exits at once)."""
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
+        # Installed before anything collective: a survivor of a dead peer that the launcher signals names the dead
+        # one and exits (``PreemptionSignal``), also while it handles its failed collective below.
+        self.preemption.install()
         try:
             path = (self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
                     if resume_from_checkpoint else None)
             self._say_restart(resume_from_checkpoint, path)
-            self.preemption.install()
-            try:
-                output = super().train(resume_from_checkpoint=path, **kwargs)
-            finally:
-                self.preemption.uninstall()
+            output = super().train(resume_from_checkpoint=path, **kwargs)
         except RuntimeError as exc:
             accelerator = self.accelerator
             if accelerator.num_processes > 1 and is_collective_failure(exc):
-                exc.add_note(collective_failure_note(accelerator.num_processes, accelerator.process_index,
-                                                     self.args.ddp_timeout, self.args.output_dir))
+                note = collective_failure_note(accelerator.num_processes, accelerator.process_index,
+                                               self.args.ddp_timeout, self.args.output_dir)
+                # Said now: the launcher's SIGTERM may end this process before the traceback is printed.
+                sys.stderr.write(f"\n[rank {accelerator.process_index}] {note}\n")
+                sys.stderr.flush()
+                exc.add_note(note)
             raise
         finally:
+            self.preemption.uninstall()
             if self.generator is not None:
                 self.generator.close()
             if self._built_engine and self.engine is not None:
