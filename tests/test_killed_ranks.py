@@ -99,6 +99,7 @@ def launch_and_kill(prefix: list[str], out: Path, args: list[str], log: Path, vi
 def assert_ended_naming_the_dead_rank(run_: KilledLaunch, victim: int, out: Path) -> Path:
     """The launch failed within the bound, left no process, and a survivor's line names the dead rank and the
     checkpoint to resume from (the newest intact one, which ``latest`` picks); returns that checkpoint."""
+    print(f"\nthe launch ended {run_.ended_after_kill_s:.1f} s after rank {victim} was killed")
     assert run_.returncode != 0, run_.log[-4000:]
     assert run_.ended_after_kill_s < ENDS_WITHIN_S, run_.ended_after_kill_s
     assert not run_.leftover, f"processes left behind: {run_.leftover}"

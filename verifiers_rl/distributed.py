@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Callable
 
 import torch
@@ -93,9 +94,19 @@ def record_peers() -> None:
     _peers = [tuple(peer) for peer in gathered]
 
 
-def dead_peers() -> list[tuple[int, int]]:
+def dead_peers(wait_s: float = 0.0) -> list[tuple[int, int]]:
     """(rank, pid) of every other process of this launch on this machine that no longer runs (gone or a zombie);
-    a process on another machine cannot be seen from here."""
+    a process on another machine cannot be seen from here. ``wait_s``: look again for up to that long while none is
+    found (a killed process closes its sockets, failing our collective, a moment before it is a zombie)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = _dead_peers_now()
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)
+
+
+def _dead_peers_now() -> list[tuple[int, int]]:
     import psutil
 
     if _peers is None:
@@ -135,7 +146,7 @@ def resume_advice(output_dir: str | None) -> str:
 def collective_failure_note(num_processes: int, process_index: int, timeout_s: int, output_dir: str | None = None) -> str:
     """The note added to a failed collective's error: which process saw it, which peer died (when it ran on this
     machine), what to look at, how to go on."""
-    dead = dead_peers()
+    dead = dead_peers(wait_s=2.0)
     cause = (_died(dead) if dead else
              f"another process died (the launcher names it; its own log has the cause) or stopped answering (given up "
              f"after --ddp_timeout, now {timeout_s} s)")
