@@ -19,10 +19,9 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 from transformers import TrainerCallback
-
-from typing import Callable
 
 from .distributed import agreed_max
 
@@ -88,7 +87,6 @@ class PreemptionSignal:
             sys.stderr.flush()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
-
 
     def _lost_peer(self) -> str | None:
         try:
