@@ -139,3 +139,19 @@ def test_a_full_disk_while_saving_keeps_the_earlier_checkpoints_and_says_so(tiny
         load_file(disk / "out" / "checkpoint-1" / "model.safetensors")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)  # lazy: the trainer may still hold a file open
+
+
+def test_a_partial_folder_left_by_a_killed_save_is_cleared_before_the_step_is_written_again(tiny_model_dir,
+                                                                                             rollouts, tmp_path):
+    """A run killed while writing checkpoint-1 leaves .partial-checkpoint-1 (never resumed); the restarted run writes
+    step 1 again in that place, and nothing of the killed attempt's files ends up in the new checkpoint."""
+    out = tmp_path / "out"
+    stale = out / ".partial-checkpoint-1" / "checkpoint-1"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half a file")
+    (stale / "left-by-the-killed-run.bin").write_bytes(b"x")
+    trainer(tiny_model_dir, rollouts, out, 1).train(resume_from_checkpoint="auto")
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+    assert not (out / "checkpoint-1" / "left-by-the-killed-run.bin").exists()
+    assert resolve_checkpoint("latest", out) == out / "checkpoint-1"  # its manifest holds the new files only
+    load_file(out / "checkpoint-1" / "model.safetensors")

@@ -119,6 +119,15 @@ def resolve_checkpoint(spec: str | bool, output_dir: str | Path) -> Path | None:
     return path
 
 
+def newest_complete_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest ``checkpoint-N`` of ``output_dir`` with both state files, or None. Cheap (its manifest is not
+    checked: a resume does that), for messages written while a run is being torn down."""
+    for path in _checkpoints_newest_first(Path(output_dir)):
+        if all((path / name).is_file() for name in (TRAINER_STATE_FILE, STATE_FILE)):
+            return path
+    return None
+
+
 def _checkpoints_newest_first(output_dir: Path) -> list[Path]:
     if not output_dir.is_dir():
         return []

@@ -7,6 +7,8 @@ main process's error to every rank instead, and name a lost peer when a collecti
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Any, Callable
 
 import torch
@@ -77,18 +79,88 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(marker in str(exc) for marker in _GLOO_PEER_LOST)
 
 
-def collective_failure_note(num_processes: int, process_index: int, timeout_s: int, output_dir: str | None = None) -> str:
-    """The note added to a failed collective's error: which process saw it, what to look at, how to go on."""
-    from transformers.trainer_utils import get_last_checkpoint
+# Every rank's (host, pid), gathered once at start-up (``record_peers``): a rank that finds a peer gone can name it.
+_peers: list[tuple[str, int]] | None = None
 
-    newest = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
-    resume = (f"resume with --resume_from_checkpoint latest (or auto): the newest complete checkpoint is {newest}"
-              if newest else f"no checkpoint in --output_dir {output_dir} yet: a new launch starts from the beginning")
-    return (
-        f"verifiers_rl: a collective between the {num_processes} processes failed on process {process_index}: "
-        f"another process died (the launcher names it; its own log has the cause) or stopped answering (given up "
-        f"after --ddp_timeout, now {timeout_s} s); {resume}."
-    )
+
+def record_peers() -> None:
+    """Gather every rank's host name and pid (one all-gather; nothing in a single process)."""
+    global _peers
+    rank, world = _world()
+    if world == 1:
+        return
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (socket.gethostname(), os.getpid()))
+    _peers = [tuple(peer) for peer in gathered]
+
+
+def dead_peers(wait_s: float = 0.0) -> list[tuple[int, int]]:
+    """(rank, pid) of every other process of this launch on this machine that no longer runs (gone or a zombie);
+    a process on another machine cannot be seen from here. ``wait_s``: look again for up to that long while none is
+    found (a killed process closes its sockets, failing our collective, a moment before it is a zombie)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = _dead_peers_now()
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.05)
+
+
+def _dead_peers_now() -> list[tuple[int, int]]:
+    import psutil
+
+    if _peers is None:
+        return []
+    here, me = socket.gethostname(), os.getpid()
+    dead = []
+    for rank, (host, pid) in enumerate(_peers):
+        if host != here or pid == me:
+            continue
+        try:
+            alive = psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            alive = False
+        if not alive:
+            dead.append((rank, pid))
+    return dead
+
+
+def _died(dead: list[tuple[int, int]]) -> str:
+    names = ", ".join(f"process {rank} (pid {pid})" for rank, pid in dead)
+    return f"{names} died (killed: SIGKILL, the out-of-memory killer, or a crash in its own log)"
+
+
+def resume_advice(output_dir: str | None) -> str:
+    """How to go on after a run ended early: the newest intact checkpoint to resume from, or that there is none."""
+    from .checkpoint import newest_complete_checkpoint
+
+    try:
+        newest = newest_complete_checkpoint(output_dir) if output_dir else None
+    except OSError:
+        newest = None
+    if newest is None:
+        return f"no checkpoint in --output_dir {output_dir} yet: a new launch starts from the beginning"
+    return f"resume with --resume_from_checkpoint latest (or auto): the newest complete checkpoint is {newest}"
+
+
+def collective_failure_note(num_processes: int, process_index: int, timeout_s: int, output_dir: str | None = None) -> str:
+    """The note added to a failed collective's error: which process saw it, which peer died (when it ran on this
+    machine), what to look at, how to go on."""
+    dead = dead_peers(wait_s=2.0)
+    cause = (_died(dead) if dead else
+             f"another process died (the launcher names it; its own log has the cause) or stopped answering (given up "
+             f"after --ddp_timeout, now {timeout_s} s)")
+    return (f"verifiers_rl: a collective between the {num_processes} processes failed on process {process_index}: "
+            f"{cause}; {resume_advice(output_dir)}.")
+
+
+def lost_peer_note(process_index: int, output_dir: str | None) -> str | None:
+    """When a process of this launch on this machine has died: the line a survivor prints before it exits (the
+    launcher is ending the launch; no step can finish without the dead one). None while every peer runs."""
+    dead = dead_peers()
+    if not dead:
+        return None
+    return f"verifiers_rl: [rank {process_index}] {_died(dead)}; {resume_advice(output_dir)}."
 
 
 def leave_process_group() -> None:

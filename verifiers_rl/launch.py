@@ -33,7 +33,9 @@ def prepare_process(args) -> None:
       be wrapped in DDP ("'weight' must be 2-D"); ``use_cpu`` keeps both;
     - a launched CPU run starts its gloo group with ``--ddp_timeout``: transformers passes the timeout to GPU and
       DeepSpeed groups but not to a ``use_cpu`` one, whose collectives would then wait torch's default 30 minutes
-      on a peer that stops answering without closing its sockets. The Trainer reuses this group.
+      on a peer that stops answering without closing its sockets. The Trainer reuses this group;
+    - in workers restarted by torch elastic (``torchrun`` / ``accelerate launch --max_restarts N``), that group
+      rendezvouses under a key prefix of its own restart (``restart_store``).
     """
     _skip_deepspeed_cpu_shm_op()
     if env_flag("ACCELERATE_USE_CPU") and env_flag("ACCELERATE_USE_DEEPSPEED"):
@@ -43,13 +45,40 @@ def prepare_process(args) -> None:
         if not torch.distributed.is_initialized():
             from accelerate import PartialState
 
-            PartialState(cpu=True, backend=args.ddp_backend, timeout=timedelta(seconds=args.ddp_timeout))
+            timeout = timedelta(seconds=args.ddp_timeout)
+            store = restart_store(timeout)
+            PartialState(cpu=True, backend=args.ddp_backend, timeout=timeout, **({"store": store} if store else {}))
         if env_flag("ACCELERATE_USE_DEEPSPEED"):
             # DeepSpeed's own view of that group: without it, a model built under zero.Init before the engine
             # starts (TRL's reference model) takes the world size for 1 and fails DeepSpeed's batch-size check.
             import deepspeed
 
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
+
+
+def restart_count() -> int:
+    """How many times torch elastic has restarted this launch's workers (0 in the first attempt, or unlaunched)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restart_store(timeout: timedelta):
+    """The rendezvous store of a restarted worker: the launcher's store under a prefix of this restart; None in a
+    first attempt (the usual ``env://`` rendezvous) or when the launcher hosts no store for its workers.
+
+    torch elastic's static rendezvous (the default of ``torchrun`` without ``--standalone``, and of the accelerate
+    configs here) keeps ONE store for every attempt, and ``env://`` workers read their process group's keys from it
+    without a prefix per attempt. A restarted worker then reads the dead attempt's addresses and fails to connect
+    ("Gloo connectFullMesh failed ... Connection refused"), and the restart is wasted. A prefix per restart gives
+    each attempt keys of its own, whatever the rendezvous backend.
+    """
+    count = restart_count()
+    if count == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), launched_world_size(), is_master=False,
+                     timeout=timeout)
+    return PrefixStore(f"verifiers_rl/restart_{count}", store)
 
 
 def _skip_deepspeed_cpu_shm_op() -> None:

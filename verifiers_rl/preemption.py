@@ -5,6 +5,10 @@ with one all-reduce, so a signal that reached one rank stops them all at the sam
 once (the signal's default action). Signals within ``DEBOUNCE_S`` of the first count as the same one: a job
 scheduler (SLURM's scancel) and a launcher forwarding it (``accelerate launch`` / torchrun) deliver SIGTERM to a
 worker twice in a few milliseconds, and Ctrl-C in a terminal reaches the launcher and the workers alike.
+
+A SIGTERM that finds a process of the launch already dead is the launcher (torchrun) ending the launch after that
+death: no step can finish without the dead process, so the survivor says which one died and how to resume, and
+exits at once (else it would sit in its step until the launcher's SIGKILL, TORCH_ELASTIC_SHUTDOWN_TIMEOUT later).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 from transformers import TrainerCallback
 
@@ -43,7 +48,8 @@ class TrainingPreempted(RuntimeError):
 class PreemptionSignal:
     """Catches SIGTERM and SIGINT while installed (main thread only; elsewhere signals cannot be caught)."""
 
-    def __init__(self):
+    def __init__(self, lost_peer: Callable[[], str | None] | None = None):
+        self.lost_peer = lost_peer  # the line to print when a peer has died, or None (``lost_peer_note``)
         self.received: int | None = None
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
@@ -63,6 +69,13 @@ class PreemptionSignal:
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
         if self.received is None:
+            note = self._lost_peer()
+            if note is not None:
+                sys.stderr.write(f"\n{note} {signal.Signals(signum).name} from the launcher: exiting now.\n")
+                sys.stderr.flush()
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             self.received, self._first_at = signum, now
             sys.stderr.write(
                 f"\n[verifiers_rl] {signal.Signals(signum).name}: finishing the current optimizer step, then a checkpoint "
@@ -74,6 +87,12 @@ class PreemptionSignal:
             sys.stderr.flush()
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+    def _lost_peer(self) -> str | None:
+        try:
+            return self.lost_peer() if self.lost_peer is not None else None
+        except Exception:  # noqa: BLE001 - a signal handler must not fail; the usual path follows
+            return None
 
 
 class PreemptionCallback(TrainerCallback):

@@ -149,6 +149,11 @@ class RunCheckpoints:
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
         root = partial_root(run_dir, global_step)
         written = root / os.path.basename(final)
+        if self.accelerator.is_local_main_process and root.exists():
+            # Left by a run killed while writing this step (a restarted run writes it again): nothing of it may
+            # end up in the new checkpoint or its manifest.
+            shutil.rmtree(root, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
         error = None
         try:
             write_hf(str(root))

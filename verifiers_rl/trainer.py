@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,10 +29,17 @@ from . import compat, evaluation, progress, reporting
 from .adapter_reference import AdapterReference, AdapterReferenceCallback
 from .batching import MicroBatch, RankBatch
 from .config import RLConfig
-from .distributed import collective_failure_note, is_collective_failure, main_process_outcome
+from .distributed import (
+    collective_failure_note,
+    is_collective_failure,
+    lost_peer_note,
+    main_process_outcome,
+    record_peers,
+)
 from .entropy_terms import GATHER_PAD, EntropyTerms
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
+from .launch import restart_count
 from .loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
 from .modeling import unwrap
 from .policy import micro_batch_logprobs
@@ -190,6 +198,7 @@ class RLTrainer(GRPOTrainer):
     ):
         args = _config(args, model)
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
+        record_peers()  # every rank's pid: a survivor names a peer that died
         self._built_engine = False
         if reward_funcs is not None or train_dataset is not None:
             if environment is not None or rollout_source is not None or args.rollouts_path:
@@ -301,7 +310,7 @@ class RLTrainer(GRPOTrainer):
         )
         if self.live:  # every rank: the weight sync's gathers, probe and error hand-over are collective
             self.add_callback(WeightSyncCallback(self.sync_weights, lambda: self.checkpoints.resumed_from is not None))
-        self.preemption = PreemptionSignal()
+        self.preemption = PreemptionSignal(lambda: lost_peer_note(self.accelerator.process_index, self.args.output_dir))
         self._preemption = PreemptionCallback(self.preemption, accelerator.device)
         self.add_callback(self._preemption)
         self.add_callback(self.timer)  # after the weight sync: a step ends when the engine holds its weights
@@ -314,21 +323,26 @@ class RLTrainer(GRPOTrainer):
         step, write a checkpoint and raise ``TrainingPreempted`` on every rank (a second signal exits at once)."""
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
+        # Installed before anything collective: a survivor of a dead peer that the launcher signals names the dead
+        # one and exits (``PreemptionSignal``), also while it handles its failed collective below.
+        self.preemption.install()
         try:
             path = (self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
                     if resume_from_checkpoint else None)
-            self.preemption.install()
-            try:
-                output = super().train(resume_from_checkpoint=path, **kwargs)
-            finally:
-                self.preemption.uninstall()
+            self._say_restart(resume_from_checkpoint, path)
+            output = super().train(resume_from_checkpoint=path, **kwargs)
         except RuntimeError as exc:
             accelerator = self.accelerator
             if accelerator.num_processes > 1 and is_collective_failure(exc):
-                exc.add_note(collective_failure_note(accelerator.num_processes, accelerator.process_index,
-                                                     self.args.ddp_timeout, self.args.output_dir))
+                note = collective_failure_note(accelerator.num_processes, accelerator.process_index,
+                                               self.args.ddp_timeout, self.args.output_dir)
+                # Said now: the launcher's SIGTERM may end this process before the traceback is printed.
+                sys.stderr.write(f"\n[rank {accelerator.process_index}] {note}\n")
+                sys.stderr.flush()
+                exc.add_note(note)
             raise
         finally:
+            self.preemption.uninstall()
             if self.generator is not None:
                 self.generator.close()
             if self._built_engine and self.engine is not None:
@@ -337,6 +351,16 @@ class RLTrainer(GRPOTrainer):
         if stopped_by is not None and self.state.global_step < self.state.max_steps:
             raise TrainingPreempted(stopped_by, self.checkpoints.last_checkpoint, self.state.global_step)
         return output
+
+    def _say_restart(self, spec, path: str | None) -> None:
+        """In workers restarted by torch elastic (``--max_restarts``): one line saying where the restart goes on."""
+        count = restart_count()
+        if not count or not self.accelerator.is_main_process:
+            return
+        where = (f"resuming from {path}" if path else
+                 f"--resume_from_checkpoint {spec}: no checkpoint yet, starting fresh" if spec else
+                 "no --resume_from_checkpoint (auto makes a restart resume): training starts from the beginning")
+        print(f"verifiers_rl: restart {count} of this launch (torch elastic): {where}.", flush=True)
 
     @property
     def engine(self):
