@@ -1,16 +1,17 @@
-"""Soak: a long live run must not grow. 300 steps of the tiny model at k = 1 (generation one step ahead on the
-generator thread, weight sync and probe after every step, a checkpoint every 100 steps with the newest 2 kept, the
-rollouts appended to a file), recording after every optimizer step:
+"""Soak: a long run must not grow. Two runs of the tiny model, recording after every optimizer step:
 
-- resident memory (RSS) of the process; target: RSS after step 300 minus RSS after step 20 < 50 MB;
-- threads of the process and its child processes; target: the same at step 300 as at step 20;
-- step time (interval between optimizer steps); target: flat, the median of the last 40 steps within 1.25x of the
-  median of steps 21-60.
+- ``live``: 300 steps at k = 1 (generation one step ahead on the generator thread, weight sync and probe after every
+  step, a checkpoint every 100 steps with the newest 2 kept, the rollouts appended to a file);
+- ``replay``: 1,000 steps replaying a rollouts file (a checkpoint every 250 steps with the newest 2 kept).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/soak.py               # ~3-5 min on 2 idle cores
-    PYTHONPATH=. .venv/bin/python benchmarks/soak.py --steps 100   # quicker look
+Targets, from the first 10% of a run to its end: resident memory (RSS) grows < 50 MB; threads, open files and
+child processes the same; the median step time (the interval between optimizer steps) of the last 10% of steps
+within 10% of the median of the first 10% (after ``--warmup`` steps).
 
-Prints a table at steps 20, 50, 100, 150, 200, 250, 300 and a verdict line per target (exit status 1 if one fails).
+    PYTHONPATH=. .venv/bin/python benchmarks/soak.py                       # both; ~8-12 min on 2 idle cores
+    PYTHONPATH=. .venv/bin/python benchmarks/soak.py --mode live --steps 100   # a quicker look
+
+Prints a table per run (the curve, every 10% of the run) and a verdict line per target (exit status 1 if one fails).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
@@ -34,11 +36,12 @@ from benchmarks.timing import load, log  # noqa: E402
 
 
 class Probe(TrainerCallback):
-    """RSS, threads, child processes and the time of every optimizer step."""
+    """RSS, threads, open files, child processes and the time of every optimizer step."""
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name
         self.process = psutil.Process()
-        self.rows: list[tuple[int, float, int, int, float]] = []  # step, rss MiB, threads, children, step seconds
+        self.rows: list[Row] = []
         self.last = None
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -47,82 +50,117 @@ class Probe(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         now = time.perf_counter()
         rss = self.process.memory_info().rss / 2**20
-        self.rows.append((state.global_step, rss, self.process.num_threads(), len(self.process.children(recursive=True)),
-                          now - self.last))
+        self.rows.append(Row(state.global_step, rss, self.process.num_threads(), self.process.num_fds(),
+                             len(self.process.children(recursive=True)), now - self.last))
         self.last = now
-        if state.global_step % 50 == 0:
-            log(f"[soak] step {state.global_step}: rss {rss:.0f} MiB, {threading.active_count()} python threads, "
-                f"load {load()}")
+        if state.global_step % 100 == 0:
+            log(f"[soak {self.name}] step {state.global_step}: rss {rss:.0f} MiB, {threading.active_count()} python "
+                f"threads, load {load()}")
+
+
+@dataclass
+class Row:
+    step: int
+    rss: float  # MiB
+    threads: int
+    open_files: int
+    children: int
+    seconds: float  # since the previous optimizer step
+
+
+def config(work: str, steps: int, **extra):
+    from verifiers_rl.config import RLConfig
+
+    values = dict(
+        output_dir=os.path.join(work, "out"), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1,
+        max_steps=steps, learning_rate=1e-3, lr_scheduler_type="constant", rollouts_per_step=16, num_generations=4,
+        max_completion_length=8, max_seq_len=128, gradient_checkpointing=False, save_strategy="steps",
+        save_total_limit=2, print_samples_every=0, seed=0,
+    )
+    values.update(extra)
+    return RLConfig(**values)
+
+
+def run(mode: str, steps: int) -> list[Row]:
+    from transformers import AutoTokenizer
+
+    from verifiers_rl.envs import load_environment
+    from verifiers_rl.inference.factory import build_engine
+    from verifiers_rl.models import resolve_model
+    from verifiers_rl.rollouts import write_rollouts
+    from verifiers_rl.synthetic import random_rollouts
+    from verifiers_rl.trainer import RLTrainer
+
+    model = resolve_model("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    work = tempfile.mkdtemp(prefix=f"verifiers_rl-soak-{mode}-")
+    probe = Probe(mode)
+    engine = None
+    if mode == "live":
+        args = config(work, steps, max_off_policy_steps=1, save_steps=100,
+                      save_rollouts_path=os.path.join(work, "rollouts.jsonl"))
+        environment = load_environment("reverse_text", tokenizer=tokenizer, num_examples=2000)
+        engine = build_engine(args, model, tokenizer)
+        trainer = RLTrainer(model, args, processing_class=tokenizer, environment=environment, engine=engine,
+                            callbacks=[probe])
+    else:  # 40 batches of 16, replayed round and round
+        path = os.path.join(work, "replay.jsonl")
+        write_rollouts(path, random_rollouts(160, 4, vocab_size=390, seed=0, completion_len=(4, 40)))
+        trainer = RLTrainer(model, config(work, steps, rollouts_path=path, save_steps=250), processing_class=tokenizer,
+                            callbacks=[probe])
+    started = time.perf_counter()
+    log(f"[soak {mode}] {steps} steps of the tiny model in {work} (load {load()})")
+    trainer.train()
+    if engine is not None:
+        engine.close()
+    log(f"[soak {mode}] done in {time.perf_counter() - started:.0f} s (load {load()})")
+    return probe.rows
+
+
+def report(mode: str, rows: list[Row], warmup: int) -> bool:
+    """The curve (every 10% of the run) and the verdicts; True when every target holds."""
+    steps = len(rows)
+    tenth = max(steps // 10, 1)
+    base = rows[max(warmup, tenth) - 1]
+    print(f"\n{mode}: {steps} steps, tiny model, 16 rollouts per step; load at the end {load()}\n")
+    print("| step | RSS (MiB) | RSS - base (MiB) | threads | open files | child processes | median step s (last 10%) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows[tenth - 1::tenth]:
+        window = [r.seconds for r in rows[max(row.step - tenth, 0):row.step]]
+        print(f"| {row.step} | {row.rss:.1f} | {row.rss - base.rss:+.1f} | {row.threads} | {row.open_files} | "
+              f"{row.children} | {statistics.median(window):.3f} |")
+    last = rows[-1]
+    early = statistics.median(r.seconds for r in rows[warmup:warmup + tenth])
+    late = statistics.median(r.seconds for r in rows[-tenth:])
+    checks = [
+        (f"RSS growth step {base.step} -> {last.step}: {last.rss - base.rss:+.1f} MiB (target < 50)",
+         last.rss - base.rss < 50),
+        (f"threads {base.threads} -> {last.threads}, open files {base.open_files} -> {last.open_files}, child "
+         f"processes {base.children} -> {last.children} (target: constant)",
+         (last.threads, last.open_files, last.children) == (base.threads, base.open_files, base.children)),
+        (f"median step time {early:.3f} s (steps {warmup + 1}-{warmup + tenth}) -> {late:.3f} s (last {tenth}): "
+         f"{late / early:.2f}x (target within 10%)", abs(late / early - 1) <= 0.10),
+    ]
+    print()
+    for text, ok in checks:
+        print(f"{'PASS' if ok else 'FAIL'} ({mode}): {text}")
+    return all(ok for _, ok in checks)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--baseline_step", type=int, default=20)
+    parser.add_argument("--mode", choices=["both", "live", "replay"], default="both")
+    parser.add_argument("--steps", type=int, default=None, help="default: 300 live, 1000 replay")
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the first window's step time")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer
-
-    from verifiers_rl.config import RLConfig
-    from verifiers_rl.envs import load_environment
-    from verifiers_rl.inference.factory import build_engine
-    from verifiers_rl.models import resolve_model
-    from verifiers_rl.trainer import RLTrainer
 
     torch.set_num_threads(args.threads)
-    model = resolve_model("tiny")
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    work = tempfile.mkdtemp(prefix="verifiers_rl-soak-")
-    config = RLConfig(
-        output_dir=os.path.join(work, "out"), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1,
-        max_steps=args.steps, learning_rate=1e-3, lr_scheduler_type="constant", rollouts_per_step=16,
-        num_generations=4, max_completion_length=8, max_seq_len=128, max_off_policy_steps=1,
-        gradient_checkpointing=False, save_strategy="steps", save_steps=100, save_total_limit=2,
-        save_rollouts_path=os.path.join(work, "rollouts.jsonl"), print_samples_every=0, seed=0,
-    )
-    environment = load_environment("reverse_text", tokenizer=tokenizer, num_examples=2000)
-    engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
-    probe = Probe()
-    trainer = RLTrainer(model, config, processing_class=tokenizer, environment=environment, engine=engine,
-                        callbacks=[probe])
-    started = time.perf_counter()
-    log(f"[soak] {args.steps} steps of the tiny model at k = 1 in {work} (load {load()})")
-    trainer.train()
-    engine.close()
-    log(f"[soak] done in {time.perf_counter() - started:.0f} s (load {load()})")
-
-    rows = {step: (rss, threads, children) for step, rss, threads, children, _ in probe.rows}
-    seconds = [row[4] for row in probe.rows]
-    marks = [args.baseline_step] + [s for s in range(50, args.steps + 1, 50) if s > args.baseline_step]
-    if args.steps not in marks:
-        marks.append(args.steps)
-    print(f"tiny model, reverse_text, 16 rollouts per step, k = 1, torch threads {args.threads}, "
-          f"checkpoint every 100 steps; load at the end {load()}")
-    print()
-    print("| step | RSS (MiB) | RSS - RSS at step 20 (MiB) | threads | child processes | median step s (last 20) |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    base_rss, base_threads, base_children = rows[args.baseline_step]
-    for step in marks:
-        rss, threads, children = rows[step]
-        window = seconds[max(step - 20, 0):step]
-        print(f"| {step} | {rss:.1f} | {rss - base_rss:+.1f} | {threads} | {children} | {statistics.median(window):.3f} |")
-    last_rss, last_threads, last_children = rows[args.steps]
-    early = statistics.median(seconds[args.baseline_step:args.baseline_step + 40])
-    late = statistics.median(seconds[-40:])
-    checks = [
-        (f"RSS growth step {args.baseline_step} -> {args.steps}: {last_rss - base_rss:+.1f} MiB (target < 50)",
-         last_rss - base_rss < 50),
-        (f"threads {base_threads} -> {last_threads}, child processes {base_children} -> {last_children} (target: constant)",
-         (last_threads, last_children) == (base_threads, base_children)),
-        (f"median step time {early:.3f} s (steps {args.baseline_step + 1}-{args.baseline_step + 40}) -> {late:.3f} s "
-         f"(last 40): {late / early:.2f}x (target <= 1.25x)", late / early <= 1.25),
-    ]
-    print()
-    for text, ok in checks:
-        print(f"{'PASS' if ok else 'FAIL'}: {text}")
-    return 0 if all(ok for _, ok in checks) else 1
+    modes = ["live", "replay"] if args.mode == "both" else [args.mode]
+    results = {mode: run(mode, args.steps or {"live": 300, "replay": 1000}[mode]) for mode in modes}
+    return 0 if all([report(mode, rows, args.warmup) for mode, rows in results.items()]) else 1
 
 
 if __name__ == "__main__":
