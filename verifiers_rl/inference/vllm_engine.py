@@ -359,16 +359,24 @@ class VLLMEngine:
             logger.warning(
                 "vLLM server at %s not answering (%s); waiting up to %.0f s for it to come back (%s).",
                 self.base_url, cause(failure), self.reconnect_timeout_s, RECONNECT_FLAG)
+            deadline = started + self.reconnect_timeout_s
+            while True:
+                try:
+                    wait_for_health(self.http, max(deadline - time.monotonic(), 0.0))
+                    self.check(require_weight_sync=self._require_weight_sync)
+                    break
+                except (VLLMUnavailableError, VLLMTimeoutError) as error:  # not answering (yet)
+                    if time.monotonic() < deadline:
+                        time.sleep(1.0)
+                        continue
+                    lost = VLLMUnavailableError(
+                        f"{failure} It did not come back within {self.reconnect_timeout_s:.0f} s ({RECONNECT_FLAG}; "
+                        f"last: {cause(error)})."
+                    )
+                    self._give_up(lost, error)
+                except VLLMError as error:  # back, but another model or no weight sync: waiting will not help
+                    self._give_up(VLLMError(f"The vLLM server at {self.base_url} came back unusable: {error}"), error)
             try:
-                wait_for_health(self.http, self.reconnect_timeout_s)
-            except VLLMError as error:
-                lost = VLLMUnavailableError(
-                    f"{failure} It did not come back within {self.reconnect_timeout_s:.0f} s ({RECONNECT_FLAG}; "
-                    f"last: {cause(error)})."
-                )
-                self._give_up(lost, error)
-            try:
-                self.check(require_weight_sync=self._require_weight_sync)
                 reloaded = self.transfer.reload()
                 gap = self._check_reference()
             except VLLMError as error:
