@@ -43,6 +43,9 @@ class WeightLoad(Protocol):
     def load(self, named_tensors: NamedTensors, version: int) -> dict:
         """Load the pairs into the server; return a report (``tensors``, ``total_s``, ``version``, ...)."""
 
+    def reload(self) -> dict | None:
+        """Load the last loaded weights again (kept with ``keep_last``; a restarted server); None if none kept."""
+
     def close(self) -> None:
         """Release what the transfer holds (a group, a temporary folder)."""
 
