@@ -61,6 +61,7 @@ RANGES: dict[str, Range] = {
     "vllm_max_concurrency": AT_LEAST_ONE,
     "vllm_request_timeout_s": POSITIVE,
     "vllm_max_retries": NON_NEGATIVE,
+    "vllm_reconnect_timeout_s": NON_NEGATIVE,
     "max_refill_batches": NON_NEGATIVE,
     "max_rollout_retries": NON_NEGATIVE,
     "max_failed_rollouts_fraction": NON_NEGATIVE,
@@ -260,6 +261,15 @@ class RLConfig(GRPOConfig):
             "doubled each time)."
         },
     )
+    vllm_reconnect_timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "When the vLLM server stops answering (killed, restarted), wait this long for it to come back at "
+            "the same address, then reload the current weights into it and re-send what was in flight; not back in "
+            "time: the run stops with the error. 0 = stop at once. Must be below generation_timeout_s. Keeps the "
+            "last weights (files: the last snapshot on disk; nccl/gloo: a copy in host memory)."
+        },
+    )
     vllm_weights_dir: str | None = field(
         default=None,
         metadata={
@@ -448,6 +458,13 @@ class RLConfig(GRPOConfig):
                 "`python -m verifiers_rl.inference.vllm_server --model MODEL --port PORT`)."
             )
         check_server_url(self.vllm_server_url, "vllm_server_url")
+        if self.vllm_server_url and self.vllm_reconnect_timeout_s >= self.generation_timeout_s:
+            # The trainer waits for a batch at most generation_timeout_s: a wait for the server must fit in it.
+            raise ValueError(
+                f"vllm_reconnect_timeout_s ({self.vllm_reconnect_timeout_s:g} s) must be below generation_timeout_s "
+                f"({self.generation_timeout_s:g} s): the wait for a restarted vLLM server happens inside a batch's "
+                "generation."
+            )
         from .inference import SamplingConfig
         from .inference.factory import sampling_settings
 

@@ -136,6 +136,18 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
+def _server_lost(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it) says the inference server is gone for good (``VLLMEngine`` waited
+    ``reconnect_timeout_s`` for it): retrying the rollout would only wait again."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, "server_lost", False):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
 class GenerationError(RuntimeError):
     """Generation, an environment or a reward function failed; raised where the trainer waits for a batch."""
 
@@ -412,6 +424,8 @@ class AsyncGenerator:
                 group = await self.environment.rollout_group(self.engine, row, group_id, self.num_generations, seed=seed)
                 return group, attempt, None
             except RolloutError as failed:
+                if _server_lost(failed):  # not a flaky environment: the engine already waited for its server
+                    raise
                 error = failed
                 logger.warning("Group %s, attempt %d of %d: %s", group_id, attempt + 1, self.max_rollout_retries + 1,
                                failed)

@@ -69,6 +69,14 @@ class Served:
             self.dirty = False
         return self
 
+    def restart_same_port(self) -> "Served":
+        """Start a new server for model_dir at the address of this one (which a test killed), and wait for it."""
+        port = self.server.port
+        self.server.stop()
+        self.server = _server(self.model_dir, port=port).start()
+        self.dirty = False
+        return self
+
     def restore(self) -> "Served":
         """Load model_dir's own weights back if a test left others in the server."""
         if self.dirty:
@@ -89,11 +97,11 @@ class Served:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _server(model_dir: str) -> VLLMServer:
+def _server(model_dir: str, port: int | None = None) -> VLLMServer:
     # The log stays beside the model (pytest keeps its last temporary folders) for a post-mortem.
     log = Path(model_dir).with_suffix(f".{time.strftime('%H%M%S')}.server.log")
     # The gloo weight-transfer backend on: clients can then send weights either way (files or gloo).
-    return VLLMServer(model_dir, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log,
+    return VLLMServer(model_dir, port=port, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log,
                       weight_transfer="gloo", api_key=API_KEY)
 
 

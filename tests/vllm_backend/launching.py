@@ -18,7 +18,7 @@ PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
 
 
 def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str = "ddp_cpu.yaml",
-                transfer: str = "files") -> list[str]:
+                transfer: str = "files", extra: tuple[str, ...] = ()) -> list[str]:
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
         "--main_process_port", str(free_port()), str(RUNNER),
@@ -27,7 +27,7 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str
         "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "128",
         "--max_off_policy_steps", "0", "--learning_rate", "0.01", "--logging_steps", "1", "--print_samples_every", "0",
         "--weight_sync_probe_every", "1", "--save_rollouts_path", str(out / "rollouts.jsonl"), "--report_to", "none",
-        "--save_strategy", "no", "--output_dir", str(out / "model"),
+        "--save_strategy", "no", "--output_dir", str(out / "model"), *extra,
     ]
 
 

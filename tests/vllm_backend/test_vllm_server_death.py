@@ -1,4 +1,6 @@
-"""A vLLM server that dies: clear errors within a bounded time, never a hang (client, and a DDP training run).
+"""A vLLM server that dies: clear errors within a bounded time, never a hang (client, and a DDP training run); one
+that does not come back within ``--vllm_reconnect_timeout_s`` is the same error, that much later. (A server that
+comes back: tests/vllm_backend/test_vllm_server_restart.py.)
 
 Every test here kills the ``doomed`` server, its own: the session's shared servers stay up whatever order the files
 run in.
@@ -19,6 +21,7 @@ from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.inference.engine import free_port
 
 DDP_DEADLINE_S = 120
+RECONNECT_S = 5  # the DDP run waits this long for the killed server, which never comes back
 
 
 def test_killed_server_fails_sampling_clearly_and_quickly(doomed):
@@ -83,8 +86,10 @@ def test_server_killed_during_a_streamed_weight_load_is_a_clear_error(doomed):
 
 
 def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
-    process = subprocess.Popen(ddp_command(doomed.model_dir, doomed.url, tmp_path, 500), cwd=ROOT, env=launch_env(),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = ddp_command(doomed.model_dir, doomed.url, tmp_path, 500,
+                          extra=("--vllm_reconnect_timeout_s", str(RECONNECT_S)))
+    process = subprocess.Popen(command, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
     reader.start()
@@ -112,7 +117,13 @@ def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
     # Rank 0 raises the engine's error; rank 1 gets it through the trainer's error propagation.
     assert f"The vLLM server at {doomed.url} failed" in output, output[-6000:]
     assert "The main process failed:" in output, output[-6000:]
-    print(f"the DDP run stopped {stopped_after:.1f} s after the server was killed")
+    # It waited for the server (saying so), the bound it was given, and no longer: the error names the flag.
+    assert f"vLLM server at {doomed.url} not answering" in output, output[-6000:]
+    assert f"waiting up to {RECONNECT_S} s for it to come back (--vllm_reconnect_timeout_s)" in output
+    assert f"It did not come back within {RECONNECT_S} s (--vllm_reconnect_timeout_s" in output, output[-6000:]
+    assert stopped_after < RECONNECT_S + 20, stopped_after  # measured: 10.4 s (3.5 s of retries, the 5 s, the stop)
+    print(f"the DDP run stopped {stopped_after:.1f} s after the server was killed "
+          f"(--vllm_reconnect_timeout_s {RECONNECT_S})")
 
 
 def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):

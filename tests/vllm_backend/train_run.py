@@ -51,6 +51,8 @@ def engine_state(engine) -> dict:
         "policy_version": engine.policy_version,
         "requests_served": getattr(engine, "requests_served", None),
         "last_load": getattr(engine, "last_load", None),
+        "recoveries": getattr(engine, "recoveries", None),
+        "resent_requests": getattr(engine, "resent_requests", None),
         "health": engine.health(),
     }
 

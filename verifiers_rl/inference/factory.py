@@ -45,6 +45,7 @@ def build_engine(config, model: str, tokenizer):
         max_concurrency=config.vllm_max_concurrency,
         request_timeout_s=config.vllm_request_timeout_s,
         max_retries=config.vllm_max_retries,
+        reconnect_timeout_s=config.vllm_reconnect_timeout_s,
         weights_dir=config.vllm_weights_dir,
         weight_transfer=config.vllm_weight_transfer,
         weight_transfer_address=config.vllm_weight_transfer_address,

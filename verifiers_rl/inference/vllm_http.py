@@ -20,7 +20,16 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tenacity import AsyncRetrying, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    Retrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_fixed,
+)
 
 from ..vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
 from ..vllm_worker.vllm_weight_sync import PROTOCOL_VERSION
@@ -48,7 +57,10 @@ class VLLMError(RuntimeError):
 
 
 class VLLMUnavailableError(VLLMError):
-    """No answer (connection refused or dropped, or HTTP 5xx) after every retry."""
+    """No answer (connection refused or dropped, or HTTP 5xx) after every retry. ``connection_lost``: the last
+    failure was the connection itself (the server is gone, or restarting), not an HTTP answer."""
+
+    connection_lost: bool = False
 
 
 class VLLMTimeoutError(VLLMError):
@@ -233,6 +245,7 @@ class VLLMTransport:
             f"{time.monotonic() - call.started:.1f} s (last: {last}).{hint}"
         )
         error.last = last
+        error.connection_lost = not last.startswith("HTTP")
         return error
 
     # --- one client per event loop ------------------------------------------------------------------------------
@@ -326,6 +339,19 @@ def _wait_for_health(http: VLLMTransport, wait_s: float) -> None:
                 raise VLLMUnavailableError(f"No vLLM server at {http.base_url} ({cause(error)}); {START_HINT}.") \
                     from error
             time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+
+
+def wait_for_health(http: VLLMTransport, timeout_s: float, poll_s: float = 1.0) -> float:
+    """Poll ``/health`` every ``poll_s`` until it answers 200; return the seconds waited. Raises the last
+    ``VLLMError`` once ``timeout_s`` have passed (each poll bounded by what is left, at most ``CHECK_TIMEOUT_S``)."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    for attempt in Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(poll_s),
+                            retry=retry_if_exception_type(VLLMError), reraise=True):
+        with attempt:
+            left = max(deadline - time.monotonic(), 0.5)
+            http.request("GET", "/health", retries=0, timeout=min(CHECK_TIMEOUT_S, left))
+    return time.monotonic() - started
 
 
 def _served_model(http: VLLMTransport, expected: str | None) -> str:

@@ -20,6 +20,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -42,13 +43,28 @@ class WeightLoad(Protocol):
     def load(self, named_tensors: NamedTensors, version: int) -> dict:
         """Load the pairs into the server; return a report (``tensors``, ``total_s``, ``version``, ...)."""
 
+    def reload(self) -> dict | None:
+        """Load the last loaded weights again (kept with ``keep_last``; a restarted server); None if none kept."""
+
     def close(self) -> None:
         """Release what the transfer holds (a group, a temporary folder)."""
 
 
+@dataclass
+class Snapshot:
+    """A written ``files`` snapshot: its folder, manifest and version."""
+
+    folder: Path
+    manifest: Path
+    version: int
+    write_s: float
+
+
 class SnapshotLoad:
     """``files``: one safetensors file per tensor in ``weights_dir`` (default: a temporary folder, removed with
-    this object), then one ``verifiers_rl_load_snapshot`` RPC; the snapshot is deleted once loaded.
+    this object), then one ``verifiers_rl_load_snapshot`` RPC; the snapshot is deleted once loaded, unless
+    ``keep_last``: then the last loaded one stays on disk (one snapshot at rest, two while the next is written) so
+    ``reload()`` can give a restarted server the current weights.
 
     The server's extension checks every name and shape against its checkpoint first and answers a rejection
     (unknown, missing or misshapen tensors) without loading anything: ``VLLMRequestError``, old weights kept.
@@ -56,10 +72,12 @@ class SnapshotLoad:
     restart it.
     """
 
-    def __init__(self, http: VLLMTransport, weights_dir: str | Path | None = None):
+    def __init__(self, http: VLLMTransport, weights_dir: str | Path | None = None, keep_last: bool = False):
         self.http = http
         self._weights_dir = Path(weights_dir) if weights_dir is not None else None
         self._cleanup = None
+        self.keep_last = keep_last
+        self.current: Snapshot | None = None  # the last loaded snapshot, when kept
 
     @property
     def weights_dir(self) -> Path:
@@ -72,36 +90,65 @@ class SnapshotLoad:
         return self._weights_dir
 
     def load(self, named_tensors: NamedTensors, version: int) -> dict:
+        snapshot = self.write(named_tensors, version)
+        try:
+            return self.send(snapshot)
+        finally:
+            self.release(snapshot)
+
+    def write(self, named_tensors: NamedTensors, version: int) -> Snapshot:
+        """Write the pairs as a snapshot (nothing sent yet)."""
         from safetensors.torch import save_file
 
         started = time.perf_counter()
-        snapshot = Path(tempfile.mkdtemp(prefix=f"v{int(version)}-", dir=self.weights_dir))
+        folder = Path(tempfile.mkdtemp(prefix=f"v{int(version)}-", dir=self.weights_dir))
         try:
             entries = []
             for index, (key, tensor) in enumerate(plain_names(named_tensors)):
                 file_name = f"{index:05d}.safetensors"
                 # One file per tensor, written before the next tensor is drawn: nothing of the model is buffered.
-                save_file({key: tensor.detach().to("cpu").contiguous()}, str(snapshot / file_name))
+                save_file({key: tensor.detach().to("cpu").contiguous()}, str(folder / file_name))
                 entries.append({"name": key, "file": file_name, "shape": list(tensor.shape)})
             if not entries:
                 raise ValueError("load_weights got no tensors.")
-            manifest = snapshot / "manifest.json"
+            manifest = folder / "manifest.json"
             manifest.write_text(json.dumps({"version": int(version), "tensors": entries}))
-            written = time.perf_counter()
-            result = self.http.rpc("verifiers_rl_load_snapshot", str(manifest.resolve()))[0]
-            result = result if isinstance(result, dict) else {"result": result}
-            if result.get("rejected"):
-                raise VLLMRequestError(
-                    f"Weights rejected, nothing loaded: the vLLM server at {self.http.base_url} serves "
-                    f"{result.get('checkpoint')}, which has other parameters: " + "; ".join(result["rejected"])
-                )
-            self.http.request("POST", "/reset_prefix_cache")
-            return {**result, "write_s": written - started, "total_s": time.perf_counter() - started,
-                    "version": int(version), "transfer": "files"}
-        finally:
-            shutil.rmtree(snapshot, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return Snapshot(folder, manifest, int(version), time.perf_counter() - started)
+
+    def send(self, snapshot: Snapshot) -> dict:
+        """Have the server load ``snapshot`` (may be called again after a failure: the files are unchanged)."""
+        started = time.perf_counter()
+        result = self.http.rpc("verifiers_rl_load_snapshot", str(snapshot.manifest.resolve()))[0]
+        result = result if isinstance(result, dict) else {"result": result}
+        if result.get("rejected"):
+            raise VLLMRequestError(
+                f"Weights rejected, nothing loaded: the vLLM server at {self.http.base_url} serves "
+                f"{result.get('checkpoint')}, which has other parameters: " + "; ".join(result["rejected"])
+            )
+        self.http.request("POST", "/reset_prefix_cache")
+        if self.keep_last and snapshot is not self.current:
+            previous, self.current = self.current, snapshot
+            if previous is not None:
+                shutil.rmtree(previous.folder, ignore_errors=True)
+        return {**result, "write_s": snapshot.write_s, "total_s": snapshot.write_s + time.perf_counter() - started,
+                "version": snapshot.version, "transfer": "files"}
+
+    def release(self, snapshot: Snapshot) -> None:
+        """Delete ``snapshot`` unless it is the one kept."""
+        if snapshot is not self.current:
+            shutil.rmtree(snapshot.folder, ignore_errors=True)
+
+    def reload(self) -> dict | None:
+        """Load the kept snapshot again (a restarted server); None when none is kept."""
+        return None if self.current is None else self.send(self.current)
 
     def close(self) -> None:
+        if self.current is not None:
+            shutil.rmtree(self.current.folder, ignore_errors=True)
+            self.current = None
         if self._cleanup is not None:
             self._cleanup()
 
@@ -120,10 +167,14 @@ class BroadcastLoad:
         http: the server. ``server``: what connecting learnt (checkpoint shapes, tied embeddings, workers).
         backend: ``"nccl"`` or ``"gloo"``. ``address``: where the server's workers reach this process
             (default: the interface that routes to the server). ``timeout_s``: the group's bound on a collective.
+        keep_last: keep a CPU copy of the last loaded weights (host memory: the model's size) so ``reload()`` can
+            give a restarted server the current weights.
     """
 
     def __init__(self, http: VLLMTransport, server: ServerInfo, backend: str, address: str | None = None,
-                 bucket_bytes: int = 256 * 2**20, timeout_s: float = 600.0):
+                 bucket_bytes: int = 256 * 2**20, timeout_s: float = 600.0, keep_last: bool = False):
+        self.keep_last = keep_last
+        self._kept: tuple[int, list[tuple[str, torch.Tensor]]] | None = None
         self.http = http
         self.server = server
         self.backend = backend
@@ -136,6 +187,27 @@ class BroadcastLoad:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-transfer-http")
 
     def load(self, named_tensors: NamedTensors, version: int) -> dict:
+        if not self.keep_last:
+            return self._load(named_tensors, version)
+        kept: list[tuple[str, torch.Tensor]] = []
+
+        def copying():
+            for name, tensor in plain_names(named_tensors):
+                kept.append((name, tensor.detach().to("cpu", copy=True)))
+                yield name, tensor
+
+        report = self._load(copying(), version)
+        self._kept = (int(version), kept)
+        return report
+
+    def reload(self) -> dict | None:
+        """Send the kept copy again (a restarted server); None when none is kept."""
+        if self._kept is None:
+            return None
+        version, kept = self._kept
+        return self._load(iter(kept), version)
+
+    def _load(self, named_tensors: NamedTensors, version: int) -> dict:
         started = time.perf_counter()
         group = self._transfer_group()
         sent: dict[str, list[int]] = {}
@@ -251,6 +323,7 @@ class BroadcastLoad:
             self._group = None
 
     def close(self) -> None:
+        self._kept = None
         self._drop_group()
         self._pool.shutdown(wait=False)
 
