@@ -176,7 +176,7 @@ def test_16bit_probe_tolerance_covers_bf16_rounding_but_not_an_unloaded_tensor(s
     # The default tolerance when either side runs in bf16/fp16 must pass bf16 rounding on a real model (else every
     # sync warns) and still flag a tensor the engine failed to load (left at zeros).
     from verifiers_rl.modeling import sequence_logprobs
-    from verifiers_rl.weights import PROBE_TOLERANCE_16BIT, default_probe_tolerance
+    from verifiers_rl.modeling import PROBE_TOLERANCE_16BIT, default_probe_tolerance
 
     ids = probe_token_ids(AutoTokenizer.from_pretrained(smollm2_model_dir), 32)
     fp32 = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32).eval()

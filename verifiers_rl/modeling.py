@@ -33,3 +33,17 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], device=None)
     ids = torch.tensor([token_ids], device=device)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
     return torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+
+
+# Default probe tolerances (largest gap, nats). Measured on SmolLM2-135M's 32-token probe (tests/test_weight_sync.py):
+# bf16 rounding alone (bf16 weights, or fp32 weights under bf16 autocast, vs fp32) moves a log-prob by up to
+# 0.11-0.18, while one projection left unloaded (zeros) moves one by 0.8-18.
+PROBE_TOLERANCE_FP32 = 1e-3
+PROBE_TOLERANCE_16BIT = 0.5
+
+
+def default_probe_tolerance(*dtypes) -> float:
+    """``PROBE_TOLERANCE_16BIT`` if any side computes in bf16/fp16 (a dtype or its name), else the float32 one."""
+    sixteen = {"bfloat16", "float16", "half", "bf16", "fp16"}
+    low = any(str(dtype).removeprefix("torch.") in sixteen for dtype in dtypes if dtype)
+    return PROBE_TOLERANCE_16BIT if low else PROBE_TOLERANCE_FP32

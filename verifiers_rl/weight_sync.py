@@ -22,13 +22,12 @@ from .config import RLConfig
 from .distributed import main_process_outcome
 from .generator import AsyncGenerator
 from .inference.engine import SupportsPromptLogprobs
-from .modeling import sequence_logprobs
+from .modeling import default_probe_tolerance, sequence_logprobs
 from .weights import (
     GatherStats,
     WeightSyncError,
     WeightSyncWarning,
     compare_logprobs,
-    default_probe_tolerance,
     gathered_named_weights,
     probe_token_ids,
     probe_warning,

@@ -290,20 +290,6 @@ def compare_logprobs(trainer_logps: list[float], engine_logps: list[float]) -> P
     return ProbeResult(float(gaps[worst]), worst + 1, float(sum(gaps) / len(gaps)), len(gaps))
 
 
-# Default probe tolerances (largest gap, nats). Measured on SmolLM2-135M's 32-token probe (tests/test_weight_sync.py):
-# bf16 rounding alone (bf16 weights, or fp32 weights under bf16 autocast, vs fp32) moves a log-prob by up to
-# 0.11-0.18, while one projection left unloaded (zeros) moves one by 0.8-18.
-PROBE_TOLERANCE_FP32 = 1e-3
-PROBE_TOLERANCE_16BIT = 0.5
-
-
-def default_probe_tolerance(*dtypes) -> float:
-    """``PROBE_TOLERANCE_16BIT`` if any side computes in bf16/fp16 (a dtype or its name), else the float32 one."""
-    sixteen = {"bfloat16", "float16", "half", "bf16", "fp16"}
-    low = any(str(dtype).removeprefix("torch.") in sixteen for dtype in dtypes if dtype)
-    return PROBE_TOLERANCE_16BIT if low else PROBE_TOLERANCE_FP32
-
-
 class WeightSyncError(RuntimeError):
     """Loading the policy into the inference engine (or probing it afterwards) failed; raised on every rank."""
 

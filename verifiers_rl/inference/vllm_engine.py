@@ -23,6 +23,7 @@ from typing import Iterable
 import torch
 
 from ..envs.environment import check_chat_template_kwargs
+from ..modeling import default_probe_tolerance
 from .engine import Sample, SamplingConfig, WORKER_EXTENSION, check_open, check_token_ids
 from .vllm_http import (
     CHECK_TIMEOUT_S,
@@ -406,8 +407,6 @@ class VLLMEngine:
         version, ids, before = self._reference
         if version != self.policy_version:
             return None
-        from ..weights import default_probe_tolerance
-
         after = self._prompt_logprobs(ids)
         gap = max(abs(a - b) for a, b in zip(after, before))
         tolerance = default_probe_tolerance(self.dtype)
