@@ -1,0 +1,199 @@
+"""Runs episodes of a verifiers 0.4 (``verifiers.v1``) environment, unchanged, for the trainer, in the venv
+``scripts/install_verifiers_v1.sh`` makes (verifiers 0.4 cannot share the trainer's venv). A standalone script:
+it imports nothing from verifiers_rl (which is not installed there).
+
+    .venv-verifiers-v1/bin/python verifiers_rl/v1_worker/episode_worker.py
+
+Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own prints and logs go to stderr).
+
+* ``{"op": "load", "env": <module id, or a .py file / package folder>, "env_config": {...}, "harness": "null" |
+  "inprocess" | <harness id>, "runtime": {"type": "subprocess"}}`` -> ``{"op": "loaded", "num_tasks": n,
+  "tasks": [<task data>...], "env_id": ..., "harness": ...}``. ``env_config`` merges into v1's env config (e.g.
+  ``{"taskset": {"num_tasks": 8}}``). ``harness`` defaults to ``"null"`` (v1's chat harness, a PEP 723 program
+  run with ``uv``); ``"inprocess"`` is the same chat loop in this process (no subprocess, no ``uv``).
+* ``{"op": "run", "id": <any>, "task": <index>, "base_url": ".../v1", "model": <name>, "renderer_model": <folder>}``
+  -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [...], "traces": [{"ok", "reward", "rewards", "metrics",
+  "errors", "stop_condition", "is_timeout", "branches": [{"token_ids", "sampled_mask", "logprobs",
+  "trainable"}]}]}``. Runs concurrently; answers come in completion order. The API key is read from the
+  environment variable ``VERIFIERS_RL_V1_API_KEY``.
+* ``{"op": "close"}`` or end of input: exit.
+
+Any request that fails answers ``{"op": "error", "id": ..., "error": <type: message>, "traceback": ...}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import traceback
+import types
+from pathlib import Path
+
+API_KEY_VAR = "VERIFIERS_RL_V1_API_KEY"
+INPROCESS_HARNESS_ID = "verifiers_rl_inprocess_chat"
+
+# The protocol's channel is the real stdout; anything verifiers prints lands on stderr.
+_OUT = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+sys.stdout = sys.stderr
+
+
+def send(message: dict) -> None:
+    _OUT.write(json.dumps(message, allow_nan=False) + "\n")
+    _OUT.flush()
+
+
+def module_id(env: str) -> str:
+    """A v1 taskset id for ``env``: an importable module as is; a ``.py`` file or a package folder by its name,
+    with its parent folder put on ``sys.path`` (v1 loads tasksets by import)."""
+    path = Path(env)
+    if env.endswith(".py") or path.is_dir():
+        path = path.resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"no environment at {env}")
+        sys.path.insert(0, str(path.parent))
+        return path.stem if path.suffix == ".py" else path.name
+    return env
+
+
+def register_inprocess_harness() -> None:
+    """A chat harness whose loop runs in this process: one model call per segment through the interception
+    endpoint (as every harness must call the model), no subprocess, no ``uv``. Registered as an importable
+    module so v1's loader finds it by id."""
+    import verifiers.v1 as vf
+    from openai import AsyncOpenAI
+    from verifiers.v1.runtimes import ProgramResult
+
+    class InProcessChatHarness(vf.Harness[vf.HarnessConfig]):
+        APPENDS_SYSTEM_PROMPT = True
+        SUPPORTS_RESUME = True
+        EXECUTES_CODE = False
+        NEEDS_CONTAINER = False
+
+        async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **_):
+            system, prompt = self.resolve_prompt(data)
+            messages = [{"role": "system", "content": system}] if system else []
+            if isinstance(prompt, str):
+                messages.append({"role": "user", "content": prompt})
+            else:
+                messages += [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in prompt or []]
+            async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
+            return ProgramResult(exit_code=0, stdout=reply.choices[0].message.content or "", stderr="")
+
+    module = types.ModuleType(INPROCESS_HARNESS_ID)
+    module.InProcessChatHarness = InProcessChatHarness
+    module.__all__ = ["InProcessChatHarness"]
+    sys.modules[INPROCESS_HARNESS_ID] = module
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def trace_json(trace) -> dict:
+    return {
+        "ok": bool(trace.ok),
+        "reward": float(trace.reward),
+        "rewards": {k: (None if r is None else float(r.value)) for k, r in trace.rewards.items()},
+        "metrics": {k: (None if v is None else float(v)) for k, v in trace.metrics.items()},
+        "errors": [f"{e.type}: {e.message}" for e in trace.errors],
+        "stop_condition": trace.stop_condition,
+        "is_timeout": bool(trace.is_timeout),
+        "branches": [
+            {"token_ids": list(b.token_ids), "sampled_mask": [bool(m) for m in b.sampled_mask],
+             "logprobs": [float(x) for x in b.logprobs], "trainable": bool(b.trainable)}
+            for b in trace.branches
+        ],
+    }
+
+
+class Worker:
+    def __init__(self):
+        self.env = None
+        self.tasks = None
+        self.serving = None
+
+    async def load(self, request: dict) -> dict:
+        import verifiers.v1 as vf
+
+        if self.env is not None:
+            raise RuntimeError("an environment is already loaded")
+        harness = request.get("harness") or "null"
+        if harness == "inprocess":
+            register_inprocess_harness()
+            harness = INPROCESS_HARNESS_ID
+        config = {"taskset": {"id": module_id(request["env"])},
+                  "agent": {"harness": {"id": harness}, "runtime": request.get("runtime") or {"type": "subprocess"}}}
+        config = merge(config, request.get("env_config") or {})
+        self.env = vf.load_environment(vf.resolve_env_config(config))
+        self.tasks = list(self.env.taskset)
+        self.serving = self.env.serving()
+        await self.serving.__aenter__()
+        return {"op": "loaded", "num_tasks": len(self.tasks), "env_id": self.env.config.env_id, "harness": harness,
+                "tasks": [t.data.model_dump(mode="json", exclude_none=True) for t in self.tasks]}
+
+    async def run(self, request: dict) -> dict:
+        import verifiers.v1 as vf
+
+        if self.env is None:
+            raise RuntimeError("load an environment first")
+        task = self.tasks[int(request["task"])]
+        client = vf.TrainClientConfig(base_url=request["base_url"], api_key_var=API_KEY_VAR,
+                                      renderer_model_name=request.get("renderer_model"))
+        episode = await self.env.run_episode(task, vf.ModelContext(model=request["model"], client=client))
+        return {"op": "episode", "id": request.get("id"), "ok": bool(episode.ok),
+                "errors": [f"{e.type}: {e.message}" for e in episode.errors],
+                "traces": [trace_json(t) for t in episode.traces]}
+
+    async def close(self) -> None:
+        if self.serving is not None:
+            serving, self.serving = self.serving, None
+            await serving.__aexit__(None, None, None)
+
+
+async def main() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    worker, pending = Worker(), set()
+
+    async def answer(request: dict) -> None:
+        try:
+            op = request.get("op")
+            if op == "load":
+                reply = await worker.load(request)
+            elif op == "run":
+                reply = await worker.run(request)
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            send({**reply, "id": request.get("id")})
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer, named
+            send({"op": "error", "id": request.get("id"), "error": f"{type(e).__name__}: {e}",
+                  "traceback": traceback.format_exc()})
+
+    try:
+        while line := await reader.readline():
+            if not line.strip():
+                continue
+            request = json.loads(line)
+            if request.get("op") == "close":
+                break
+            if request.get("op") == "load":
+                await answer(request)  # runs wait for the environment
+            else:
+                task = asyncio.create_task(answer(request))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+        if pending:
+            await asyncio.gather(*pending)
+    finally:
+        await worker.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
