@@ -4,7 +4,10 @@ another test file, or on the order files run in)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -44,3 +47,23 @@ def hf_prompt_logprobs(folder, ids):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     logits = model(torch.tensor([ids])).logits[0, :-1]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def start_reading(command: list[str]) -> tuple[subprocess.Popen, list[str], threading.Thread]:
+    """``command`` started from the repository root with ``launch_env()``; its output lines collect in the list,
+    read by the thread (join it after the process ends, before reading the whole output)."""
+    process = subprocess.Popen(command, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
+    reader.start()
+    return process, lines, reader
+
+
+def wait_for_first_step(process: subprocess.Popen, lines: list[str], timeout_s: float = 300) -> None:
+    """Until the run logs step 1 (a weight sync is done and training is under way); fails if it ends first."""
+    deadline = time.monotonic() + timeout_s
+    while not any(line.startswith("step 1/") for line in lines):
+        assert process.poll() is None, "".join(lines)[-6000:]
+        assert time.monotonic() < deadline, f"no training step within {timeout_s} s:\n" + "".join(lines)[-6000:]
+        time.sleep(0.05)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launching import ROOT, ddp_command, launch_env
+from launching import ROOT, ddp_command, launch_env, start_reading, wait_for_first_step
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.inference.engine import free_port
@@ -88,17 +88,9 @@ def test_server_killed_during_a_streamed_weight_load_is_a_clear_error(doomed):
 def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
     command = ddp_command(doomed.model_dir, doomed.url, tmp_path, 500,
                           extra=("--vllm_reconnect_timeout_s", str(RECONNECT_S)))
-    process = subprocess.Popen(command, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
-    reader.start()
+    process, lines, reader = start_reading(command)
     try:
-        deadline = time.monotonic() + 300
-        while not any(line.startswith("step 1/") for line in lines):  # training (and syncing) is under way
-            assert process.poll() is None, "".join(lines)[-6000:]
-            assert time.monotonic() < deadline, "no training step within 300 s:\n" + "".join(lines)[-6000:]
-            time.sleep(0.2)
+        wait_for_first_step(process, lines)  # training (and syncing) is under way
         doomed.server.kill()
         killed = time.monotonic()
         try:

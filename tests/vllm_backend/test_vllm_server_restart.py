@@ -7,14 +7,12 @@ what was in flight, and the run ends as if nothing happened: every batch trained
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import threading
 import time
 
 import torch
 
-from launching import PROBE, ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, wait_for_first_step
 from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.rollouts import read_rollouts
 
@@ -33,17 +31,9 @@ def test_training_survives_a_server_restart(doomed, tmp_path):
         "--vllm_reconnect_timeout_s", str(RECONNECT_S),
     ]
     doomed.dirty = True  # the run leaves its trained weights in the server
-    process = subprocess.Popen(command, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True)
-    reader.start()
+    process, lines, reader = start_reading(command)
     try:
-        deadline = time.monotonic() + 300
-        while not any(line.startswith("step 1/") for line in lines):  # version 1 is loaded; batch 2 is generating
-            assert process.poll() is None, "".join(lines)[-6000:]
-            assert time.monotonic() < deadline, "no training step within 300 s:\n" + "".join(lines)[-6000:]
-            time.sleep(0.05)
+        wait_for_first_step(process, lines)  # version 1 is loaded; batch 2 is generating
         doomed.server.kill()
         killed = time.monotonic()
         doomed.restart_same_port()  # a new process, the same model and port
