@@ -28,7 +28,6 @@ from tenacity import (
     stop_after_attempt,
     stop_after_delay,
     wait_exponential,
-    wait_fixed,
 )
 
 from ..vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
@@ -326,19 +325,18 @@ def connect(http: VLLMTransport, expected_model: str | None, weight_transfer: st
 
 def _wait_for_health(http: VLLMTransport, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
-    said = False
-    while True:
-        try:
-            http.request("GET", "/health", retries=0, timeout=CHECK_TIMEOUT_S)
-            return
-        except VLLMError as error:
-            if not said and wait_s > 0:
-                logger.warning("Waiting up to %.0f s for a vLLM server at %s ...", wait_s, http.base_url)
-                said = True
-            if time.monotonic() >= deadline:
-                raise VLLMUnavailableError(f"No vLLM server at {http.base_url} ({cause(error)}); {START_HINT}.") \
-                    from error
-            time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+    try:
+        http.request("GET", "/health", retries=0, timeout=CHECK_TIMEOUT_S)
+        return
+    except VLLMError as error:
+        failed = error
+    try:
+        if time.monotonic() >= deadline:
+            raise failed
+        logger.warning("Waiting up to %.0f s for a vLLM server at %s ...", wait_s, http.base_url)
+        wait_for_health(http, deadline - time.monotonic())
+    except VLLMError as error:
+        raise VLLMUnavailableError(f"No vLLM server at {http.base_url} ({cause(error)}); {START_HINT}.") from error
 
 
 def wait_for_health(http: VLLMTransport, timeout_s: float, poll_s: float = 1.0) -> float:
@@ -346,7 +344,9 @@ def wait_for_health(http: VLLMTransport, timeout_s: float, poll_s: float = 1.0) 
     ``VLLMError`` once ``timeout_s`` have passed (each poll bounded by what is left, at most ``CHECK_TIMEOUT_S``)."""
     started = time.monotonic()
     deadline = started + timeout_s
-    for attempt in Retrying(stop=stop_after_delay(timeout_s), wait=wait_fixed(poll_s),
+    # The last wait ends at the deadline (not a poll past it): a bound the caller gives is kept.
+    for attempt in Retrying(stop=stop_after_delay(timeout_s),
+                            wait=lambda _: min(poll_s, max(deadline - time.monotonic(), 0.0)),
                             retry=retry_if_exception_type(VLLMError), reraise=True):
         with attempt:
             left = max(deadline - time.monotonic(), 0.5)
