@@ -90,14 +90,14 @@ def normalize_then_sum_advantages(values: list[list[float]], weights: list[float
     return ((sums - sums.mean()) / (batch_std + ADVANTAGE_EPS)).tolist()
 
 
-def batch_advantages(rollouts: list[Rollout], scale_rewards: ScaleRewards = "group",
+def batch_advantages(rollouts: list[Rollout], rewards: list[float], scale_rewards: ScaleRewards = "group",
                      reward_functions: tuple[tuple[str, float], ...] = ()) -> list[float]:
-    """The step batch's advantages: ``compute_advantages`` of the rewards, or, when ``reward_functions`` (name,
-    weight) are given, ``normalize_then_sum_advantages`` of those functions' values in each rollout's metrics (a
-    function missing from a rollout's metrics did not apply to it)."""
+    """The step batch's advantages: ``compute_advantages`` of ``rewards`` (the rollouts'), or, when
+    ``reward_functions`` (name, weight) are given, ``normalize_then_sum_advantages`` of those functions' values in
+    each rollout's metrics (a function missing from a rollout's metrics did not apply to it)."""
     group_ids = [r.group_id for r in rollouts]
     if not reward_functions:
-        return compute_advantages([float(r.reward) for r in rollouts], group_ids, scale_rewards)
+        return compute_advantages(rewards, group_ids, scale_rewards)
     values = [[float(r.metrics.get(name, math.nan)) for name, _ in reward_functions] for r in rollouts]
     return normalize_then_sum_advantages(values, [w for _, w in reward_functions], group_ids)
 
@@ -471,7 +471,7 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
     if not rollouts:
         raise ValueError("A batch needs at least one rollout.")
     rewards = [float(r.reward) for r in rollouts]
-    advantages = batch_advantages(rollouts, config.scale_rewards, config.reward_functions)
+    advantages = batch_advantages(rollouts, rewards, config.scale_rewards, config.reward_functions)
     sequences = prepare_sequences(
         rollouts, advantages, config.max_seq_len, config.overlong, config.mask_truncated_completions
     )

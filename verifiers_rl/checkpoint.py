@@ -9,6 +9,8 @@ HF's ``checkpoint-N/`` holds the model, tokenizer, optimizer, scheduler, RNG sta
   than the checkpoint's, so they cannot be regenerated after a resume);
 - ``rank_batch-<r>.safetensors`` + ``rank_batch-<r>.json``: each rank's slice of a batch that is part-way through its ``num_iterations`` updates (its
   proximal log-probs come from weights older than the checkpoint's).
+- ``reference_model.safetensors`` (``--sync_ref_model`` only): the reference model, which moves towards the policy
+  during the run (under LoRA: the reference copy of the adapters).
 
 A checkpoint is written under ``.partial-checkpoint-N/`` and renamed to ``checkpoint-N`` when complete, so a run
 killed while saving never leaves a folder that ``--resume_from_checkpoint latest`` would pick.
@@ -35,6 +37,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "verifiers_rl_state.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 PENDING_DIR = "pending"
+REFERENCE_FILE = "reference_model.safetensors"  # the reference model, when --sync_ref_model moves it
 PARTIAL_PREFIX = ".partial-"
 STATE_FORMAT = 1
 # Config entries that say nothing about the architecture (paths, versions, precision, runtime switches).

@@ -18,6 +18,7 @@ from typing import Callable
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .checkpoint import (
+    REFERENCE_FILE,
     CheckpointError,
     RunState,
     disk_full,
@@ -38,8 +39,6 @@ from .distributed import agreed_max, main_process_outcome
 from .generator import AsyncGenerator
 from .steps import StepBatches
 from .weights import gathered
-
-REFERENCE_FILE = "reference_model.safetensors"
 
 logger = logging.getLogger(__name__)
 
