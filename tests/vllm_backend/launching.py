@@ -67,3 +67,12 @@ def wait_for_first_step(process: subprocess.Popen, lines: list[str], timeout_s: 
         assert process.poll() is None, "".join(lines)[-6000:]
         assert time.monotonic() < deadline, f"no training step within {timeout_s} s:\n" + "".join(lines)[-6000:]
         time.sleep(0.05)
+
+
+def stopped_output(process: subprocess.Popen, lines: list[str], reader: threading.Thread) -> str:
+    """Kill ``process`` if it still runs, then its whole output (what ``start_reading``'s thread read)."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    reader.join(10)
+    return "".join(lines)

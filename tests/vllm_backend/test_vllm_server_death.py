@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launching import ROOT, ddp_command, launch_env, start_reading, wait_for_first_step
+from launching import ROOT, ddp_command, launch_env, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.inference.engine import free_port
@@ -100,11 +100,7 @@ def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
                         + "".join(lines)[-6000:])
         stopped_after = time.monotonic() - killed
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    reader.join(10)
-    output = "".join(lines)
+        output = stopped_output(process, lines, reader)
     assert code != 0, output[-6000:]
     # Rank 0 raises the engine's error; rank 1 gets it through the trainer's error propagation.
     assert f"The vLLM server at {doomed.url} failed" in output, output[-6000:]

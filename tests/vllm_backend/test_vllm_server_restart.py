@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, wait_for_first_step
+from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.rollouts import read_rollouts
 
@@ -41,11 +41,7 @@ def test_training_survives_a_server_restart(doomed, tmp_path):
         code = process.wait(timeout=RECONNECT_S + 300)
         finished = time.monotonic() - killed
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    reader.join(10)
-    output = "".join(lines)
+        output = stopped_output(process, lines, reader)
     assert code == 0, output[-6000:]
     assert [line.split(" | ")[0] for line in output.splitlines() if line.startswith("step ")] == \
         [f"step {i}/{STEPS}" for i in range(1, STEPS + 1)], output[-6000:]
