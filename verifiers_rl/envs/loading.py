@@ -3,7 +3,11 @@
 - a built-in name (``BUILTINS``);
 - ``reasoning_gym:<task>[,<task>...]`` (optional weights ``<task>=<w>``): reasoning-gym tasks;
 - ``vf:<env_id>``: a verifiers environment, loaded with verifiers' own ``vf.load_environment(env_id, **env_args)``;
-- ``pkg.module:function`` or the path of a ``.py`` file defining ``load_environment(**kwargs)``.
+- ``pkg.module:function`` or the path of a ``.py`` file defining ``load_environment(**kwargs)``;
+- a verifiers 0.4 (``verifiers.v1``) environment, unchanged: its ``.py`` file, package folder or importable module
+  id (importable here or in the v1 venv), told apart by what it exports: ``__all__`` (a ``vf.Taskset``) from a
+  module that imports ``verifiers.v1`` and defines no ``load_environment``. Run by ``V1Env``; ``env_args`` are
+  its keyword arguments (``harness``, ``max_seq_len``, ``max_new_tokens``, v1 config sections).
 
 A loader may return a verifiers_rl ``Environment`` or a classic verifiers ``vf.Environment``, which is wrapped in
 ``VerifiersEnv``.
@@ -11,9 +15,11 @@ A loader may return a verifiers_rl ``Environment`` or a classic verifiers ``vf.E
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import inspect
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -70,6 +76,65 @@ def _is_verifiers_v1(value: Any) -> bool:
     return type(value).__module__.startswith("verifiers.v1")
 
 
+def _imports_verifiers_v1(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name == "verifiers.v1" or alias.name.startswith("verifiers.v1.") for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and node.module:
+        return (node.module == "verifiers.v1" or node.module.startswith("verifiers.v1.")
+                or (node.module == "verifiers" and any(alias.name == "v1" for alias in node.names)))
+    return False
+
+
+def exports_v1_taskset(source: str) -> bool:
+    """Whether module text is a verifiers 0.4 environment: it imports ``verifiers.v1``, sets ``__all__`` (v1 loads
+    the Taskset it exports) and defines no ``load_environment`` (a classic or verifiers_rl loader)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return False
+    top = tree.body
+    defines_loader = any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == "load_environment"
+                         for n in top)
+    has_all = any(isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)) and any(
+        isinstance(t, ast.Name) and t.id == "__all__" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))
+        for n in top)
+    return has_all and not defines_loader and any(_imports_verifiers_v1(n) for n in ast.walk(tree))
+
+
+def _module_file(spec: str) -> Path | None:
+    """The source file of ``spec`` (a ``.py`` file, a package folder, or a module id importable here or in the
+    verifiers 0.4 venv), or None."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        return path / "__init__.py" if (path / "__init__.py").is_file() else None
+    if ":" in spec or spec in BUILTINS or not all(part.isidentifier() for part in spec.split(".")):
+        return None
+    try:
+        found = importlib.util.find_spec(spec)
+    except (ImportError, ValueError):
+        found = None
+    if found is not None:
+        return Path(found.origin) if found.origin and found.origin.endswith(".py") else None
+    from .adapters.verifiers_v1 import v1_python
+
+    python = v1_python()
+    if not python.exists():
+        return None
+    origin = subprocess.run(
+        [str(python), "-c", "import importlib.util, sys; s = importlib.util.find_spec(sys.argv[1]); "
+                            "print(s.origin if s and s.origin else '')", spec],
+        capture_output=True, text=True, timeout=120).stdout.strip()
+    return Path(origin) if origin.endswith(".py") else None
+
+
+def is_v1_environment(spec: str) -> bool:
+    """Whether ``--env spec`` names a verifiers 0.4 environment module (``exports_v1_taskset``)."""
+    source = _module_file(spec)
+    return source is not None and source.suffix == ".py" and exports_v1_taskset(source.read_text())
+
+
 def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto", **kwargs: Any) -> Environment:
     """Build the environment ``spec`` names (module docstring), passing ``kwargs`` (e.g. ``num_examples``) to its
     loader, and ``tokenizer`` too where the loader takes one (a verifiers loader does not: the wrapper gets it).
@@ -85,6 +150,12 @@ def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto
             from .adapters.reasoning_gym import load_environment as load_reasoning_gym
 
             environment = load_reasoning_gym(tasks=spec[len(REASONING_GYM_PREFIX) :], tokenizer=tokenizer, **kwargs)
+        elif is_v1_environment(spec):
+            from .adapters.verifiers_v1 import V1Env
+
+            if tokenizer is None:
+                raise ValueError(f"Environment {spec!r} is a verifiers v1 environment: pass the policy's tokenizer.")
+            environment = V1Env(spec, tokenizer, **kwargs)
         else:
             loader = _loader(spec)
             given = {"tokenizer": tokenizer} if tokenizer is not None and _takes_tokenizer(loader) else {}

@@ -20,15 +20,19 @@ exactly the engine's. The request's sampling settings other than ``max_tokens`` 
 replace them, as for classic verifiers environments); a ``stop_token_ids`` the engine does not stop at is refused
 (400), since the engine would sample past it. Each rollout gets its own base URL (``rollout(sampling)``, a path
 prefix ``/r/<key>``) under which its model calls run in its ``RolloutSampling`` (seed, temperature), as an
-in-process environment's would; a call under no registered rollout is refused (404).
+in-process environment's would; a call under no registered rollout is refused (404). A rollout may name its own
+engine and the event loop that engine samples in (``rollout(sampling, engine, loop)``): the endpoint can then serve
+from its own thread while the engine stays in the trainer's generator loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -38,12 +42,24 @@ from ..envs.sampler import RolloutSampling, sampling_for_rollout
 DEFAULT_MODEL_NAME = "verifiers_rl-policy"
 
 
+@dataclass
+class _Registered:
+    """A rollout's base URL: how its calls sample, with which engine, in which event loop (None: the endpoint's)."""
+
+    sampling: RolloutSampling
+    engine: Any
+    loop: asyncio.AbstractEventLoop | None
+
+
 class GenerateEndpoint:
     """``async with GenerateEndpoint(engine, max_model_len=...) as ep:`` then, per rollout,
     ``with ep.rollout(RolloutSampling(seed=...)) as base_url:`` hands ``base_url`` (ending in ``/v1``) and
-    ``ep.api_key`` to the v1 client. Start and stop it in the event loop the engine samples in."""
+    ``ep.api_key`` to the v1 client. Start and stop it in the event loop the engine samples in, or give each
+    rollout its engine's loop. ``engine`` may be None when every rollout names its own.
 
-    def __init__(self, engine: Any, *, max_model_len: int, max_new_tokens: int | None = None,
+    A call samples at most ``min(max_tokens asked, max_new_tokens, max_model_len - prompt length)`` tokens."""
+
+    def __init__(self, engine: Any = None, *, max_model_len: int, max_new_tokens: int | None = None,
                  model_name: str = DEFAULT_MODEL_NAME, api_key: str | None = None, host: str = "127.0.0.1"):
         if host != "127.0.0.1":
             raise ValueError("The generate endpoint listens on 127.0.0.1 only (it has no TLS).")
@@ -56,7 +72,7 @@ class GenerateEndpoint:
         self.host = host
         self.port: int | None = None
         self.requests_served = 0
-        self._rollouts: dict[str, RolloutSampling] = {}
+        self._rollouts: dict[str, _Registered] = {}
         self._runner: web.AppRunner | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
@@ -85,13 +101,18 @@ class GenerateEndpoint:
         await self.close()
 
     @contextlib.contextmanager
-    def rollout(self, sampling: RolloutSampling | None):
-        """A base URL (``http://127.0.0.1:<port>/r/<key>/v1``) whose model calls sample under ``sampling``; valid
-        until the block exits."""
+    def rollout(self, sampling: RolloutSampling | None, engine: Any = None,
+                loop: asyncio.AbstractEventLoop | None = None):
+        """A base URL (``http://127.0.0.1:<port>/r/<key>/v1``) whose model calls sample under ``sampling`` with
+        ``engine`` (default: the endpoint's), inside ``loop`` when given (the loop ``engine`` samples in, if not the
+        endpoint's own); valid until the block exits."""
         if self.port is None:
             raise RuntimeError("Start the endpoint (async with / await start()) before handing out base URLs.")
+        engine = engine if engine is not None else self.engine
+        if engine is None:
+            raise ValueError("No engine for this rollout: give one to the endpoint or to rollout().")
         key = secrets.token_hex(8)
-        self._rollouts[key] = sampling if sampling is not None else RolloutSampling()
+        self._rollouts[key] = _Registered(sampling if sampling is not None else RolloutSampling(), engine, loop)
         try:
             yield f"http://{self.host}:{self.port}/r/{key}/v1"
         finally:
@@ -105,21 +126,22 @@ class GenerateEndpoint:
             return _error(401, "missing or wrong API key (Authorization: Bearer ...)")
         return await handler(request)
 
-    def _sampling_of(self, request: web.Request) -> RolloutSampling:
-        sampling = self._rollouts.get(request.match_info["key"])
-        if sampling is None:
+    def _registered(self, request: web.Request) -> _Registered:
+        registered = self._rollouts.get(request.match_info["key"])
+        if registered is None:
             raise web.HTTPNotFound(text=json.dumps({"error": {"message": "no such rollout (its episode ended?)"}}),
                                    content_type="application/json")
-        return sampling
+        return registered
 
     async def _models(self, request: web.Request) -> web.Response:
-        self._sampling_of(request)
+        self._registered(request)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "owned_by": "verifiers_rl", "max_model_len": self.max_model_len}
         ]})
 
     async def _generate(self, request: web.Request) -> web.Response:
-        sampling = self._sampling_of(request)
+        registered = self._registered(request)
+        engine = registered.engine
         try:
             body = await request.json()
         except json.JSONDecodeError:
@@ -131,21 +153,28 @@ class GenerateEndpoint:
             if body.get(field):
                 return _error(400, f"{field!r} (multimodal input) is not supported")
         params = body.get("sampling_params") or {}
-        max_tokens = params.get("max_tokens") or params.get("max_completion_tokens") or self.max_new_tokens
+        asked = params.get("max_tokens") or params.get("max_completion_tokens") or self.max_new_tokens
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             return _error(400, f"the prompt has {len(prompt_ids)} tokens; max_model_len={self.max_model_len} leaves "
                                "no room for a completion")
-        eos = set(getattr(self.engine, "eos_token_ids", None) or [])
+        eos = set(getattr(engine, "eos_token_ids", None) or [])
         stops = [int(t) for t in params.get("stop_token_ids") or []]
         if eos and (extra := sorted(set(stops) - eos)):
             return _error(400, f"stop_token_ids {extra} are not tokens the engine stops at ({sorted(eos)}): it would "
                                "sample past them")
-        budget = min(int(max_tokens), room)
-        version = getattr(self.engine, "policy_version", None)
+        budget = min(int(asked), self.max_new_tokens, room)
+        version = getattr(engine, "policy_version", None)
+
+        async def draw():
+            with sampling_for_rollout(registered.sampling):
+                return await engine.sample(list(prompt_ids), budget)
+
         try:
-            with sampling_for_rollout(sampling):
-                sample = await self.engine.sample(list(prompt_ids), budget)
+            if registered.loop is None or registered.loop is asyncio.get_running_loop():
+                sample = await draw()
+            else:  # the engine's loop (the generator's), not this server's
+                sample = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(draw(), registered.loop))
             sample.validate(budget)
         except ValueError as e:
             return _error(400, str(e))

@@ -13,8 +13,8 @@ Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own print
   run with ``uv``); ``"inprocess"`` is the same chat loop in this process (no subprocess, no ``uv``).
 * ``{"op": "run", "id": <any>, "task": <index>, "base_url": ".../v1", "model": <name>, "renderer_model": <folder>}``
   -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [...], "traces": [{"ok", "reward", "rewards", "metrics",
-  "errors", "stop_condition", "is_timeout", "branches": [{"token_ids", "sampled_mask", "logprobs",
-  "trainable"}]}]}``. Runs concurrently; answers come in completion order. The API key is read from the
+  "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches": [{"token_ids", "sampled_mask",
+  "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in completion order. The API key is read from the
   environment variable ``VERIFIERS_RL_V1_API_KEY``.
 * ``{"op": "close"}`` or end of input: exit.
 
@@ -54,6 +54,7 @@ def module_id(env: str) -> str:
             raise FileNotFoundError(f"no environment at {env}")
         sys.path.insert(0, str(path.parent))
         return path.stem if path.suffix == ".py" else path.name
+    sys.path.insert(0, os.getcwd())  # a module id resolves from the trainer's working folder too, as `python -m`
     return env
 
 
@@ -104,9 +105,12 @@ def trace_json(trace) -> dict:
         "errors": [f"{e.type}: {e.message}" for e in trace.errors],
         "stop_condition": trace.stop_condition,
         "is_timeout": bool(trace.is_timeout),
+        "is_truncated": bool(trace.is_truncated),
+        "last_reply": trace.last_reply,
         "branches": [
             {"token_ids": list(b.token_ids), "sampled_mask": [bool(m) for m in b.sampled_mask],
-             "logprobs": [float(x) for x in b.logprobs], "trainable": bool(b.trainable)}
+             "logprobs": [float(x) for x in b.logprobs], "trainable": bool(b.trainable),
+             "advantages": None if b.advantages is None else [float(x) for x in b.advantages]}
             for b in trace.branches
         ],
     }

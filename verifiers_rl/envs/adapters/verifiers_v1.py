@@ -1,19 +1,32 @@
-"""verifiers 0.4 (``verifiers.v1``) environments, run unchanged in their own venv: the trainer's side of the episode
-worker (``verifiers_rl/v1_worker/episode_worker.py``, its protocol documented there).
+"""verifiers 0.4 (``verifiers.v1``) environments, run unchanged in their own venv: ``V1Env`` (the environment the
+trainer sees) and ``EpisodeWorker`` (the trainer's side of ``verifiers_rl/v1_worker/episode_worker.py``, whose
+protocol is documented there).
 
 The worker process runs v1's ``Env.run_episode``; its model calls reach the engine through the loopback
 ``GenerateEndpoint`` (``inference/generate_endpoint.py``), one base URL per rollout, so each rollout samples under
-its own ``RolloutSampling``.
+its own ``RolloutSampling`` (a group's tokens are a function of the seed and the weights, as for any environment).
+The worker and the endpoint live on a thread of their own with its own event loop, so they outlast the generator's
+loops (one per batch at k = 0); each call samples in the loop of the rollout that made it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
+import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
+
+from ...rollouts import Rollout
+from ..environment import Environment, RolloutError, Row
+from ..rubric import Rubric
+from ..sampler import RolloutSampling, Sampler
+
+logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER_SCRIPT = Path(__file__).resolve().parents[2] / "v1_worker" / "episode_worker.py"
@@ -114,3 +127,169 @@ class EpisodeWorker:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+DEFAULT_MAX_SEQ_LEN = 1024
+DEFAULT_MAX_NEW_TOKENS = 256
+LOAD_TIMEOUT_S = 600.0  # the first load of the null harness may build its script's environment with uv
+
+
+class V1Env(Environment):
+    """A verifiers 0.4 environment (a module exporting a ``vf.Taskset``), trained unchanged.
+
+    ``env`` is the module's ``.py`` file, package folder or importable id. Keyword arguments: ``harness``
+    (``"null"``, v1's own chat harness, the default; ``"inprocess"``, the same single-call chat loop inside the
+    worker, without a subprocess per episode; or a harness id), ``max_seq_len`` / ``max_new_tokens`` (v1 states
+    neither: the trainer's ``--max_seq_len`` / ``--max_completion_length`` hold unless given here), and any other
+    key merged into v1's env config as it is (e.g. ``taskset={"num_tasks": 8}``; v1 refuses what it does not know).
+
+    Each task of the taskset is one row; a group is ``n`` episodes of one task; each episode's trace must have one
+    trainable branch, which becomes one ``Rollout``: the tokens up to the first sampled one are the prompt, the
+    rest the completion (mask 1 on the sampled tokens), with the sampler's log-probs (the engine's, exactly) and
+    the trace's reward (sum of score x weight) and metrics (the taskset's metrics and each reward's score, under
+    ``reward/<name>``). A failed episode is a ``RolloutError`` naming the task.
+    """
+
+    def __init__(self, env: str, tokenizer: Any, *, harness: str = "null", max_seq_len: int | None = None,
+                 max_new_tokens: int | None = None, model_name: str = "verifiers_rl-policy",
+                 python: str | Path | None = None, **env_config: Any):
+        self.spec = str(env)
+        self.model_name = model_name
+        self.renderer_model = getattr(tokenizer, "name_or_path", None) or None
+        self.unstated_limits = frozenset(
+            limit for limit, value in (("max_seq_len", max_seq_len), ("max_new_tokens", max_new_tokens)) if value is None)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers_rl-v1", daemon=True)
+        self._thread.start()
+        self._closed = False
+        atexit.register(self.close)
+        from ...inference.generate_endpoint import GenerateEndpoint
+
+        self.endpoint = GenerateEndpoint(max_model_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
+                                         max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+                                         model_name=model_name)
+        self.worker = EpisodeWorker(self.endpoint.api_key, python)
+        try:
+            loaded = self._call(self._start(harness, env_config), LOAD_TIMEOUT_S)
+        except EpisodeWorkerError as error:
+            self.close()
+            raise ValueError(f"verifiers v1 environment {self.spec!r} failed to load: {error}") from error
+        except BaseException:
+            self.close()
+            raise
+        self.harness = loaded["harness"]
+        super().__init__(
+            [self._record(task) for task in loaded["tasks"]],
+            Rubric(),  # unused: the taskset's own rewards score each trace
+            tokenizer,
+            max_seq_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
+            max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
+            name=loaded.get("env_id") or Path(self.spec).stem,
+        )
+
+    @staticmethod
+    def _record(task: dict) -> dict:
+        """A task's data as a row: its prompt (for length filtering and logs; the worker renders its own)."""
+        prompt = task.get("prompt") or ""
+        messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": str(prompt)}]
+        if task.get("system_prompt") and not (messages and messages[0].get("role") == "system"):
+            messages.insert(0, {"role": "system", "content": task["system_prompt"]})
+        return {"prompt": messages, "answer": task.get("answer")}
+
+    async def _start(self, harness: str, env_config: dict) -> dict:
+        await self.endpoint.start()
+        await self.worker.start()
+        return await self.worker.load(self.spec, env_config, harness=harness)
+
+    def _call(self, coro, timeout: float | None = None):
+        """Run ``coro`` on the v1 thread's loop from a thread that is not in it; wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def adopt_limits(self, max_seq_len: int | None = None, max_new_tokens: int | None = None) -> None:
+        super().adopt_limits(max_seq_len, max_new_tokens)
+        # The length contract: v1's client reads max_model_len from /models; the trainer trains on max_seq_len.
+        self.endpoint.max_model_len = self.max_seq_len
+        self.endpoint.max_new_tokens = self.max_new_tokens
+
+    def _reachable(self, kwargs):
+        if kwargs:
+            raise ValueError(
+                f"{self.spec}: chat_template_kwargs={dict(kwargs)} cannot reach a verifiers v1 environment's prompts: "
+                "v1's train client renders them itself (the renderers package). Leave --chat_template_kwargs unset.")
+        return {}
+
+    async def generate(self, sampler, prompt, prompt_ids, state):
+        raise NotImplementedError("V1Env runs v1 episodes (rollout_group).")
+
+    async def rollout(self, sampler: Sampler, row: Row, group_id: str | int) -> Rollout:
+        (rollout,) = await self.rollout_group(sampler, row, group_id, 1)
+        return rollout
+
+    async def rollout_group(self, sampler: Sampler, row: Row, group_id: str | int, n: int, *,
+                            seed: int | None = None, temperature: float | None = None) -> list[Rollout]:
+        """``n`` episodes of task ``row.index``, episode i sampling under ``RolloutSampling(derive_seed(seed, i),
+        temperature)``."""
+        samplings = self.group_samplings(n, seed, temperature)
+        return list(await asyncio.gather(*(self._episode(sampler, s, row, group_id) for s in samplings)))
+
+    async def _episode(self, sampler: Sampler, sampling: RolloutSampling, row: Row, group_id) -> Rollout:
+        if self._closed:
+            raise RolloutError(f"{self.name}: the environment was closed.")
+        where = f"{self.name} on task {row.index}"
+        with self.endpoint.rollout(sampling, sampler, asyncio.get_running_loop()) as base_url:
+            run = self.worker.run(row.index, base_url, self.model_name, self.renderer_model)
+            try:
+                answer = await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run, self._loop))
+            except EpisodeWorkerError as error:
+                raise RolloutError(f"{where}: {error}") from error
+        if not answer["ok"]:
+            raise RolloutError(f"{where}: the episode failed: {'; '.join(answer['errors']) or 'no error given'}")
+        return self._to_rollout(answer["traces"], row, group_id, where)
+
+    def _to_rollout(self, traces: list[dict], row: Row, group_id, where: str) -> Rollout:
+        branches = [(trace, b) for trace in traces for b in trace["branches"] if b["trainable"]]
+        if len(branches) != 1:
+            raise RolloutError(
+                f"{where}: the episode has {len(branches)} trainable branches; verifiers_rl trains one token sequence "
+                "per rollout (an episode of one agent whose turns extend each other).")
+        [(trace, branch)] = branches
+        if not trace["ok"]:
+            raise RolloutError(f"{where}: the trace failed: {'; '.join(trace['errors']) or 'no error given'}")
+        if branch.get("advantages") is not None:
+            raise RolloutError(f"{where}: the trace carries its own advantages; verifiers_rl computes advantages from "
+                               "the rewards (--scale_rewards).")
+        ids, mask, logprobs = branch["token_ids"], branch["sampled_mask"], branch["logprobs"]
+        if True not in mask:
+            raise RolloutError(f"{where}: the episode sampled no token (stop condition {trace['stop_condition']}).")
+        start = mask.index(True)
+        metrics = {key: value for key, value in trace["metrics"].items() if value is not None}
+        metrics.update({f"reward/{key}": value for key, value in trace["rewards"].items() if value is not None})
+        return Rollout(
+            prompt_ids=ids[:start],
+            completion_ids=ids[start:],
+            completion_mask=[int(m) for m in mask[start:]],
+            completion_logprobs=[lp if m else 0.0 for lp, m in zip(logprobs[start:], mask[start:])],
+            reward=float(trace["reward"]),
+            group_id=group_id,
+            truncated=bool(trace["is_truncated"] or trace["is_timeout"]),
+            metrics=metrics,
+            prompt=row.prompt,
+            completion=[{"role": "assistant", "content": trace.get("last_reply") or ""}],
+        )
+
+    def close(self) -> None:
+        """Stop the worker and the endpoint (also at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.is_running():
+            async def stop():
+                await self.worker.close()
+                await self.endpoint.close()
+
+            try:
+                self._call(stop(), 60)
+            except Exception as error:  # noqa: BLE001 - closing at exit: say it, do not raise over the real error
+                logger.warning("%s: closing the v1 worker: %s", self.spec, error)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
