@@ -40,7 +40,14 @@ def v1_python() -> Path:
 
 
 class EpisodeWorkerError(RuntimeError):
-    """A request the worker answered with an error (its message and traceback)."""
+    """A request the worker answered with an error: its ``type: message``; the worker's traceback is ``.traceback``
+    (logged at debug level: it is the worker's code, not the user's)."""
+
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
+        if traceback:
+            logger.debug("episode worker traceback:\n%s", traceback)
 
 
 class EpisodeWorker:
@@ -94,7 +101,7 @@ class EpisodeWorker:
         await self.process.stdin.drain()
         answer = await future
         if answer.get("op") == "error":
-            raise EpisodeWorkerError(f"{answer['error']}\n{answer.get('traceback', '')}")
+            raise EpisodeWorkerError(answer["error"], answer.get("traceback", ""))
         return answer
 
     async def load(self, env: str, env_config: dict | None = None, harness: str = "null") -> dict:
@@ -243,7 +250,10 @@ class V1Env(Environment):
             except EpisodeWorkerError as error:
                 raise RolloutError(f"{where}: {error}") from error
         if not answer["ok"]:
-            raise RolloutError(f"{where}: the episode failed: {'; '.join(answer['errors']) or 'no error given'}")
+            errors = answer["errors"] + [e for trace in answer["traces"] for e in trace["errors"]]
+            stops = sorted({str(trace["stop_condition"]) for trace in answer["traces"]})
+            raise RolloutError(f"{where}: the episode failed: {'; '.join(errors) or 'no error given'} "
+                               f"(stop condition {', '.join(stops) or 'none'})")
         return self._to_rollout(answer["traces"], row, group_id, where)
 
     def _to_rollout(self, traces: list[dict], row: Row, group_id, where: str) -> Rollout:

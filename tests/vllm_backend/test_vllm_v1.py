@@ -1,0 +1,55 @@
+"""A verifiers 0.4 environment (vf-init's template, v1's default `null` harness), unchanged, trained by
+examples/train.py through a REAL vLLM server (``--vllm_server_url``): every episode's model call was one server
+request, the trained ids and log-probs are what the server sampled (HF's log-probs for those ids under the weights
+that sampled them; the trainer's own at k = 0: IS ratio 1), and the rewards are the taskset's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from verifiers_rl.envs.adapters.verifiers_v1 import v1_python
+from verifiers_rl.rollouts import read_rollouts
+
+TEMPLATE = ROOT / "tests" / "v1" / "envs" / "reverse_v1.py"
+
+
+@pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
+def test_a_v1_environment_trains_through_the_vllm_server(untied, tmp_path):
+    untied.dirty = True  # the run leaves its trained weights in the server
+    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+               "--env", str(TEMPLATE), "--rollouts_per_step", "8", "--num_generations", "4",
+               "--max_seq_len", "128", "--max_completion_length", "8", "--max_off_policy_steps", "0",
+               "--learning_rate", "0.05", "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none",
+               "--max_steps", "2", "--vllm_weight_transfer", "files", "--save_strategy", "no",
+               "--output_dir", str(tmp_path / "out"), "--save_rollouts_path", str(tmp_path / "seen.jsonl")]
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/2", "step 2/2"], result.stdout[-3000:]
+    ratios = [float(part.split()[1]) for line in lines for part in line.split(" | ") if part.startswith("is_ratio ")]
+    assert len(ratios) == 2 and all(abs(r - 1) < 1e-3 for r in ratios), lines
+    state = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE_STATE "))[13:])
+    assert state["engine"] == "VLLMEngine" and state["policy_version"] == 2
+    assert state["requests_served"] == 16  # one model call per episode, each a server request
+
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    assert len(seen) == 16 and [r.policy_version for r in seen] == [0] * 8 + [1] * 8
+    tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
+    for rollout in seen:
+        assert rollout.completion_mask == [1] * len(rollout.completion_ids) and len(rollout.completion_ids) <= 8
+        word = rollout.prompt[-1]["content"].removeprefix("Reverse the text: ")
+        reply = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True).strip()
+        assert rollout.reward == float(reply == word[::-1]) and rollout.metrics["reply_chars"] == len(reply)
+    # The first batch was sampled by the model's own weights: the server's log-prob of every sampled token is HF's.
+    for rollout in seen[:8]:
+        sequence = rollout.prompt_ids + rollout.completion_ids
+        hf = hf_prompt_logprobs(untied.model_dir, sequence)[len(rollout.prompt_ids) - 1:]
+        assert float((hf - torch.tensor(rollout.completion_logprobs)).abs().max()) < 1e-4
