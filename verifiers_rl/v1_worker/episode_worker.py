@@ -12,10 +12,10 @@ Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own print
   ``{"taskset": {"num_tasks": 8}}``). ``harness`` defaults to ``"null"`` (v1's chat harness, a PEP 723 program
   run with ``uv``); ``"inprocess"`` is the same chat loop in this process (no subprocess, no ``uv``).
 * ``{"op": "run", "id": <any>, "task": <index>, "base_url": ".../v1", "model": <name>, "renderer_model": <folder>}``
-  -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [...], "traces": [{"ok", "reward", "rewards", "metrics",
-  "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches": [{"token_ids", "sampled_mask",
-  "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in completion order. The API key is read from the
-  environment variable ``VERIFIERS_RL_V1_API_KEY``.
+  -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [<the episode's, then its traces'>], "traces": [{"ok",
+  "reward", "rewards", "metrics", "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches":
+  [{"token_ids", "sampled_mask", "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in
+  completion order. The API key is read from the environment variable ``VERIFIERS_RL_V1_API_KEY``.
 * ``{"op": "close"}`` or end of input: exit.
 
 Any request that fails answers ``{"op": "error", "id": ..., "error": <type: message>, "traceback": ...}``.
@@ -150,9 +150,11 @@ class Worker:
         client = vf.TrainClientConfig(base_url=request["base_url"], api_key_var=API_KEY_VAR,
                                       renderer_model_name=request.get("renderer_model"))
         episode = await self.env.run_episode(task, vf.ModelContext(model=request["model"], client=client))
-        return {"op": "episode", "id": request.get("id"), "ok": bool(episode.ok),
-                "errors": [f"{e.type}: {e.message}" for e in episode.errors],
-                "traces": [trace_json(t) for t in episode.traces]}
+        traces = [trace_json(t) for t in episode.traces]
+        # A trace's failure (e.g. its harness's setup) leaves the episode's own errors empty: the trainer reads these.
+        errors = [f"{e.type}: {e.message}" for e in episode.errors] + [e for t in traces for e in t["errors"]]
+        return {"op": "episode", "id": request.get("id"), "ok": bool(episode.ok), "errors": list(dict.fromkeys(errors)),
+                "traces": traces}
 
     async def close(self) -> None:
         if self.serving is not None:
