@@ -12,10 +12,10 @@ Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own print
   ``{"taskset": {"num_tasks": 8}}``). ``harness`` defaults to ``"null"`` (v1's chat harness, a PEP 723 program
   run with ``uv``); ``"inprocess"`` is the same chat loop in this process (no subprocess, no ``uv``).
 * ``{"op": "run", "id": <any>, "task": <index>, "base_url": ".../v1", "model": <name>, "renderer_model": <folder>}``
-  -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [...], "traces": [{"ok", "reward", "rewards", "metrics",
-  "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches": [{"token_ids", "sampled_mask",
-  "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in completion order. The API key is read from the
-  environment variable ``VERIFIERS_RL_V1_API_KEY``.
+  -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [<the episode's, then its traces'>], "traces": [{"ok",
+  "reward", "rewards", "metrics", "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches":
+  [{"token_ids", "sampled_mask", "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in
+  completion order. The API key is read from the environment variable ``VERIFIERS_RL_V1_API_KEY``.
 * ``{"op": "close"}`` or end of input: exit.
 
 Any request that fails answers ``{"op": "error", "id": ..., "error": <type: message>, "traceback": ...}``.
@@ -89,6 +89,32 @@ def register_inprocess_harness() -> None:
     sys.modules[INPROCESS_HARNESS_ID] = module
 
 
+def keep_uv_offline() -> None:
+    """With ``UV_OFFLINE`` in this worker's environment (the trainer sets it: rollouts download nothing), no host
+    process of v1's can turn it off: v1's ``Runtime.prepare_uv_script`` runs ``uv sync --script`` with
+    ``UV_OFFLINE=false`` (to fetch a harness's dependencies before a sandbox's network is cut), which here would
+    download them from PyPI at rollout time; ``scripts/install_verifiers_v1.sh`` puts them in uv's cache instead."""
+    if "UV_OFFLINE" not in os.environ:
+        return
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    process_env = SubprocessRuntime.process_env
+
+    def offline_process_env(self, env: dict[str, str]) -> dict[str, str]:
+        return {**process_env(self, env), "UV_OFFLINE": os.environ["UV_OFFLINE"]}
+
+    SubprocessRuntime.process_env = offline_process_env
+
+
+def explain(error: str) -> str:
+    """``error``, with what to do when it is v1 failing to prepare a PEP 723 script offline."""
+    if "failed to prepare uv script" in error and "UV_OFFLINE" in os.environ:
+        return (f"{error}\n(the worker runs uv with UV_OFFLINE={os.environ['UV_OFFLINE']}: rollouts download nothing, "
+                "and uv's cache lacks this script's dependencies; run scripts/install_verifiers_v1.sh, which pre-syncs "
+                "the null harness's script)")
+    return error
+
+
 def merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
@@ -102,7 +128,7 @@ def trace_json(trace) -> dict:
         "reward": float(trace.reward),
         "rewards": {k: (None if r is None else float(r.value)) for k, r in trace.rewards.items()},
         "metrics": {k: (None if v is None else float(v)) for k, v in trace.metrics.items()},
-        "errors": [f"{e.type}: {e.message}" for e in trace.errors],
+        "errors": [explain(f"{e.type}: {e.message}") for e in trace.errors],
         "stop_condition": trace.stop_condition,
         "is_timeout": bool(trace.is_timeout),
         "is_truncated": bool(trace.is_truncated),
@@ -127,6 +153,7 @@ class Worker:
 
         if self.env is not None:
             raise RuntimeError("an environment is already loaded")
+        keep_uv_offline()
         harness = request.get("harness") or "null"
         if harness == "inprocess":
             register_inprocess_harness()
@@ -150,9 +177,11 @@ class Worker:
         client = vf.TrainClientConfig(base_url=request["base_url"], api_key_var=API_KEY_VAR,
                                       renderer_model_name=request.get("renderer_model"))
         episode = await self.env.run_episode(task, vf.ModelContext(model=request["model"], client=client))
-        return {"op": "episode", "id": request.get("id"), "ok": bool(episode.ok),
-                "errors": [f"{e.type}: {e.message}" for e in episode.errors],
-                "traces": [trace_json(t) for t in episode.traces]}
+        traces = [trace_json(t) for t in episode.traces]
+        # A trace's failure (e.g. its harness's setup) leaves the episode's own errors empty: the trainer reads these.
+        errors = [explain(f"{e.type}: {e.message}") for e in episode.errors] + [e for t in traces for e in t["errors"]]
+        return {"op": "episode", "id": request.get("id"), "ok": bool(episode.ok), "errors": list(dict.fromkeys(errors)),
+                "traces": traces}
 
     async def close(self) -> None:
         if self.serving is not None:
@@ -177,7 +206,7 @@ async def main() -> None:
                 raise ValueError(f"unknown op {op!r}")
             send({**reply, "id": request.get("id")})
         except Exception as e:  # noqa: BLE001 - every failure goes back to the trainer, named
-            send({"op": "error", "id": request.get("id"), "error": f"{type(e).__name__}: {e}",
+            send({"op": "error", "id": request.get("id"), "error": explain(f"{type(e).__name__}: {e}"),
                   "traceback": traceback.format_exc()})
 
     try:

@@ -51,11 +51,14 @@ class EpisodeWorkerError(RuntimeError):
 
 
 class EpisodeWorker:
-    """``async with EpisodeWorker(api_key) as w: await w.load(env); await w.run(task, base_url, model)``."""
+    """``async with EpisodeWorker(api_key) as w: await w.load(env); await w.run(task, base_url, model)``.
 
-    def __init__(self, api_key: str, python: str | Path | None = None):
+    ``env``: variables merged last into the worker's environment (e.g. ``UV_CACHE_DIR``)."""
+
+    def __init__(self, api_key: str, python: str | Path | None = None, env: dict[str, str] | None = None):
         self.api_key = api_key
         self.python = Path(python) if python else v1_python()
+        self.env = dict(env or {})
         self.process: asyncio.subprocess.Process | None = None
         self.loaded: dict | None = None
         self._ids = itertools.count()
@@ -72,6 +75,9 @@ class EpisodeWorker:
         # The venv's uv first on PATH: v1's `null` harness runs its program with `uv sync --script` (and would
         # download uv if none were found).
         env["PATH"] = f"{self.python.parent}{os.pathsep}{env.get('PATH', '')}"
+        # Rollouts download nothing: scripts/install_verifiers_v1.sh put the null harness's script deps in uv's cache.
+        env["UV_OFFLINE"] = "1"
+        env.update(self.env)
         self.process = await asyncio.create_subprocess_exec(
             str(self.python), str(WORKER_SCRIPT), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             env=env, limit=256 * 1024 * 1024)
