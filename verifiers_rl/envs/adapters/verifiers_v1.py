@@ -256,9 +256,8 @@ class V1Env(Environment):
             except EpisodeWorkerError as error:
                 raise RolloutError(f"{where}: {error}") from error
         if not answer["ok"]:
-            errors = answer["errors"] + [e for trace in answer["traces"] for e in trace["errors"]]
             stops = sorted({str(trace["stop_condition"]) for trace in answer["traces"]})
-            raise RolloutError(f"{where}: the episode failed: {'; '.join(errors) or 'no error given'} "
+            raise RolloutError(f"{where}: the episode failed: {'; '.join(answer['errors']) or 'no error given'} "
                                f"(stop condition {', '.join(stops) or 'none'})")
         return self._to_rollout(answer["traces"], row, group_id, where)
 
