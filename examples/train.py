@@ -76,8 +76,9 @@ class ScriptArguments:
     env: str = field(
         default=DEFAULT_ENVIRONMENT,
         metadata={"help": "Environment to generate from (unless --rollouts_path): a built-in name, "
-                  "'reasoning_gym:<task>[,<task>...]', 'vf:<verifiers env id>', 'pkg.module:function', or a .py file "
-                  "defining load_environment(**kwargs)."},
+                  "'reasoning_gym:<task>[,<task>...]', 'vf:<verifiers env id>', 'pkg.module:function', a .py file "
+                  "defining load_environment(**kwargs), or a verifiers 0.4 (v1) environment module (.py file, folder "
+                  "or module id)."},
     )
     env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
     tool_mode: str = field(

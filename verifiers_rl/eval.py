@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2",
                         help="A folder (a trained --output_dir or any checkpoint-N in it), 'smollm2', 'tiny', or a hub id.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer folder or id; default: the model's.")
-    parser.add_argument("--env", default="reverse_text", help="A built-in name, 'pkg.module:function', or a .py file.")
+    parser.add_argument("--env", default="reverse_text", help="A built-in name, 'pkg.module:function', a .py file, or a verifiers 0.4 (v1) "
+                        "environment module (as --env of examples/train.py).")
     parser.add_argument("--env_args", default="{}", help="JSON keyword arguments for the environment's loader.")
     parser.add_argument("--chat_template_kwargs", default="{}",
                         help="JSON variables for the chat template, as training's --chat_template_kwargs "

@@ -126,3 +126,5 @@ def test_failures_and_settings_that_cannot_act_are_clear_errors(engine, tokenize
         load_environment(str(TEMPLATE), tokenizer=tokenizer, harness="no_such_harness")
     with pytest.raises(ValueError, match="verifiers v1 environment: pass the policy's tokenizer"):
         load_environment(str(TEMPLATE))
+    with pytest.raises(ValueError, match="--tool_mode text cannot reach .*renders tools itself"):
+        load_environment(str(TEMPLATE), tokenizer=tokenizer, tool_mode="text")

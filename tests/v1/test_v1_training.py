@@ -106,11 +106,17 @@ def test_a_v1_run_resumes_exactly_replays_and_evaluates_with_pass_at_k(tmp_path,
         assert rollout.reward == pytest.approx(1 / (1 + len(reply))) and rollout.metrics["reply_chars"] == len(reply)
     assert len({r.reward for r in seen}) > 1  # signal to learn from
 
-    # A replay of the saved rollouts trains the same steps on them: the same parameters as the live run.
-    run(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "full.jsonl"), "--rollouts_per_step", "8",
-         "--max_seq_len", "64", "--learning_rate", "1e-2", "--report_to", "none", "--max_steps", "4",
-         "--save_strategy", "no", "--output_dir", str(tmp_path / "replayed")], tmp_path)
+    # A replay of the saved rollouts trains the same steps on them: the same parameters as the live run. It
+    # evaluates on a v1 --eval_env (4 tasks held out of it) at step 4.
+    replay = run(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "full.jsonl"), "--rollouts_per_step",
+                  "8", "--max_seq_len", "64", "--max_completion_length", "8", "--learning_rate", "1e-2",
+                  "--report_to", "none", "--max_steps", "4", "--save_strategy", "no",
+                  "--output_dir", str(tmp_path / "replayed"), "--eval_env", GRADED,
+                  "--eval_env_args", json.dumps({"harness": "inprocess"}), "--eval_holdout", "4",
+                  "--eval_strategy", "steps", "--eval_steps", "4"], tmp_path)
     assert worst_gap(tmp_path / "replayed", tmp_path / "full") < 1e-6  # the same saved log-probs: bit for bit
+    assert [line.split(" | ")[0] for line in replay if line.startswith(("step ", "eval at step"))] == [
+        "step 1/4", "step 2/4", "step 3/4", "step 4/4", "eval at step 4"]
 
     # Evaluation of the trained model on held-out tasks, 3 samples each: pass@k from the samples it wrote.
     lines = run(["--model", str(tmp_path / "full"), "--env", GRADED, "--env_args",

@@ -155,6 +155,9 @@ def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto
 
             if tokenizer is None:
                 raise ValueError(f"Environment {spec!r} is a verifiers v1 environment: pass the policy's tokenizer.")
+            if tool_mode != "auto":
+                raise ValueError(f"--tool_mode {tool_mode} cannot reach {spec!r}: a verifiers v1 environment's train "
+                                 "client renders tools itself. Leave --tool_mode at auto.")
             environment = V1Env(spec, tokenizer, **kwargs)
         else:
             loader = _loader(spec)
