@@ -5,24 +5,14 @@ with an error that names the install script (instead of fetching from PyPI)."""
 import asyncio
 from pathlib import Path
 
-import pytest
 
 from verifiers_rl.envs import RolloutSampling
-from verifiers_rl.envs.adapters.verifiers_v1 import EpisodeWorker, EpisodeWorkerError, v1_python
-from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+from verifiers_rl.envs.adapters.verifiers_v1 import EpisodeWorker, EpisodeWorkerError
 from verifiers_rl.inference.generate_endpoint import GenerateEndpoint
 
 ENV = Path(__file__).parent / "envs" / "reverse_v1.py"
 
-pytestmark = pytest.mark.skipif(not v1_python().exists(),
-                                reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(temperature=1.0, max_new_tokens=10))
-    yield engine
-    engine.close()
 
 
 def null_episode(engine, model_dir, env=None):

@@ -3,36 +3,26 @@ a group is n episodes of one task whose rollouts are the engine's exact samples 
 taskset's own rewards and metrics; failures and settings that cannot act are clear errors."""
 
 import asyncio
-import os
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from verifiers_rl.envs import RolloutError, RolloutSampling, derive_seed, load_environment, sampling_for_rollout
-from verifiers_rl.envs.adapters.verifiers_v1 import V1Env, v1_python
+from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
 from verifiers_rl.envs.loading import exports_v1_taskset, is_v1_environment
-from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
 ENVS = Path(__file__).parent / "envs"
 TEMPLATE = ENVS / "reverse_v1.py"
 GRADED = ENVS / "graded_v1.py"
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not v1_python().exists(),
-                                reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(temperature=1.0, max_new_tokens=10))
-    yield engine
-    engine.close()
 
 
 def test_env_tells_a_v1_module_apart_by_what_it_exports(tmp_path, monkeypatch):

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from verifiers_rl.envs.adapters.verifiers_v1 import v1_python
 from verifiers_rl.evaluation import pass_at_k
 from verifiers_rl.rollouts import read_rollouts
 
@@ -22,8 +21,6 @@ ENVS = Path(__file__).parent / "envs"
 TEMPLATE = str(ENVS / "reverse_v1.py")
 GRADED = str(ENVS / "graded_v1.py")
 
-pytestmark = pytest.mark.skipif(not v1_python().exists(),
-                                reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
 
 
 def run(args: list[str], cwd: Path, cache: Path | None = None, module: str | None = None):
@@ -79,8 +76,8 @@ def worst_gap(a: Path, b: Path) -> float:
 
 
 def test_a_v1_run_resumes_exactly_replays_and_evaluates_with_pass_at_k(tmp_path, tiny_model_dir):
-    full = run(["--model", tiny_model_dir, *LIVE, "--save_strategy", "steps", "--save_steps", "2",
-                "--output_dir", str(tmp_path / "full"), "--save_rollouts_path", str(tmp_path / "full.jsonl")], tmp_path)
+    run(["--model", tiny_model_dir, *LIVE, "--save_strategy", "steps", "--save_steps", "2",
+         "--output_dir", str(tmp_path / "full"), "--save_rollouts_path", str(tmp_path / "full.jsonl")], tmp_path)
     checkpoint = tmp_path / "full" / "checkpoint-2"
     resumed = run(["--model", tiny_model_dir, *LIVE, "--save_strategy", "no", "--resume_from_checkpoint",
                    str(checkpoint), "--output_dir", str(tmp_path / "resumed"),
