@@ -23,7 +23,8 @@ Reported per side: the median seconds per batch, episodes/s and completion token
 arrive spread out over HTTP make more, smaller calls), CPU seconds per batch of this process and of the worker
 with its subprocesses, and each side's time against ours.
 
-Run (``--model tiny``: about 2 minutes on 2 cores; ``--model smollm2``: slower, use small settings):
+Run (about 2 minutes each on 2 cores; the null side takes most of it; ``--model smollm2`` with the defaults took
+9 minutes on a busy machine, hence the small settings below):
 
     PYTHONPATH=. .venv/bin/python benchmarks/v1_episodes.py
     PYTHONPATH=. .venv/bin/python benchmarks/v1_episodes.py --model smollm2 --groups 4 --group_size 4 --max_new_tokens 16
@@ -59,8 +60,10 @@ V1_ENV = os.path.join(ROOT, "tests", "v1", "envs", "reverse_v1.py")
 SIDES = ("ours", "v1 inprocess", "v1 null")
 WHAT_DIFFERS = {
     "ours": "SingleTurnEnv in this process: render, engine.sample, decode, rubric",
-    "v1 inprocess": "+ worker process (pipe, JSON), v1's client renders, loopback HTTP per model call, v1 scores",
-    "v1 null": "+ one subprocess per episode (uv sync --script, Python start-up) and v1's interception server",
+    "v1 inprocess": "+ the worker process (JSON lines over a pipe); per model call two loopback HTTP hops (the "
+                    "harness's OpenAI client -> v1's interception server -> v1's train client -> our endpoint); v1 "
+                    "renders and scores",
+    "v1 null": "+ per episode a subprocess (uv sync --script, then a Python chat program) calling the interception server",
 }
 
 
