@@ -8,8 +8,9 @@ is the reversed word), run three ways on one ``EmbeddedEngine``:
 - ``ours``: a ``SingleTurnEnv`` whose rows are the v1 taskset's prompts and answers (read from the v1 side, so
   they are the same by construction) with the same reward, all in this process;
 - ``v1 inprocess``: ``V1Env`` with ``harness="inprocess"``: v1's episodes run in the worker process (the
-  ``.venv-verifiers-v1`` venv, JSON lines over a pipe), v1's train client renders the prompt and reaches the engine
-  over loopback HTTP (``inference/generate_endpoint.py``), the taskset scores the trace;
+  ``.venv-verifiers-v1`` venv, JSON lines over a pipe); the harness's model call goes over loopback HTTP to v1's
+  interception server, whose train client renders the prompt and calls our endpoint over loopback HTTP
+  (``inference/generate_endpoint.py``); the taskset scores the trace;
 - ``v1 null``: the same with v1's default chat harness, which runs each episode's chat program in a subprocess of
   its own (``uv sync --script``, then a Python interpreter) talking to v1's interception server.
 
