@@ -105,7 +105,7 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse_all, entropy = ctx.saved_tensors
         dtype = lse_all.dtype
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_weight = None  # the first chunk's product, then the others added (no zero-filled [V, H] buffer)
         grad_bias = (
             torch.zeros(bias.shape, dtype=dtype, device=bias.device)
             if bias is not None and ctx.needs_input_grad[2]
@@ -125,21 +125,22 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             else:
                 grad_logits.exp_().mul_(-upstream)
             grad_logits.scatter_add_(-1, targets[start:stop, None], upstream)
-            grad_logits.div_(ctx.temperature)
+            if ctx.temperature != 1:
+                grad_logits.div_(ctx.temperature)
             # Matmuls in the parameters' dtype, so a bf16 weight is never copied to fp32 whole.
             grad_native = grad_logits.to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = (grad_native @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                if weight.dtype == dtype:
-                    grad_weight.addmm_(grad_native.T, hidden[start:stop].to(dtype))
-                else:
-                    grad_weight += (grad_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
+            if ctx.needs_input_grad[1]:
+                product = (grad_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
+                grad_weight = product if grad_weight is None else grad_weight.add_(product)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
             del grad_logits, grad_native
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
+        elif ctx.needs_input_grad[1]:  # no rows
+            grad_weight = torch.zeros_like(weight)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None
@@ -150,7 +151,7 @@ def _logits(hidden, weight, bias, temperature, dtype):
     logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
     if bias is not None:
         logits = logits + bias.to(dtype)
-    return logits / temperature
+    return logits if temperature == 1 else logits / temperature
 
 
 def target_logprobs(
