@@ -16,17 +16,9 @@ import torch
 from .compat import replaced_forward
 
 
-def weight_major_mm(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``rows @ weight^T`` ([N, in] x [out, in] -> [N, out]) computed as ``(weight @ rows^T)^T`` on CPU (a
-    non-contiguous view of the [out, N] product); elsewhere (GPU BLAS has no such gap) as ``rows @ weight^T``."""
-    if weight.device.type != "cpu":
-        return rows @ weight.T
-    return torch.mm(weight, rows.T).T
-
-
 def _weight_major(layer: torch.nn.Linear):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = weight_major_mm(layer.weight, x.reshape(-1, x.shape[-1]))
+        y = torch.mm(layer.weight, x.reshape(-1, x.shape[-1]).T).T  # [N, out]: a view of the [out, N] product
         if layer.bias is not None:
             y = y + layer.bias
         return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -132,8 +132,13 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:stop] = (grad_native @ weight).to(hidden.dtype)
             if ctx.needs_input_grad[1]:
-                product = (grad_native.T @ hidden[start:stop].to(weight.dtype)).to(dtype)
-                grad_weight = product if grad_weight is None else grad_weight.add_(product)
+                rows = hidden[start:stop].to(weight.dtype)
+                if grad_weight is None:
+                    grad_weight = (grad_native.T @ rows).to(dtype)
+                elif weight.dtype == dtype:
+                    grad_weight.addmm_(grad_native.T, rows)
+                else:
+                    grad_weight += (grad_native.T @ rows).to(dtype)
             if grad_bias is not None:
                 grad_bias += grad_logits.sum(0)
             del grad_logits, grad_native

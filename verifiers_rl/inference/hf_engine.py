@@ -15,8 +15,8 @@ from typing import Iterable
 import torch
 
 from ..compat import without_zero3_init
-from ..modeling import sequence_logprobs, unwrap
 from ..cpu_matmul import weight_major_linears
+from ..modeling import sequence_logprobs, unwrap
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
 from .request_batcher import Request, RequestBatcher
 from .staged_weights import StagedWeights
@@ -196,6 +196,8 @@ class EmbeddedEngine:
     @torch.no_grad()
     def _generate(self, requests: list[Request]) -> list[Sample]:
         """One left-padded ``generate`` for a batch of requests (worker thread)."""
+        from transformers import LogitsProcessorList
+
         prompts, max_new_tokens = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
         width, s = max(len(p) for p in prompts), self.sampling
         sampler = RowSampler([r.temperature for r in requests], [r.seed for r in requests], s.top_k, s.top_p,
@@ -213,7 +215,15 @@ class EmbeddedEngine:
                 attention_mask[row, width - len(prompt) :] = 1  # from real tokens, never from ids != pad
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             with weight_major_linears(self.model, self.weight_major_matmuls):
-                output = self._decode(input_ids, attention_mask, prompts, max(max_new_tokens), sampler)
+                output = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    past_key_values=self._shared_prefill(input_ids, attention_mask, prompts),
+                    generation_config=self._generation_config(max(max_new_tokens)),
+                    logits_processor=LogitsProcessorList([sampler]),
+                    # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
+                    synced_gpus=False,
+                )
             tokens = output.sequences[:, width:].cpu()
             logprobs = sampler.logprobs(tokens)
         eos = set(self.eos_token_ids)
@@ -226,19 +236,6 @@ class EmbeddedEngine:
                 ids = ids[: end + 1]
             samples.append(Sample(ids, logprobs[row, : len(ids)].tolist(), "stop" if end is not None else "length"))
         return samples
-
-    def _decode(self, input_ids, attention_mask, prompts, max_new_tokens, sampler):
-        from transformers import LogitsProcessorList
-
-        return self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            past_key_values=self._shared_prefill(input_ids, attention_mask, prompts),
-            generation_config=self._generation_config(max_new_tokens),
-            logits_processor=LogitsProcessorList([sampler]),
-            # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
-            synced_gpus=False,
-        )
 
     def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]]):
         """When requests share a prompt (a group's samples), run each distinct prompt once (all but its last
