@@ -50,3 +50,19 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
         torch.log_softmax(processed(raw[t], prompt + completion[:t], temperature, **sampling), -1)[token]
         for t, token in enumerate(completion)
     ])
+
+
+def spy_on_sampler(monkeypatch) -> list:
+    """Every decode step of the embedded engine: (its RowSampler, the raw logits of the batch rows still decoding,
+    those rows, the scores whose argmax is the sample)."""
+    from verifiers_rl.inference.hf_engine import RowSampler
+
+    steps, distribution = [], RowSampler.distribution
+
+    def spy(sampler, input_ids, scores, rows):
+        processed, noisy = distribution(sampler, input_ids, scores, rows)
+        steps.append((sampler, scores.clone(), list(rows), noisy))
+        return processed, noisy
+
+    monkeypatch.setattr(RowSampler, "distribution", spy)
+    return steps

@@ -1,8 +1,10 @@
 """The embedded HF engine: sampler log-probs equal the trainer's, batching, weight loads, errors, SmolLM2."""
 
 import asyncio
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from verifiers_rl.inference.hf_engine import RowSampler
 from verifiers_rl.models import build_tiny_model
 from verifiers_rl.policy import micro_batch_logprobs
 from verifiers_rl.rollouts import Rollout
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from sampling_reference import spy_on_sampler  # noqa: E402
 
 TEXTS = [
     "What is 2 + 2?",
@@ -88,35 +93,31 @@ def gumbel_noise(seed, steps, vocab):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampler_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature):
+def test_sampler_logprobs_equal_trainer_logprobs(tiny_model_dir, temperature, monkeypatch):
     trainer_model, tokenizer = load(tiny_model_dir)
-    # A checkpoint's own sampling defaults must not leak into the engine's sampling (transformers fills unset
-    # options from model.generation_config, then from global defaults such as top_k=50).
+    # A checkpoint's own sampling defaults must not leak into the engine's sampling (transformers' generate would
+    # fill unset options from model.generation_config; the engine's decode loop reads none).
     trainer_model.generation_config.top_k = 5
     trainer_model.generation_config.repetition_penalty = 1.5
     trainer_model.generation_config.min_new_tokens = 4
     engine = EmbeddedEngine(trainer_model, tokenizer, SamplingConfig(temperature=temperature), max_batch_size=8)
     assert isinstance(engine, InferenceEngine)
     assert engine.model is not trainer_model  # its own copy
-    original_generate, outputs = engine.model.generate, []
-
-    def spy(**kwargs):
-        kwargs["generation_config"].output_scores = True  # the processed scores the sampler drew from
-        kwargs["generation_config"].output_logits = True  # and the raw logits
-        outputs.append(original_generate(**kwargs))
-        return outputs[-1]
-
-    engine.model.generate = spy
+    steps = spy_on_sampler(monkeypatch)
     prompts = prompts_of(tokenizer)
     seeds = [11, 12, 13, 14, 15]
     samples = sample_seeded(engine, prompts, seeds, max_new_tokens=24)
-    assert len(outputs) == 1
-    scores, logits = torch.stack(outputs[0].scores, 1), torch.stack(outputs[0].logits, 1)  # [rows, steps, vocab]
-    for row, seed in enumerate(seeds):
+    assert len(steps) == max(len(s.token_ids) for s in samples)  # one batch, decoded until its longest row ends
+    for row, (seed, sample) in enumerate(zip(seeds, samples)):
         # Only the temperature and the row's own Gumbel noise touched the logits: no top-k/top-p/penalty/min-length
-        # processors, so the argmax greedy decoding takes is a draw from softmax(logits / T).
-        expected = logits[row] / temperature + gumbel_noise(seed, scores.shape[1], scores.shape[2])
-        torch.testing.assert_close(scores[row], expected, rtol=0, atol=1e-5)
+        # processors, so the argmax is a draw from softmax(logits / T).
+        noise = gumbel_noise(seed, len(sample.token_ids), steps[0][1].shape[-1])
+        for t, token in enumerate(sample.token_ids):
+            _, raw, rows, noisy = steps[t]
+            i = rows.index(row)
+            torch.testing.assert_close(noisy[i], raw[i] / temperature + noise[t], rtol=0, atol=1e-5)
+            assert int(noisy[i].argmax()) == token
+        assert all(row not in rows for _, _, rows, _ in steps[len(sample.token_ids):])  # a finished row left the batch
     for s in samples:
         assert len(s.token_ids) == len(s.logprobs) > 0 and all(lp <= 0 for lp in s.logprobs)
     assert_parity(trainer_model, prompts, samples, temperature)
@@ -170,8 +171,8 @@ def test_a_groups_prompt_is_prefilled_once_and_sampling_is_unchanged(tiny_model_
     seeds = list(range(100, 100 + len(prompts)))
     shared = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64)
     alone = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), max_batch_size=64, share_prompt_prefill=False)
-    # The input shape of every forward of the decoder (a hook: replacing forward would change generate's
-    # behaviour) and of the whole model (with the output layer: generate's forwards only).
+    # The input shape of every forward of the decoder and of the whole model (with the output layer: the decode
+    # loop's forwards only).
     prefilled, with_head = [], []
     shared.model.get_decoder().register_forward_pre_hook(
         lambda module, args, kwargs: prefilled.append(kwargs["input_ids"].shape), with_kwargs=True)
@@ -212,11 +213,18 @@ def test_finish_reasons_eos_and_per_request_lengths(tiny_model_dir):
     with torch.no_grad():
         model.get_output_embeddings().weight[eos] *= 100  # eos likely at about half the positions
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0))
+    forwarded = []  # rows of each forward with the output layer: the decode steps
+    engine.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwarded.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     torch.manual_seed(1)
     prompts = prompts_of(tokenizer) * 2
     limits = [1, 3, 8, 16, 32] * 2
     samples = sample_all(engine, prompts, limits)
     assert engine.generate_calls == 1
+    # A row that drew eos or reached its own limit left the batch: after the first forward (every row), each row
+    # was forwarded once per token it drew after its first.
+    assert forwarded[0] == len(prompts) and sum(forwarded[1:]) == sum(len(s.token_ids) - 1 for s in samples)
+    assert forwarded == sorted(forwarded, reverse=True) and forwarded[-1] < len(prompts)
     reasons = {s.finish_reason for s in samples}
     assert reasons == {"stop", "length"}
     for s, limit in zip(samples, limits):
@@ -262,13 +270,13 @@ def test_concurrent_calls_are_batched_and_each_gets_its_own_result(tiny_model_di
 def test_event_loop_stays_responsive_during_generation(tiny_model_dir):
     model, tokenizer = load(tiny_model_dir)
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(max_new_tokens=4))
-    original = engine.model.generate
+    original = engine._decode
 
-    def slow_generate(**kwargs):
+    def slow_decode(*args):
         time.sleep(0.3)
-        return original(**kwargs)
+        return original(*args)
 
-    engine.model.generate = slow_generate
+    engine._decode = slow_decode
 
     async def run():
         ticks = 0
@@ -332,12 +340,12 @@ def test_bad_weight_names_and_shapes_are_errors_and_change_nothing(tiny_model_di
 def test_generate_error_reaches_every_concurrent_caller(tiny_model_dir):
     model, tokenizer = load(tiny_model_dir)
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(), max_batch_size=2)
-    original = engine.model.generate
+    original = engine._decode
 
-    def broken(**kwargs):
+    def broken(*args):
         raise RuntimeError("boom in generate")
 
-    engine.model.generate = broken
+    engine._decode = broken
 
     async def run():
         calls = (engine.sample(p, 4) for p in prompts_of(tokenizer))
@@ -346,7 +354,7 @@ def test_generate_error_reaches_every_concurrent_caller(tiny_model_dir):
     results = asyncio.run(run())
     assert len(results) == 5 and engine.generate_calls == 3  # three batches, each failing on its own
     assert all(isinstance(r, RuntimeError) and "boom in generate" in str(r) for r in results)
-    engine.model.generate = original  # the engine recovers for later requests
+    engine._decode = original  # the engine recovers for later requests
     assert isinstance(sample_all(engine, prompts_of(tokenizer)[:2], 4)[0], Sample)
 
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -360,14 +368,14 @@ def test_generate_error_reaches_every_concurrent_caller(tiny_model_dir):
 def test_load_weights_waits_for_running_generate(tiny_model_dir):
     model, tokenizer = load(tiny_model_dir)
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=0.0))
-    original, started = engine.model.generate, threading.Event()
+    original, started = engine._decode, threading.Event()
 
-    def slow_generate(**kwargs):
+    def slow_decode(*args):
         started.set()
         time.sleep(0.3)
-        return original(**kwargs)
+        return original(*args)
 
-    engine.model.generate = slow_generate
+    engine._decode = slow_decode
     trainer = perturbed_copy(tiny_model_dir, seed=4)
     prompts = prompts_of(tokenizer)
     result = {}

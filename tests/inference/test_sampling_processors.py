@@ -15,7 +15,7 @@ from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.inference.hf_engine import RowSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from sampling_reference import penalised, reference_logprobs, step_logits  # noqa: E402
+from sampling_reference import penalised, reference_logprobs, spy_on_sampler, step_logits  # noqa: E402
 
 TEXTS = [
     "What is 2 + 2?",
@@ -146,28 +146,22 @@ def test_greedy_rows_take_the_argmax_of_the_penalised_logits_beside_sampled_rows
 
 
 @pytest.mark.parametrize("temperatures", [[1.0] * 8, [0.7] * 8, [0.0, 1.0] * 4])
-def test_default_settings_add_no_processor_and_report_the_tempered_softmax_bit_for_bit(tiny_model_dir, temperatures):
-    """What the engine reported before these settings existed: log_softmax(raw logits / T) of generate's own
-    logits (T = 1 for greedy rows). The defaults give exactly those (torch.equal), with no processor added."""
+def test_default_settings_add_no_processor_and_report_the_tempered_softmax_bit_for_bit(tiny_model_dir, temperatures,
+                                                                                     monkeypatch):
+    """What the engine reported before these settings existed: log_softmax(raw logits / T) of the model's own
+    logits at each step (T = 1 for greedy rows). The defaults give exactly those (torch.equal), with no filter or
+    penalty added."""
     model, tokenizer = load(tiny_model_dir)
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0))
-    original_generate, calls = engine.model.generate, []
-
-    def spy(**kwargs):
-        kwargs["generation_config"].output_logits = True  # the raw logits, for the formula of before
-        calls.append((kwargs["logits_processor"][0], original_generate(**kwargs)))
-        return calls[-1][1]
-
-    engine.model.generate = spy
+    steps = spy_on_sampler(monkeypatch)
     prompts, seeds = batch(tokenizer)
     samples = sample_seeded(engine, prompts, seeds, 16, temperatures)
-    (sampler, output), = calls
-    assert sampler.filters == [] and sampler.penalty is None
-    scale = torch.tensor([t or 1.0 for t in temperatures])[:, None]
-    tokens = output.sequences[:, -len(output.logits):]
+    sampler = steps[0][0]
+    assert all(step[0] is sampler for step in steps) and sampler.filters == [] and sampler.repetition_penalty == 1
+    scale = torch.tensor([t or 1.0 for t in temperatures])
     for row, sample in enumerate(samples):
-        before = torch.stack([torch.log_softmax(step.float() / scale, -1)[row, tokens[row, t]]
-                              for t, step in enumerate(output.logits[: len(sample.token_ids)])])
+        before = torch.stack([torch.log_softmax(raw.float() / scale[rows][:, None], -1)[rows.index(row), token]
+                              for (_, raw, rows, _), token in zip(steps, sample.token_ids)])
         assert torch.equal(torch.tensor(sample.logprobs), before), row
 
 

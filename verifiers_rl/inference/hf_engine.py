@@ -1,13 +1,16 @@
-"""The embedded engine: transformers ``generate`` on the engine's own copy of the weights (SPEC §5, default on CPU).
+"""The embedded engine: a transformers model decoding on the engine's own copy of the weights (SPEC §5, default on
+CPU).
 
-Concurrent ``sample`` calls from the coroutines of one event loop are batched (``request_batcher``) and run as one
-left-padded ``generate`` call in a worker thread, so the loop keeps serving environments while the model runs.
+Concurrent ``sample`` calls from the coroutines of one event loop are batched (``request_batcher``) and decoded as one
+left-padded batch in a worker thread, so the loop keeps serving environments while the model runs. The decode loop is
+the engine's own (not ``generate``): a finished row leaves the batch.
 Weight loads are staged and applied at once (``staged_weights``).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -23,46 +26,62 @@ from .staged_weights import StagedWeights
 
 
 class RowSampler:
-    """A logits processor that samples every row of a batch on its own: the scores it returns have their argmax
-    at argmax_v(l_v + g_v), g_v ~ Gumbel(0, 1), where l is the row's sampling distribution as logits (below), so
-    greedy decoding over them draws exactly from softmax(l) (the Gumbel-max trick). A row with a seed draws its
+    """Samples every row of a batch on its own: token = argmax_v(l_v + g_v), g_v ~ Gumbel(0, 1), where l is the
+    row's sampling distribution as logits (below), which draws exactly from softmax(l) (the Gumbel-max trick). A row with a seed draws its
     noise from its own generator: its tokens do not depend on the rows it is batched with or on global random state.
 
     l is vLLM's: the repetition penalty on the raw logits (HF's processor, over the row's prompt and generated
     tokens, its left padding skipped), then / T, then min-p, top-k, top-p (HF's warpers). Rows with temperature 0
     take the argmax of the penalised logits (greedy), and their l is those logits (the filters do not apply, as in
-    vLLM). ``processed`` keeps every step's l, for the log-probs of what was sampled.
+    vLLM). ``draw`` gives the tokens of the rows still decoding and log softmax(l) at them; called as transformers'
+    logits processor it returns the noisy scores and keeps every step's l in ``processed``.
     """
 
     def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, pad_lengths: list[int] | None = None):
-        from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TopKLogitsWarper, TopPLogitsWarper
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.temperatures = torch.tensor(temperatures, dtype=torch.float32)
         self.generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
         # vLLM's order (min-p before top-k / top-p): both engines then sample from the same distribution.
         self.filters = [MinPLogitsWarper(float(min_p))] if min_p else []
         self.filters += ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
-        pad = torch.tensor(pad_lengths or [0] * len(temperatures))  # left padding is no token of the row's text
-        self.penalty = (None if repetition_penalty == 1 else
-                        RepetitionPenaltyLogitsProcessor(float(repetition_penalty), prompt_ignore_length=pad))
-        self.processed: list[torch.Tensor] = []
+        self.pad = torch.tensor(pad_lengths or [0] * len(temperatures))  # left padding is no token of the row's text
+        self.repetition_penalty = float(repetition_penalty)
+        self.processed: list[torch.Tensor] = []  # l of every step, when called as a logits processor
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logits = scores.float() if self.penalty is None else self.penalty(input_ids, scores.float())
-        sampled = (self.temperatures > 0).to(scores.device)
+    def distribution(self, input_ids: torch.Tensor, scores: torch.Tensor, rows: list[int]):
+        """(l, noisy scores) for the batch rows ``rows`` (``input_ids`` and ``scores`` hold just those rows): l as
+        above, and the scores whose argmax is the sample (l + Gumbel noise; l itself for greedy rows)."""
+        logits = scores.float()
+        if self.repetition_penalty != 1:
+            from transformers import RepetitionPenaltyLogitsProcessor
+
+            penalty = RepetitionPenaltyLogitsProcessor(self.repetition_penalty, prompt_ignore_length=self.pad[rows])
+            logits = penalty(input_ids, logits)
+        temperatures = self.temperatures[rows].to(scores.device)
+        sampled = temperatures > 0
         if not bool(sampled.any()):
-            self.processed.append(logits)
-            return logits
-        temperature = torch.where(sampled, self.temperatures.to(scores.device), 1.0)
-        filtered = logits / temperature[:, None]
+            return logits, logits
+        filtered = logits / torch.where(sampled, temperatures, 1.0)[:, None]
         for keep in self.filters:
             filtered = keep(input_ids, filtered)
-        self.processed.append(torch.where(sampled[:, None], filtered, logits))
-        vocab = scores.shape[-1]
-        uniform = torch.stack([torch.rand(vocab, generator=generator) for generator in self.generators])
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=self.generators[row]) for row in rows])
         gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
-        return torch.where(sampled[:, None], filtered + gumbel.to(scores.device), logits)
+        return (torch.where(sampled[:, None], filtered, logits),
+                torch.where(sampled[:, None], filtered + gumbel.to(scores.device), logits))
+
+    def draw(self, input_ids: torch.Tensor, scores: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for each row of ``rows`` and its log-prob under l (``distribution``)."""
+        processed, noisy = self.distribution(input_ids, scores, rows)
+        tokens = noisy.argmax(-1)
+        return tokens, torch.log_softmax(processed, dim=-1).gather(-1, tokens[:, None])[:, 0]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """transformers' logits-processor form, every row: the noisy scores; l is kept in ``processed``."""
+        processed, noisy = self.distribution(input_ids, scores, list(range(scores.shape[0])))
+        self.processed.append(processed)
+        return noisy
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[rows, steps]`` log-probs of ``tokens`` (the generated ids) under the distribution each was drawn from,
@@ -75,27 +94,27 @@ class RowSampler:
 
 
 class EmbeddedEngine:
-    """An ``InferenceEngine`` running transformers ``generate`` in-process, on its own copy of the weights.
+    """An ``InferenceEngine`` decoding a transformers model in-process, on its own copy of the weights.
 
     Args:
         model: a model (deep-copied, wrappers removed) or a name/folder for ``AutoModelForCausalLM``.
         tokenizer: a tokenizer or a name/folder (default: the model's folder); gives the pad and eos ids.
         sampling: temperature / top_p / top_k / min_p / repetition_penalty / default ``max_new_tokens``.
-        max_batch_size: most requests per ``generate`` call.
+        max_batch_size: most requests decoded together.
         dtype: when loading from a name/folder (default float32).
-        generate_in_loop_thread: run ``generate`` on the event loop's own thread (blocking the loop meanwhile)
+        generate_in_loop_thread: decode on the event loop's own thread (blocking the loop meanwhile)
             instead of a worker thread. For synchronous generation (k = 0) on the trainer's thread: on CPU every
             extra thread that runs torch ops gets its own OpenMP team, the teams oversubscribe the cores, and
             decoding's many small ops then run ~1.7x slower (benchmarks/async_generation.py).
-        weight_major_matmuls: on CPU, generate with fp32 linear layers computing ``(W x^T)^T`` (``cpu_matmul``):
+        weight_major_matmuls: on CPU, decode with fp32 linear layers computing ``(W x^T)^T`` (``cpu_matmul``):
             ~1.75x faster decode steps on this project's CPU, equal to ``F.linear`` to float rounding.
-        share_prompt_prefill: requests of one ``generate`` call that share a prompt (a group) prefill it once and
+        share_prompt_prefill: requests decoded together that share a prompt (a group) prefill it once and
             decode from copies of its keys/values.
 
     Log-probs are those of the distribution each token was drawn from (``RowSampler``: the penalised, tempered,
     filtered and renormalised softmax; with the default ``sampling``, the full softmax at the sampling temperature;
-    with temperature 0, greedy decoding, the penalised logits at temperature 1). The sampler keeps every step's
-    logits until ``generate`` returns: ``max_batch_size x max_new_tokens x vocab x 4`` bytes at most.
+    with temperature 0, greedy decoding, the penalised logits at temperature 1), taken at each step: no step's
+    vocabulary-wide logits outlive it.
     """
 
     def __init__(
@@ -109,7 +128,7 @@ class EmbeddedEngine:
         share_prompt_prefill: bool = True,
         weight_major_matmuls: bool = True,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if isinstance(model, (str, Path)):
             self.model_name = str(model)
@@ -149,22 +168,16 @@ class EmbeddedEngine:
         if pad is None:
             pad = gen.pad_token_id if gen is not None and gen.pad_token_id is not None else eos[0]
         self.pad_token_id = int(pad)
-        # generate() fills every option left unset from model.generation_config, then from global defaults
-        # (top_k=50 among them). A checkpoint's own defaults (top_k, repetition_penalty, min_length, ...) would
-        # change the sampling distribution behind the log-probs' back, so this private copy gets a blank config
-        # and every sampling option is passed explicitly in _generation_config().
-        self.model.generation_config = GenerationConfig(
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            bos_token_id=gen.bos_token_id if gen is not None else None,
-        )
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        # The output layer on the last position only, where the model takes the argument (as generate does).
+        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if keeps else {}
 
         self.policy_version = 0
         self.generate_calls = 0
         self.requests_served = 0
         self._closed = False
-        self._lock = threading.Lock()  # one generate or one weight load at a time
+        self._lock = threading.Lock()  # one decode or one weight load at a time
         self._batcher = RequestBatcher(self._generate, max_batch_size, in_loop_thread=generate_in_loop_thread)
 
     # --- sampling -----------------------------------------------------------------------------------------------
@@ -172,7 +185,7 @@ class EmbeddedEngine:
     async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Sample:
         """Sample one completion of ``prompt_ids`` (default length: ``sampling.max_new_tokens``).
 
-        Calls made concurrently in one event loop are batched into one ``generate``; an error in it is raised
+        Calls made concurrently in one event loop are decoded as one batch; an error in it is raised
         in every caller of that batch.
         """
         check_open(self._closed)
@@ -181,24 +194,10 @@ class EmbeddedEngine:
         temperature, seed = self.sampling.for_this_call()
         return await self._batcher.submit(prompt_ids, max_new_tokens, temperature, seed)
 
-    def _generation_config(self, max_new_tokens: int):
-        from transformers import GenerationConfig
-
-        # Greedy over the scores RowSampler returns: their argmax IS the sample (Gumbel-max), row by row.
-        return GenerationConfig(
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            do_sample=False,
-            return_dict_in_generate=True,
-        )
-
     @torch.no_grad()
     def _generate(self, requests: list[Request]) -> list[Sample]:
-        """One left-padded ``generate`` for a batch of requests (worker thread)."""
-        from transformers import LogitsProcessorList
-
-        prompts, max_new_tokens = [r.prompt_ids for r in requests], [r.max_new_tokens for r in requests]
+        """One left-padded batch of requests, decoded together (worker thread)."""
+        prompts = [r.prompt_ids for r in requests]
         width, s = max(len(p) for p in prompts), self.sampling
         sampler = RowSampler([r.temperature for r in requests], [r.seed for r in requests], s.top_k, s.top_p,
                              s.min_p, s.repetition_penalty, pad_lengths=[width - len(p) for p in prompts])
@@ -215,31 +214,51 @@ class EmbeddedEngine:
                 attention_mask[row, width - len(prompt) :] = 1  # from real tokens, never from ids != pad
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             with weight_major_linears(self.model, self.weight_major_matmuls):
-                output = self.model.generate(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    past_key_values=self._shared_prefill(input_ids, attention_mask, prompts),
-                    generation_config=self._generation_config(max(max_new_tokens)),
-                    logits_processor=LogitsProcessorList([sampler]),
-                    # Only this process generates; under ZeRO-3 transformers would otherwise all-reduce every step.
-                    synced_gpus=False,
-                )
-            tokens = output.sequences[:, width:].cpu()
-            logprobs = sampler.logprobs(tokens)
-        eos = set(self.eos_token_ids)
-        samples = []
-        for row, limit in enumerate(max_new_tokens):
-            ids = tokens[row, :limit].tolist()
-            end = next((i for i, token in enumerate(ids) if token in eos), None)
-            # After its eos a finished row is filled with padding: cut it off (pad may equal eos).
-            if end is not None:
-                ids = ids[: end + 1]
-            samples.append(Sample(ids, logprobs[row, : len(ids)].tolist(), "stop" if end is not None else "length"))
+                return self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests], sampler)
+
+    def _decode(self, input_ids, attention_mask, prompts, max_new_tokens: list[int], sampler: RowSampler):
+        """Sample every row until it draws an eos token or reaches its own ``max_new_tokens``. A finished row leaves
+        the batch (its keys and values are dropped), so later decode steps compute only the rows still running:
+        with completions of mixed lengths most steps run on part of the batch. A row's tokens depend on its own
+        logits and noise only (``RowSampler``), never on when the others finish."""
+        from transformers import DynamicCache
+
+        cache = self._shared_prefill(input_ids, attention_mask, prompts)
+        step_ids = input_ids if cache is None else input_ids[:, -1:]  # a shared prefill holds all but the last
+        cache = DynamicCache(config=self.model.config) if cache is None else cache
+        rows = list(range(len(prompts)))  # the batch rows still decoding, in the order of the tensors below
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        samples: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]  (each set when its row ends)
+        context, mask = input_ids, attention_mask  # the running rows' prompt and tokens (the penalty's context)
+        while rows:
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # left padding not counted
+            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True, **self._last_logits_only).logits[:, -1]
+            drawn, drawn_logps = sampler.draw(context, logits, rows)
+            running = []
+            for i, (row, token, logp) in enumerate(zip(rows, drawn.tolist(), drawn_logps.tolist())):
+                tokens[row].append(token)
+                logprobs[row].append(logp)
+                if token in self.eos_token_ids:
+                    samples[row] = Sample(tokens[row], logprobs[row], "stop")
+                elif len(tokens[row]) == max_new_tokens[row]:
+                    samples[row] = Sample(tokens[row], logprobs[row], "length")
+                else:
+                    running.append(i)
+            step_ids = drawn[:, None]
+            context = torch.cat([context, step_ids], dim=1)
+            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
+            if len(running) < len(rows):
+                index = torch.tensor(running, dtype=torch.long, device=input_ids.device)
+                cache.batch_select_indices(index)
+                step_ids, context, mask = step_ids[index], context[index], mask[index]
+                rows = [rows[i] for i in running]
         return samples
 
     def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]]):
         """When requests share a prompt (a group's samples), run each distinct prompt once (all but its last
-        position) and give every request a copy of its keys/values; ``generate`` then computes only the rest. The
+        position) and give every request a copy of its keys/values; decoding then computes only the rest. The
         logits are those of the unshared computation (to float rounding), so sampling is unchanged. ``None`` when
         no prompt repeats (or ``share_prompt_prefill`` is off)."""
         from transformers import DynamicCache
@@ -256,7 +275,7 @@ class EmbeddedEngine:
         self.model.get_decoder()(
             input_ids=input_ids[first, :-1],
             attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # as generate numbers a left-padded row
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # left padding not counted, as in _decode
             past_key_values=cache,
             use_cache=True,
         )
@@ -275,7 +294,7 @@ class EmbeddedEngine:
         into a staging area as it arrives, and the staged weights replace the live ones in one step at the end.
         So the load is atomic: an error (unknown name, wrong shape, a failing producer) leaves the weights and the
         version as they were, and generation never sees a mix of versions. The price is one extra copy of the
-        weights sent, for the length of the load. Waits for a running ``generate`` to finish.
+        weights sent, for the length of the load. Waits for a running decode to finish.
         """
         staged = self._weights.stage(named_tensors)
         with self._lock:
@@ -287,7 +306,7 @@ class EmbeddedEngine:
         """``log p(token_t | tokens_<t)`` for t = 1 .. n-1 at temperature 1, under the engine's current weights.
 
         The trainer compares these with its own after every weight load (the post-sync probe). Waits for a
-        running ``generate`` or weight load.
+        running decode or weight load.
         """
         token_ids = check_token_ids(token_ids, self.vocab_size, "token_ids", min_length=2)
         with self._lock:
