@@ -14,6 +14,7 @@ from verifiers_rl.batching import collate, global_counts, prepare_sequences
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, EngineClosedError, InferenceEngine, Sample, SamplingConfig
 from verifiers_rl.inference.hf_engine import RowSampler
+from verifiers_rl.inference.llama_decode import LlamaDecoder
 from verifiers_rl.models import build_tiny_model
 from verifiers_rl.policy import micro_batch_logprobs
 from verifiers_rl.rollouts import Rollout
@@ -207,15 +208,18 @@ def test_rollout_temperature_overrides_the_engines(tiny_model_dir):
     assert_parity(model, prompts, overridden, 1.0)  # greedy rows report log-probs at temperature 1
 
 
-def test_finish_reasons_eos_and_per_request_lengths(tiny_model_dir):
+def test_finish_reasons_eos_and_per_request_lengths(tiny_model_dir, monkeypatch):
     model, tokenizer = load(tiny_model_dir)
     eos = tokenizer.eos_token_id
     with torch.no_grad():
         model.get_output_embeddings().weight[eos] *= 100  # eos likely at about half the positions
     engine = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0))
-    forwarded = []  # rows of each forward with the output layer: the decode steps
+    forwarded = []  # rows of each decode step: the first through the model's forward, the rest the lean step's
     engine.model.register_forward_pre_hook(
         lambda module, args, kwargs: forwarded.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    lean_step = LlamaDecoder.step
+    monkeypatch.setattr(LlamaDecoder, "step",
+                        lambda self, ids, *rest: forwarded.append(len(ids)) or lean_step(self, ids, *rest))
     torch.manual_seed(1)
     prompts = prompts_of(tokenizer) * 2
     limits = [1, 3, 8, 16, 32] * 2

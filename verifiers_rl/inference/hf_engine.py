@@ -21,6 +21,8 @@ from ..compat import without_zero3_init
 from ..cpu_matmul import weight_major_linears
 from ..modeling import sequence_logprobs, unwrap
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
+from .llama_decode import LlamaDecoder
+from .llama_decode import supports as llama_decode_supports
 from .request_batcher import Request, RequestBatcher
 from .staged_weights import StagedWeights
 
@@ -110,6 +112,8 @@ class EmbeddedEngine:
             ~1.75x faster decode steps on this project's CPU, equal to ``F.linear`` to float rounding.
         share_prompt_prefill: requests decoded together that share a prompt (a group) prefill it once and
             decode from copies of its keys/values.
+        llama_decode: decode steps of a plain fp32 Llama model on CPU run ``llama_decode``'s lean step (the same
+            mathematics in fewer ops, keys/values in preallocated buffers) instead of transformers' forward.
 
     Log-probs are those of the distribution each token was drawn from (``RowSampler``: the penalised, tempered,
     filtered and renormalised softmax; with the default ``sampling``, the full softmax at the sampling temperature;
@@ -127,6 +131,7 @@ class EmbeddedEngine:
         generate_in_loop_thread: bool = False,
         share_prompt_prefill: bool = True,
         weight_major_matmuls: bool = True,
+        llama_decode: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -149,6 +154,7 @@ class EmbeddedEngine:
         self.generate_in_loop_thread = generate_in_loop_thread
         self.share_prompt_prefill = share_prompt_prefill
         self.weight_major_matmuls = weight_major_matmuls
+        self.llama_decode = llama_decode and llama_decode_supports(self.model)
         self.prefills_shared = 0  # prompt prefills saved by sharing (requests that reused another's keys/values)
         self.model.eval()
         for param in self.model.parameters():
@@ -226,6 +232,7 @@ class EmbeddedEngine:
         cache = self._shared_prefill(input_ids, attention_mask, prompts)
         step_ids = input_ids if cache is None else input_ids[:, -1:]  # a shared prefill holds all but the last
         cache = DynamicCache(config=self.model.config) if cache is None else cache
+        decoder = None  # the lean step (llama_decode) once the first step has filled the cache
         rows = list(range(len(prompts)))  # the batch rows still decoding, in the order of the tensors below
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
@@ -233,8 +240,14 @@ class EmbeddedEngine:
         context, mask = input_ids, attention_mask  # the running rows' prompt and tokens (the penalty's context)
         while rows:
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # left padding not counted
-            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                use_cache=True, **self._last_logits_only).logits[:, -1]
+            if decoder is not None:
+                logits = decoder.step(step_ids[:, 0], positions[:, 0], mask)
+            else:
+                logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                                    past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
+                if self.llama_decode:
+                    decoder = LlamaDecoder(self.model, cache, mask.shape[1] + max(max_new_tokens),
+                                           weight_major_matmuls=self.weight_major_matmuls)
             drawn, drawn_logps = sampler.draw(context, logits, rows)
             running = []
             for i, (row, token, logp) in enumerate(zip(rows, drawn.tolist(), drawn_logps.tolist())):
@@ -251,7 +264,7 @@ class EmbeddedEngine:
             mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
             if len(running) < len(rows):
                 index = torch.tensor(running, dtype=torch.long, device=input_ids.device)
-                cache.batch_select_indices(index)
+                decoder.keep(index) if decoder is not None else cache.batch_select_indices(index)
                 step_ids, context, mask = step_ids[index], context[index], mask[index]
                 rows = [rows[i] for i in running]
         return samples
