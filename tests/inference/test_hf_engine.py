@@ -131,7 +131,8 @@ def test_row_sampler_draws_from_the_filtered_softmax():
     rows = 40_000
     for temperature, top_k, top_p in ((1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)):
         sampler = RowSampler([temperature] * rows, list(range(rows)), top_k, top_p)
-        drawn = sampler(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1).clone()).argmax(-1)
+        drawn, _ = sampler.draw(torch.zeros(rows, 1, dtype=torch.long), logits.expand(rows, -1).clone(),
+                                list(range(rows)))
         probs = torch.softmax(logits / temperature, -1)
         keep = torch.ones_like(probs, dtype=torch.bool)
         if top_k:

@@ -3,7 +3,8 @@ CPU).
 
 Concurrent ``sample`` calls from the coroutines of one event loop are batched (``request_batcher``) and decoded as one
 left-padded batch in a worker thread, so the loop keeps serving environments while the model runs. The decode loop is
-the engine's own (not ``generate``): a finished row leaves the batch.
+the engine's own (not ``generate``): a finished row leaves the batch, and after the first step an fp32 Llama model on
+CPU steps through ``llama_decode`` (transformers' forward otherwise).
 Weight loads are staged and applied at once (``staged_weights``).
 """
 
@@ -29,14 +30,14 @@ from .staged_weights import StagedWeights
 
 class RowSampler:
     """Samples every row of a batch on its own: token = argmax_v(l_v + g_v), g_v ~ Gumbel(0, 1), where l is the
-    row's sampling distribution as logits (below), which draws exactly from softmax(l) (the Gumbel-max trick). A row with a seed draws its
-    noise from its own generator: its tokens do not depend on the rows it is batched with or on global random state.
+    row's sampling distribution as logits (below), which draws exactly from softmax(l) (the Gumbel-max trick). A row
+    with a seed draws its noise from its own generator: its tokens do not depend on the rows it is batched with or
+    on global random state.
 
     l is vLLM's: the repetition penalty on the raw logits (HF's processor, over the row's prompt and generated
     tokens, its left padding skipped), then / T, then min-p, top-k, top-p (HF's warpers). Rows with temperature 0
     take the argmax of the penalised logits (greedy), and their l is those logits (the filters do not apply, as in
-    vLLM). ``draw`` gives the tokens of the rows still decoding and log softmax(l) at them; called as transformers'
-    logits processor it returns the noisy scores and keeps every step's l in ``processed``.
+    vLLM). ``draw`` gives the tokens of the rows still decoding and log softmax(l) at them.
     """
 
     def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float,
@@ -50,7 +51,6 @@ class RowSampler:
         self.filters += ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
         self.pad = torch.tensor(pad_lengths or [0] * len(temperatures))  # left padding is no token of the row's text
         self.repetition_penalty = float(repetition_penalty)
-        self.processed: list[torch.Tensor] = []  # l of every step, when called as a logits processor
 
     def distribution(self, input_ids: torch.Tensor, scores: torch.Tensor, rows: list[int]):
         """(l, noisy scores) for the batch rows ``rows`` (``input_ids`` and ``scores`` hold just those rows): l as
@@ -78,21 +78,6 @@ class RowSampler:
         processed, noisy = self.distribution(input_ids, scores, rows)
         tokens = noisy.argmax(-1)
         return tokens, torch.log_softmax(processed, dim=-1).gather(-1, tokens[:, None])[:, 0]
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """transformers' logits-processor form, every row: the noisy scores; l is kept in ``processed``."""
-        processed, noisy = self.distribution(input_ids, scores, list(range(scores.shape[0])))
-        self.processed.append(processed)
-        return noisy
-
-    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[rows, steps]`` log-probs of ``tokens`` (the generated ids) under the distribution each was drawn from,
-        one step at a time (never a [rows, steps, vocab] copy)."""
-        return torch.stack(
-            [torch.log_softmax(step, dim=-1).gather(-1, tokens[:, t, None].to(step.device))[:, 0].cpu()
-             for t, step in enumerate(self.processed)],
-            dim=1,
-        )
 
 
 class EmbeddedEngine:
