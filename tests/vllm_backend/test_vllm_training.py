@@ -19,7 +19,7 @@ from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.inference.engine import free_port
 from verifiers_rl.rollouts import read_rollouts
 
-from launching import PREEMPTIBLE, PROBE, ROOT, RUNNER, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
+from launching import PREEMPTIBLE, PROBE, ROOT, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
 
 
 @pytest.mark.parametrize("config, transfer", [("ddp_cpu.yaml", "files"), ("zero3_cpu.yaml", "gloo")])
