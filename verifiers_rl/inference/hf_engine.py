@@ -249,7 +249,10 @@ class EmbeddedEngine:
             mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
             if len(running) < len(rows):
                 index = torch.tensor(running, dtype=torch.long, device=input_ids.device)
-                decoder.keep(index) if decoder is not None else cache.batch_select_indices(index)
+                if decoder is not None:
+                    decoder.keep(index)
+                else:
+                    cache.batch_select_indices(index)
                 step_ids, context, mask = step_ids[index], context[index], mask[index]
                 rows = [rows[i] for i in running]
         return samples

@@ -1,12 +1,13 @@
 """A decode step for Llama-architecture models on CPU with fewer, larger ops than transformers' forward.
 
 A decode step computes one new position per row. With a handful of rows its matmuls are small, and transformers'
-forward (masks, cache objects, ~60 tensor ops per layer) cost as much again: SmolLM2-135M, 4 rows, 2 cores: 105 ms a
-step, of which 40 ms matmuls. This step runs the same mathematics, per layer:
+forward (masks, cache objects, ~60 tensor ops per layer) add as much again: SmolLM2-135M, 4 rows, 2 cores: ~105 ms
+a step, of which ~60 ms matmuls (profiled). This step runs the same mathematics with the model's own modules, per
+layer:
 
     a = rms(h) * w_in;  q, k, v = a Wq^T, a Wk^T, a Wv^T;  q, k = rope(q), rope(k)
     h = h + softmax(q K^T / sqrt(d) + pad mask) V Wo^T            (query heads grouped on their key/value head)
-    m = rms(h) * w_post;  h = h + (silu(m Wg^T) * (m Wu^T)) Wd^T
+    m = rms(h) * w_post;  h = h + (act(m Wg^T) * (m Wu^T)) Wd^T
     logits = (rms(h) * w_norm) W_out^T
 
 with keys and values written into preallocated buffers (no per-step concatenation) and the matmuls weight-major
@@ -19,26 +20,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
 from ..cpu_matmul import applies
 from ..cpu_matmul import weight_major
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Plain Llama models (``LlamaForCausalLM``: Llama, SmolLM2, ...) whose linear layers are fp32 on CPU, with
-    silu MLPs and full attention; anything else decodes through transformers' forward."""
+    """Plain Llama models (``LlamaForCausalLM``: Llama, SmolLM2, ...) whose linear layers are fp32 on CPU; anything
+    else decodes through transformers' forward."""
     config = getattr(model, "config", None)
     return (type(model).__name__ == "LlamaForCausalLM" and getattr(config, "model_type", None) == "llama"
-            and config.hidden_act == "silu" and getattr(config, "pretraining_tp", 1) == 1
+            and getattr(config, "pretraining_tp", 1) == 1
             and all(applies(layer) for layer in model.modules() if isinstance(layer, torch.nn.Linear)))
-
-
-def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class LlamaDecoder:
@@ -78,21 +72,22 @@ class LlamaDecoder:
         ``mask`` ``[rows, length + 1]``: 1 where a cached position (and this one) is a real token."""
         rows, at = token_ids.shape[0], self.length
         h = self.model.model.embed_tokens(token_ids)
-        cos, sin = self.model.model.rotary_emb(h, positions[:, None])  # [rows, 1, head_dim]
+        cos, sin = self.model.model.rotary_emb(h, positions)  # [rows, head_dim]: broadcast over heads below
         attend = mask.bool()[:, None, None, :]  # [rows, 1, 1, length]: over key/value heads and query groups
         for layer, keys, values in zip(self.layers, self.keys, self.values):
-            attention = layer.self_attn
-            a = _rms(h, layer.input_layernorm)
-            q = _rope(self.linear(a, attention.q_proj).view(rows, self.heads, self.head_dim), cos, sin)
-            keys[:, :, at] = _rope(self.linear(a, attention.k_proj).view(rows, self.kv_heads, self.head_dim), cos, sin)
+            attention, mlp = layer.self_attn, layer.mlp
+            a = layer.input_layernorm(h)
+            q, k = apply_rotary_pos_emb(self.linear(a, attention.q_proj).view(rows, self.heads, self.head_dim),
+                                        self.linear(a, attention.k_proj).view(rows, self.kv_heads, self.head_dim),
+                                        cos, sin, unsqueeze_dim=1)
+            keys[:, :, at] = k
             values[:, :, at] = self.linear(a, attention.v_proj).view(rows, self.kv_heads, self.head_dim)
             # Query head j reads key/value head j // (heads / kv_heads) (transformers' repeat_kv): one query
             # position, so a head's group stands where the query positions would.
             o = F.scaled_dot_product_attention(q.view(rows, self.kv_heads, -1, self.head_dim), keys[:, :, : at + 1],
                                                values[:, :, : at + 1], attn_mask=attend, scale=attention.scaling)
             h = h + self.linear(o.reshape(rows, -1), attention.o_proj)
-            mlp = layer.mlp
-            m = _rms(h, layer.post_attention_layernorm)
-            h = h + self.linear(F.silu(self.linear(m, mlp.gate_proj)) * self.linear(m, mlp.up_proj), mlp.down_proj)
+            m = layer.post_attention_layernorm(h)
+            h = h + self.linear(mlp.act_fn(self.linear(m, mlp.gate_proj)) * self.linear(m, mlp.up_proj), mlp.down_proj)
         self.length += 1
-        return self.linear(_rms(h, self.model.model.norm), self.model.lm_head)
+        return self.linear(self.model.model.norm(h), self.model.lm_head)
