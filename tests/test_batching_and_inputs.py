@@ -19,7 +19,7 @@ from verifiers_rl.batching import (
 from verifiers_rl.config import RLConfig
 from verifiers_rl.generator import split_into_batches
 from verifiers_rl.loss import importance_weights
-from verifiers_rl.prefix import best_part_size, common_prefix_length
+from verifiers_rl.prefix import ROOT, best_part_size, common_prefix_length
 from verifiers_rl.rollouts import Rollout, RolloutFormatError, read_rollouts, write_rollouts
 from verifiers_rl.synthetic import random_rollouts
 
@@ -209,7 +209,7 @@ def parts_of(rank_batches):
                 found += [(rank, k, [p]) for p in mb.batch_positions]
                 continue
             block = mb.shared.block.view(-1)
-            block_of = [int(block[mb.shared.source[mb.seq_index == j][0]]) for j in range(mb.num_sequences)]
+            block_of = [int(block[mb.shared.source[mb.seq_index == j][-1]]) for j in range(mb.num_sequences)]
             for segment in sorted(set(block_of)):
                 found.append((rank, k, [mb.batch_positions[j] for j in range(mb.num_sequences) if block_of[j] == segment]))
     return found
@@ -300,13 +300,16 @@ def test_auto_micro_batching_takes_the_layout_of_lower_modelled_cost():
 
 def test_shared_prefix_is_compared_not_assumed():
     """A group whose prompts differ (a replay file may say so) shares only the tokens that agree; a group whose
-    completions all start with the same turn shares it too."""
+    completions all start with the same turn shares it too; the two groups' common first tokens are the packed
+    row's root, held once."""
     rollouts = [Rollout([1, 2, 3, 4], [9, 9], [1, 1], 1.0, "a"), Rollout([1, 2, 5, 4], [9, 8], [1, 1], 0.0, "a"),
                 Rollout([1, 2], [7, 7, 6], [1, 0, 1], 1.0, "b"), Rollout([1, 2], [7, 7, 5, 5], [1, 0, 1, 1], 0.0, "b")]
     (rank_batch,) = plan_batch(rollouts, BatchingConfig(mode="packed", max_seq_len=16, max_tokens_per_microbatch=64,
                                                         share_prompt_training="on"))
     (mb,) = rank_batch.micro_batches
-    assert mb.computed_tokens == rank_batch.stats.unique_tokens == (2 + 4 + 4) + (4 + 1 + 2)
+    assert rank_batch.stats.unique_tokens == (2 + 4 + 4) + (4 + 1 + 2)
+    assert mb.computed_tokens == rank_batch.stats.unique_tokens - 2  # [1, 2] once for both groups
+    assert mb.shared.input_ids[0, :2].tolist() == [1, 2] and bool((mb.shared.block[0, :2] == ROOT).all())
     assert common_prefix_length([[1, 2, 3], [1, 2, 3]]) == 3 and common_prefix_length([[1], [2]]) == 0
 
 

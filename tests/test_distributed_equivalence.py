@@ -44,8 +44,9 @@ def accelerate(config: str) -> list[str]:
 
 def runner_inputs(work: Path, model_dir: str) -> list[str]:
     """The runner's model and rollouts arguments; writes the two rollouts files into ``work``."""
+    # A system prompt every group starts with: a packed row holds it once (prefix.row_root).
     main = random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15,
-                           shared_turn_fraction=0.5)
+                           shared_turn_fraction=0.5, system_prompt_len=5)
     for rollout in main:  # a group without reward variance (zero advantages; dropped by --filter_groups)
         if rollout.group_id == "g1":
             rollout.reward = 0.25

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 from verifiers_rl.batching import BatchingConfig, collate, plan_batch, prepare_sequences
 from verifiers_rl.loss import GlobalCounts
 from verifiers_rl.policy import micro_batch_logprobs, target_logprobs
+from verifiers_rl.prefix import ROOT, common_prefix_length
 from verifiers_rl.rollouts import Rollout
 from verifiers_rl.synthetic import random_rollouts
 
@@ -117,14 +118,16 @@ def test_attention_mask_ignores_loss_mask_and_pad_equal_to_eos(tiny_model, tiny_
         assert (broken[trained] - reference[trained]).abs().max() > 1e-4
 
 
-def shared_prefix_rollouts():
+def shared_prefix_rollouts(system_prompt_len: int = 0):
     """Groups whose completions share a multi-turn-like first turn (some or all of them), plus a group with a
-    duplicated sequence and a completion that is a prefix of another (an empty branch)."""
+    duplicated sequence and a completion that is a prefix of another (an empty branch); with ``system_prompt_len``,
+    every prompt starts with the same that many tokens (a system prompt: a packed row's root)."""
     rollouts = random_rollouts(4, 4, vocab_size=390, seed=7, fully_masked_fraction=0.1, env_token_fraction=0.3,
-                               shared_turn_fraction=1.0, shared_turn_len=(3, 6))
-    edge = [Rollout([9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 1.0, "edge", [-1.0] * 4),
-            Rollout([9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 0.0, "edge", [-2.0] * 4),
-            Rollout([9, 10, 11], [20, 21], [1, 1], 0.5, "edge", [-1.0] * 2)]
+                               shared_turn_fraction=1.0, shared_turn_len=(3, 6), system_prompt_len=system_prompt_len)
+    system = rollouts[0].prompt_ids[:system_prompt_len]
+    edge = [Rollout(system + [9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 1.0, "edge", [-1.0] * 4),
+            Rollout(system + [9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 0.0, "edge", [-2.0] * 4),
+            Rollout(system + [9, 10, 11], [20, 21], [1, 1], 0.5, "edge", [-1.0] * 2)]
     return rollouts + edge
 
 
@@ -143,16 +146,19 @@ def fp64_model(tiny_model, monkeypatch):
     tiny_model.float()
 
 
-@pytest.mark.parametrize("mode,extra", [
-    ("padded", dict(rows_per_micro_batch=4)),  # one group per row
-    ("padded", dict(rows_per_micro_batch=3)),  # groups of 4 split over micro-batches, prompt repeated per part
-    ("packed", dict(max_tokens_per_microbatch=90)),  # several groups per row, some split by the budget
+@pytest.mark.parametrize("mode,extra,system", [
+    ("padded", dict(rows_per_micro_batch=4), 0),  # one group per row
+    ("padded", dict(rows_per_micro_batch=3), 0),  # groups of 4 split over micro-batches, prompt repeated per part
+    ("packed", dict(max_tokens_per_microbatch=90), 0),  # several groups per row, some split by the budget
+    ("packed", dict(max_tokens_per_microbatch=110), 6),  # the same, with a system prompt every row holds once
+    ("padded", dict(rows_per_micro_batch=4), 6),  # a system prompt, but one group per row: no root
 ])
-def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, extra):
-    """Values and gradients: a forward in which each group's common prefix appears once equals, to fp64 rounding,
-    the unshared micro-batches and the single-sequence reference; every sequence is covered once."""
+def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, extra, system):
+    """Values and gradients: a forward in which each group's common prefix appears once (and a packed row's common
+    system prompt once) equals, to fp64 rounding, the unshared micro-batches and the single-sequence reference;
+    every sequence is covered once."""
     model = fp64_model
-    rollouts = shared_prefix_rollouts()
+    rollouts = shared_prefix_rollouts(system)
     results = {}
     for share in ("off", "on"):
         config = BatchingConfig(mode=mode, max_seq_len=40, share_prompt_training=share, **extra)
@@ -170,6 +176,9 @@ def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, ext
         results[share] = (found, grads, rank_batch)
     (plain, plain_grads, plain_batch), (shared, shared_grads, shared_batch) = results["off"], results["on"]
     assert any(mb.shared is not None for mb in shared_batch.micro_batches), "no micro-batch shared a prefix"
+    rooted = [mb for mb in shared_batch.micro_batches
+              if mb.shared is not None and bool((mb.shared.block == ROOT).any())]
+    assert bool(rooted) == (mode == "packed" and system > 0)  # a root only where a packed row holds several groups
     assert shared_batch.stats.computed_tokens < plain_batch.stats.computed_tokens
     assert sorted(shared) == list(range(len(rollouts)))
     for position, (logps, mask, ids) in plain.items():
@@ -193,7 +202,7 @@ def test_shared_rows_forward_each_group_prefix_once(tiny_model):
     (mb,) = rank_batch.micro_batches
     assert mb.computed_tokens == rank_batch.stats.unique_tokens < rank_batch.stats.real_tokens
     block, branch = mb.shared.block[0], mb.shared.branch[0]
-    block_of = [int(block[mb.shared.source[mb.seq_index == j][0]]) for j in range(mb.num_sequences)]
+    block_of = [int(block[mb.shared.source[mb.seq_index == j][-1]]) for j in range(mb.num_sequences)]
     for k in range(int(block.max()) + 1):
         members = [mb.batch_positions[j] for j in range(mb.num_sequences) if block_of[j] == k]
         ids = [rollouts[i].prompt_ids + rollouts[i].completion_ids for i in members]
@@ -207,3 +216,32 @@ def test_shared_rows_forward_each_group_prefix_once(tiny_model):
         mb.shared.branch[mb.shared.branch >= 0] = 0  # every branch sees every earlier branch of its group
         broken = micro_batch_logprobs(tiny_model, mb, temperature=1.0, chunk_size=64).logps
     assert (good - broken).abs().max() > 1e-4
+
+
+def test_packed_row_holds_the_groups_common_system_prompt_once(tiny_model):
+    """Groups that start with the same system prompt, packed into one row: the row holds it once (its root), each
+    group's prefix after it once, so the forwarded tokens are the unique tokens less the root's repeats; every
+    position sees the root (making it invisible to the later groups changes their log-probs), and the log-probs
+    equal the single-sequence forwards."""
+    rollouts = shared_prefix_rollouts(system_prompt_len=6)
+    groups = len({r.group_id for r in rollouts})
+    (rank_batch,) = plan_batch(rollouts, BatchingConfig(mode="packed", max_seq_len=40, max_tokens_per_microbatch=4096,
+                                                        share_prompt_training="on"))
+    (mb,) = rank_batch.micro_batches
+    root = int((mb.shared.block == ROOT).sum())
+    assert root == common_prefix_length([r.prompt_ids for r in rollouts]) >= 6
+    assert mb.computed_tokens == rank_batch.stats.unique_tokens - (groups - 1) * root
+    assert torch.equal(mb.shared.position_ids[0, :root], torch.arange(root))
+    with torch.no_grad():
+        good = micro_batch_logprobs(tiny_model, mb, temperature=1.0, chunk_size=64).logps
+        for local, position in enumerate(mb.batch_positions):
+            ids = mb.input_ids[mb.seq_index == local].tolist()
+            mask = mb.loss_mask[mb.seq_index == local][1:] > 0
+            reference = single_sequence_logprobs(tiny_model, ids, 1.0)
+            torch.testing.assert_close(good[mb.seq_index == local][1:][mask], reference[mask], rtol=1e-5, atol=1e-5)
+        mb.shared.block[mb.shared.block == ROOT] = 0  # the root as part of the first group only
+        broken = micro_batch_logprobs(tiny_model, mb, temperature=1.0, chunk_size=64).logps
+    first = mb.shared.block[0, root]  # the group right after the root still sees it
+    later = [local for local in range(mb.num_sequences) if mb.loss_mask[mb.seq_index == local].any()
+             and int(mb.shared.block.flatten()[mb.shared.source[mb.seq_index == local][-1]]) != int(first)]
+    assert later and all((good[mb.seq_index == j] - broken[mb.seq_index == j]).abs().max() > 1e-4 for j in later)

@@ -20,6 +20,7 @@ from .prefix import (
     Part,
     SharedPrefixRows,
     best_part_size,
+    row_root,
     common_prefix_length,
     modelled_cost,
     shared_prefix_rows,
@@ -246,17 +247,20 @@ class Layout:
     mode: MicroBatchingMode
     parts: list[Part]
     micro_batches: list[list[list[int]]]
+    roots: list[list[int]]  # per rank, per micro-batch: its row root's tokens (``prefix.row_root``), held once
 
     def modelled_cost(self, attention_cost: float) -> float:
         """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row): a padded micro-batch is
-        one row per part, each as wide as its widest; a packed one is one row of all its parts' tokens."""
-        def row_costs(group: list[int]) -> float:
+        one row per part, each as wide as its widest; a packed one is one row of all its parts' tokens, their
+        common root once."""
+        def row_costs(group: list[int], root: int) -> float:
             tokens = [self.parts[p].tokens for p in group]
             if self.mode == "packed":
-                return modelled_cost(sum(tokens), attention_cost)
+                return modelled_cost(sum(tokens) - (len(tokens) - 1) * root, attention_cost)
             return len(tokens) * modelled_cost(max(tokens), attention_cost)
 
-        return max(sum(row_costs(group) for group in groups if group) for groups in self.micro_batches)
+        return max(sum(row_costs(group, root) for group, root in zip(groups, roots) if group)
+                   for groups, roots in zip(self.micro_batches, self.roots))
 
 
 def layout(sequences: list[TrainSequence], config: "BatchingConfig", mode: MicroBatchingMode) -> Layout:
@@ -265,12 +269,20 @@ def layout(sequences: list[TrainSequence], config: "BatchingConfig", mode: Micro
     costs = [part.tokens for part in parts]
     sizes = [len(part.members) for part in parts]
     per_rank = assign_to_ranks(costs, config.world_size)
-    return Layout(mode, parts, [
+    micro_batches = [
         group_packed(indices, costs, config.max_tokens_per_microbatch)
         if mode == "packed"
         else group_padded(indices, costs, config.rows_per_micro_batch, sizes)
         for indices in per_rank
-    ])
+    ]
+    roots = [[row_root([sequences[i].input_ids for p in group for i in parts[p].members], part_shapes(parts, group),
+                       mode == "packed") for group in groups] for groups in micro_batches]
+    return Layout(mode, parts, micro_batches, roots)
+
+
+def part_shapes(parts: list[Part], group: list[int]) -> list[tuple[int, int]]:
+    """(size, shared prefix length) of the parts ``group`` of a micro-batch, in its order (``collate``'s ``parts``)."""
+    return [(len(parts[p].members), parts[p].prefix_len) for p in group]
 
 
 def cheapest_layout(sequences: list[TrainSequence], config: "BatchingConfig") -> Layout:
@@ -488,10 +500,8 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
         micro_batches = []
         for group in groups:
             members = [i for p in group for i in parts[p].members]
-            shape = [(len(parts[p].members), parts[p].prefix_len) for p in group]
-            micro_batches.append(
-                collate([sequences[i] for i in members], counts, packed, config.pad_token_id, members, shape)
-            )
+            micro_batches.append(collate([sequences[i] for i in members], counts, packed, config.pad_token_id,
+                                         members, part_shapes(parts, group)))
         micro_batches_all.extend(micro_batches)
         rank_batches.append(micro_batches)
     reward_std = float(torch.tensor(rewards, dtype=torch.float64).std()) if len(rewards) > 1 else 0.0

@@ -356,7 +356,8 @@ class RLConfig(GRPOConfig):
         metadata={
             "help": "Training forward (not generation; see share_prompt_prefill for the engine): forward each group's "
             "common token prefix (its prompt) once per micro-batch row, shared by its completions (exact: same "
-            "log-probs and update). on: whole groups per row as far as per_device_train_batch_size (padded) and "
+            "log-probs and update); a packed row also holds its groups' common first tokens (a system prompt) once. "
+            "on: whole groups per row as far as per_device_train_batch_size (padded) and "
             "max_tokens_per_microbatch allow; auto: rows sized by a cost model (long completions attend densely over "
             "a shared row, so they share less), off with a flash/varlen attention kernel (it cannot take the tree "
             "mask); off: one row per sequence, the prompt forwarded with every completion."

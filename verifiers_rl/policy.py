@@ -15,6 +15,7 @@ import torch
 from .batching import MicroBatch
 from .compat import replaced_forward
 from .modeling import unwrap
+from .prefix import PADDING, ROOT
 
 
 @dataclass
@@ -30,14 +31,16 @@ def splits_packed_rows(model: torch.nn.Module) -> bool:
 
 
 def tree_attention_mask(block: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D mask [R, 1, T, T]: causal within a block (-1: padding); a position sees its block's shared
-    positions (branch -1) and its own branch, never another branch nor padding."""
+    """Additive 4D mask [R, 1, T, T]: causal within a block (``prefix.PADDING``: padding); a position sees its
+    block's shared positions (branch -1) and its own branch, never another branch nor padding; every position but
+    padding sees the row's root (``prefix.ROOT``, the first positions of a packed row)."""
     length = block.shape[1]
     causal = torch.ones(length, length, dtype=torch.bool, device=block.device).tril()
     same = (block[:, :, None] == block[:, None, :]) & (block[:, :, None] >= 0)
     visible = (branch[:, None, :] < 0) | (branch[:, :, None] == branch[:, None, :])
+    root = (block[:, None, :] == ROOT) & (block[:, :, None] != PADDING)
     # A padding position attends to itself only, so its softmax has a finite row.
-    allowed = (same & visible & causal) | torch.eye(length, dtype=torch.bool, device=block.device)
+    allowed = (same & visible & causal) | (root & causal) | torch.eye(length, dtype=torch.bool, device=block.device)
     zero = torch.zeros((), dtype=dtype, device=block.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 

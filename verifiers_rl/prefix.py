@@ -18,6 +18,10 @@ so token t of a sequence is predicted from the hidden state at the source of its
 tokens inside a shared prefix (multi-turn rollouts whose first turns agree) stay one target per sequence, with that
 sequence's advantage, mask and sampler log-prob, all predicted from the one shared hidden state.
 
+A packed row of several parts also holds their common prefix (a system prompt every group starts with) once, as the
+row's *root*: ``[ root | part 1's prefix after the root | its branches | part 2's ... ]``, position ids continuing
+from the root in every part, and every position of the row sees the root. Exact in the same way.
+
 The shared prefix is the common prefix of token ids, compared, never assumed from the rollout's prompt.
 """
 
@@ -129,14 +133,25 @@ def split_for_ranks(parts: list[Part], world_size: int, token_lists: list[list[i
     return parts
 
 
+PADDING, ROOT = -1, -2  # ``SharedPrefixRows.block`` on padding and on a packed row's root
+
+
+def row_root(token_lists: list[list[int]], parts: list[tuple[int, int]], packed: bool) -> int:
+    """Tokens of a micro-batch's row root: the common prefix of all its sequences when they are packed into one row
+    of shared-prefix parts (of (size, prefix length); several, one at least shared), else 0 (a padded row holds one
+    part, whose prefix is already held once)."""
+    shared = packed and len(parts) > 1 and any(size > 1 for size, _ in parts)
+    return common_prefix_length(token_lists) if shared else 0
+
+
 @dataclass
 class SharedPrefixRows:
     """The rows a micro-batch forwards when some of its sequences share a prefix ([R, W] each).
 
-    ``block`` numbers the row segments (-1 on padding); ``branch`` is -1 on a segment's shared prefix and the
-    micro-batch-local index of the sequence on its branch. ``source`` has the shape of the micro-batch's per-token
-    tensors: for each (sequence, token) slot, the flat index (row * W + column) of the forwarded slot holding that
-    token (-1 on padding).
+    ``block`` numbers the row segments (``PADDING`` on padding, ``ROOT`` on a packed row's root); ``branch`` is -1
+    on a segment's shared prefix (and the root) and the micro-batch-local index of the sequence on its branch.
+    ``source`` has the shape of the micro-batch's per-token tensors: for each (sequence, token) slot, the flat index
+    (row * W + column) of the forwarded slot holding that token (-1 on padding).
     """
 
     input_ids: torch.Tensor
@@ -151,7 +166,7 @@ class SharedPrefixRows:
 
     @property
     def padding(self) -> int:
-        return int((self.block < 0).sum())
+        return int((self.block == PADDING).sum())
 
     def to(self, device: torch.device) -> "SharedPrefixRows":
         return SharedPrefixRows(**{name: value.to(device) for name, value in self.__dict__.items()})
@@ -165,34 +180,41 @@ def shared_prefix_rows(
     target_seq_index: torch.Tensor,
 ) -> SharedPrefixRows:
     """Forwarded rows for a micro-batch whose sequences (``token_lists``, in micro-batch order) come in consecutive
-    ``parts`` of (size, prefix length): one row per part (padded), or all parts in one row (packed)."""
+    ``parts`` of (size, prefix length): one row per part (padded), or all parts in one row (packed), after the row's
+    root (``row_root``)."""
+    root = row_root(token_lists, parts, packed)
     segments = []  # (ids, positions, branch) per part
-    slots: list[tuple[int, list[int]]] = []  # per sequence: its segment and the segment columns of its tokens
+    slots: list[tuple[int, list[int]]] = []  # per sequence: its segment, the columns of its tokens past the root
     local = 0
     for size, prefix in parts:
-        ids, positions, branch = list(token_lists[local][:prefix]), list(range(prefix)), [-1] * prefix
+        ids, positions = list(token_lists[local][root:prefix]), list(range(root, prefix))
+        branch = [-1] * (prefix - root)
         for j in range(local, local + size):
             tokens = token_lists[j]
             start = len(ids)
             ids += tokens[prefix:]
             positions += range(prefix, len(tokens))
             branch += [j] * (len(tokens) - prefix)
-            slots.append((len(segments), list(range(prefix)) + list(range(start, start + len(tokens) - prefix))))
+            slots.append((len(segments), list(range(prefix - root)) + list(range(start, start + len(tokens) - prefix))))
         segments.append((ids, positions, branch))
         local += size
-    # Where each segment starts: (row, column).
-    starts, lengths = [], [len(ids) for ids, _, _ in segments]
+    # Where each segment starts: (row, column); a packed row's segments follow its root.
+    lengths = [len(ids) for ids, _, _ in segments]
     if packed:
-        starts = [(0, sum(lengths[:k])) for k in range(len(segments))]
-        width = sum(lengths)
+        starts = [(0, root + sum(lengths[:k])) for k in range(len(segments))]
+        width = root + sum(lengths)
     else:
         starts = [(k, 0) for k in range(len(segments))]
         width = max(lengths)
     shape = (1 if packed else len(segments), width)
     input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
     position_ids = torch.zeros(shape, dtype=torch.long)
-    block = torch.full(shape, -1, dtype=torch.long)
+    block = torch.full(shape, PADDING, dtype=torch.long)
     branch_t = torch.full(shape, -1, dtype=torch.long)
+    if root:
+        input_ids[0, :root] = torch.tensor(token_lists[0][:root], dtype=torch.long)
+        position_ids[0, :root] = torch.arange(root)
+        block[0, :root] = ROOT
     for k, ((ids, positions, branch), (row, column)) in enumerate(zip(segments, starts)):
         span = slice(column, column + len(ids))
         input_ids[row, span] = torch.tensor(ids, dtype=torch.long)
@@ -205,5 +227,6 @@ def shared_prefix_rows(
     for j, (segment, columns) in enumerate(slots):
         row, column = starts[segment]
         where = (flat_target == j).nonzero().flatten()  # the sequence's slots, in token order
-        flat_source[where] = row * width + column + torch.tensor(columns, dtype=torch.long)
+        flat_source[where] = torch.cat([torch.arange(root, dtype=torch.long),  # its first tokens: the root's
+                                        row * width + column + torch.tensor(columns, dtype=torch.long)])
     return SharedPrefixRows(input_ids, position_ids, block, branch_t, source)

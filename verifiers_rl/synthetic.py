@@ -21,6 +21,7 @@ def random_rollouts(
     first_token_id: int = 4,
     shared_turn_fraction: float = 0.0,
     shared_turn_len: tuple[int, int] = (1, 8),
+    system_prompt_len: int = 0,
 ) -> list[Rollout]:
     """Groups of rollouts with random ids, ragged lengths, some environment tokens (mask 0) inside
     completions and some fully masked completions; sampler log-probs drawn near a plausible range. Every rollout of
@@ -28,11 +29,15 @@ def random_rollouts(
 
     ``shared_turn_fraction``: the fraction of groups with a multi-turn-like first turn (``shared_turn_len`` tokens,
     trained and environment tokens) that each of their completions starts with at probability 1/2, so a group's
-    common token prefix runs past the prompt for some of its sequences (or for all of them)."""
+    common token prefix runs past the prompt for some of its sequences (or for all of them).
+
+    ``system_prompt_len``: every group's prompt starts with the same that many tokens (a system prompt), then its own.
+    """
     rng = random.Random(seed)
     rollouts = []
+    system = [rng.randrange(first_token_id, vocab_size) for _ in range(system_prompt_len)]
     for group in range(num_groups):
-        prompt = [rng.randrange(first_token_id, vocab_size) for _ in range(rng.randint(*prompt_len))]
+        prompt = system + [rng.randrange(first_token_id, vocab_size) for _ in range(rng.randint(*prompt_len))]
         turn: list[int] = []
         if shared_turn_fraction and rng.random() < shared_turn_fraction:
             turn = [rng.randrange(first_token_id, vocab_size) for _ in range(rng.randint(*shared_turn_len))]

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from verifiers_rl.batching import collate, global_counts, prepare_sequences
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, EngineClosedError, InferenceEngine, Sample, SamplingConfig
+from verifiers_rl.inference import hf_engine
 from verifiers_rl.inference.hf_engine import RowSampler
 from verifiers_rl.inference.llama_decode import LlamaDecoder
 from verifiers_rl.models import build_tiny_model
@@ -193,6 +194,42 @@ def test_a_groups_prompt_is_prefilled_once_and_sampling_is_unchanged(tiny_model_
         assert a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
     assert_parity(model, prompts, with_sharing, 1.0)
+
+
+@pytest.mark.parametrize("llama_decode", [True, False])
+def test_a_batchs_common_system_prompt_is_prefilled_once_and_sampling_is_unchanged(tiny_model_dir, llama_decode):
+    """Prompts that all start with one system prompt (groups of several sizes and lengths, and a lone prompt):
+    the system prompt (the batch's root) is prefilled once, each distinct prompt continues from a copy of its
+    keys/values, rows are laid out [root | padding | the rest]; the same tokens and log-probs (to float rounding)
+    as without sharing, and the trainer's log-probs. A repetition penalty (its context skips left padding only)
+    turns the root off."""
+    model, tokenizer = load(tiny_model_dir)
+    system = tokenizer("You are a careful assistant. Answer briefly and exactly, and check every step twice.")["input_ids"]
+    root = len(system)
+    assert root >= hf_engine.MIN_ROOT_TOKENS
+    prompts = [system + p for p in prompts_of(tokenizer)]
+    prompts = [p for i, p in enumerate(prompts) for _ in range(i % 3 + 1)]  # groups of 1, 2 and 3 samples
+    seeds = list(range(300, 300 + len(prompts)))
+    shared = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), llama_decode=llama_decode)
+    alone = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), share_prompt_prefill=False,
+                           llama_decode=llama_decode)
+    prefilled = []
+    shared.model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: prefilled.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    with_root = sample_seeded(shared, prompts, seeds, 12)
+    without = sample_seeded(alone, prompts, seeds, 12)
+    distinct, width = len(TEXTS), max(len(p) for p in prompts)
+    assert prefilled[:2] == [(1, root), (distinct, width - 1 - root)]  # the root once, then the distinct prompts
+    assert shared.health()["root_tokens_shared"] == root * (distinct - 1)
+    assert shared.health()["prefills_shared"] == len(prompts) - distinct
+    assert [s.token_ids for s in with_root] == [s.token_ids for s in without]
+    for a, b in zip(with_root, without):
+        assert a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    assert_parity(model, prompts, with_root, 1.0)
+    penalised = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0, repetition_penalty=1.3))
+    sample_seeded(penalised, prompts, seeds, 4)
+    assert penalised.health()["root_tokens_shared"] == 0 and penalised.health()["prefills_shared"] > 0
 
 
 def test_rollout_temperature_overrides_the_engines(tiny_model_dir):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -26,6 +27,10 @@ from .llama_decode import LlamaDecoder
 from .llama_decode import supports as llama_decode_supports
 from .request_batcher import Request, RequestBatcher
 from .staged_weights import StagedWeights
+
+# A batch's root (the common first tokens of its distinct prompts) is prefilled once below this many tokens no more:
+# its own forward then costs about what the repeats it saves do.
+MIN_ROOT_TOKENS = 16
 
 
 class RowSampler:
@@ -141,6 +146,7 @@ class EmbeddedEngine:
         self.weight_major_matmuls = weight_major_matmuls
         self.llama_decode = llama_decode and llama_decode_supports(self.model)
         self.prefills_shared = 0  # prompt prefills saved by sharing (requests that reused another's keys/values)
+        self.root_tokens_shared = 0  # prompt tokens not prefilled again thanks to the batches' roots
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -198,23 +204,29 @@ class EmbeddedEngine:
             self.generate_calls += 1
             self.requests_served += len(prompts)
             device = self.model.get_input_embeddings().weight.device
+            root = self._root_length(prompts)
             input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros_like(input_ids)
             for row, prompt in enumerate(prompts):
-                input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-                attention_mask[row, width - len(prompt) :] = 1  # from real tokens, never from ids != pad
+                # [root | padding | the rest of the prompt]: left padding when there is no root
+                input_ids[row, :root] = torch.tensor(prompt[:root], dtype=torch.long)
+                input_ids[row, width - len(prompt) + root :] = torch.tensor(prompt[root:])
+                attention_mask[row, :root] = 1  # from real tokens, never from ids != pad
+                attention_mask[row, width - len(prompt) + root :] = 1
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             with weight_major_linears(self.model, self.weight_major_matmuls):
-                return self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests], sampler)
+                return self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests], sampler,
+                                    root)
 
-    def _decode(self, input_ids, attention_mask, prompts, max_new_tokens: list[int], sampler: RowSampler):
+    def _decode(self, input_ids, attention_mask, prompts, max_new_tokens: list[int], sampler: RowSampler,
+                root: int = 0):
         """Sample every row until it draws an eos token or reaches its own ``max_new_tokens``. A finished row leaves
         the batch (its keys and values are dropped), so later decode steps compute only the rows still running:
         with completions of mixed lengths most steps run on part of the batch. A row's tokens depend on its own
         logits and noise only (``RowSampler``), never on when the others finish."""
         from transformers import DynamicCache
 
-        cache = self._shared_prefill(input_ids, attention_mask, prompts)
+        cache = self._shared_prefill(input_ids, attention_mask, prompts, root)
         step_ids = input_ids if cache is None else input_ids[:, -1:]  # a shared prefill holds all but the last
         cache = DynamicCache(config=self.model.config) if cache is None else cache
         decoder = None  # the lean step (llama_decode) once the first step has filled the cache
@@ -257,29 +269,45 @@ class EmbeddedEngine:
                 rows = [rows[i] for i in running]
         return samples
 
-    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]]):
+    def _root_length(self, prompts: list[list[int]]) -> int:
+        """Tokens of the batch's root: the common prefix of its distinct prompts (a system prompt they all start
+        with; their last positions excluded), prefilled once for all of them (``_shared_prefill``). 0 when prompt
+        sharing is off, the prompts are all one, the root is under ``MIN_ROOT_TOKENS``, or a repetition penalty
+        is set (its context skips left padding only; the root puts padding after it)."""
+        distinct = {tuple(prompt[:-1]) for prompt in prompts}
+        if not self.share_prompt_prefill or len(distinct) < 2 or self.sampling.repetition_penalty != 1:
+            return 0
+        root = len(os.path.commonprefix(list(distinct)))  # element-wise: any sequences, not only paths
+        return root if root >= MIN_ROOT_TOKENS else 0
+
+    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]],
+                        root: int = 0):
         """When requests share a prompt (a group's samples), run each distinct prompt once (all but its last
-        position) and give every request a copy of its keys/values; decoding then computes only the rest. The
-        logits are those of the unshared computation (to float rounding), so sampling is unchanged. ``None`` when
-        no prompt repeats (or ``share_prompt_prefill`` is off)."""
+        position) and give every request a copy of its keys/values; decoding then computes only the rest. With a
+        ``root`` (the distinct prompts' common first tokens, at the start of every row, ``_generate``), it runs once
+        and the distinct prompts continue from copies of its keys/values. The logits are those of the unshared
+        computation (to float rounding), so sampling is unchanged. ``None`` when nothing is shared (or
+        ``share_prompt_prefill`` is off)."""
         from transformers import DynamicCache
 
         distinct: dict[tuple[int, ...], int] = {}
         rows = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
-        if not self.share_prompt_prefill or len(distinct) == len(prompts) or input_ids.shape[1] < 2:
+        if not self.share_prompt_prefill or (len(distinct) == len(prompts) and not root) or input_ids.shape[1] < 2:
             return None
         first = [rows.index(row) for row in range(len(distinct))]  # one request of each distinct prompt
         mask = attention_mask[first, :-1]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # padding not counted, as in _decode
         cache = DynamicCache(config=self.model.config)
         # Only the keys/values are wanted: the decoder alone, without the output layer (vocabulary-wide logits of
         # every prompt position were ~0.5 s of a 5 s CPU quickstart generation).
-        self.model.get_decoder()(
-            input_ids=input_ids[first, :-1],
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),  # left padding not counted, as in _decode
-            past_key_values=cache,
-            use_cache=True,
-        )
+        decoder = self.model.get_decoder()
+        if root:
+            decoder(input_ids=input_ids[:1, :root], position_ids=positions[:1, :root], past_key_values=cache,
+                    use_cache=True)
+            cache.reorder_cache(torch.zeros(len(first), dtype=torch.long, device=input_ids.device))
+            self.root_tokens_shared += root * (len(first) - 1)
+        decoder(input_ids=input_ids[first, root:-1], attention_mask=mask, position_ids=positions[:, root:],
+                past_key_values=cache, use_cache=True)
         cache.reorder_cache(torch.tensor(rows, device=input_ids.device))  # each request gets its prompt's copy
         self.prefills_shared += len(prompts) - len(distinct)
         return cache
@@ -332,6 +360,7 @@ class EmbeddedEngine:
             "generate_calls": self.generate_calls,
             "requests_served": self.requests_served,
             "prefills_shared": self.prefills_shared,
+            "root_tokens_shared": self.root_tokens_shared,
             "pending": pending,
         }
 
