@@ -28,8 +28,8 @@ from .llama_decode import supports as llama_decode_supports
 from .request_batcher import Request, RequestBatcher
 from .staged_weights import StagedWeights
 
-# A batch's root (the common first tokens of its distinct prompts) is prefilled once below this many tokens no more:
-# its own forward then costs about what the repeats it saves do.
+# A batch's root (the common first tokens of its distinct prompts) shorter than this is prefilled with each prompt:
+# chat templates make every prompt start with a few equal tokens, not worth a forward of their own.
 MIN_ROOT_TOKENS = 16
 
 
