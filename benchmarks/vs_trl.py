@@ -36,8 +36,9 @@ optimizer step, trained as one micro-batch of 32 rows: TRL ``per_device_train_ba
 ``gradient_accumulation_steps=1``, ``steps_per_generation=1``; ours ``rollouts_per_step=32``,
 ``per_device_train_batch_size=32``), ``max_completion_length`` (48), temperature 1.0 with the full softmax (top_k 0,
 top_p 1), ``loss_type="grpo"``, ``scale_rewards="group"``, ``num_iterations=1``, ``beta=0`` (no reference model),
-epsilon 0.2, AdamW at a constant learning rate of 1e-3, fp32, no gradient checkpointing, and the torch thread count
-(every trainer runs at each count in ``--threads``, default 1 and 2; ``torch.set_num_threads`` is process-wide).
+epsilon 0.2, AdamW (``adamw_torch_fused``, transformers' default) at a constant learning rate of 1e-3, fp32, no
+gradient checkpointing, and the torch thread count (every trainer runs at each count in ``--threads``, default 1 and
+2; ``torch.set_num_threads`` is process-wide).
 Differences that remain are the trainers' own: ours keeps a second copy of the weights in the engine (loaded after
 every step), records the sampler's log-probs and applies the truncated importance weight; TRL generates with the
 training model and applies no correction.
@@ -201,7 +202,7 @@ def common(args, out: str) -> dict:
         learning_rate=args.learning_rate,
         lr_scheduler_type="constant",
         warmup_steps=0,
-        optim="adamw_torch",
+        optim="adamw_torch_fused",  # transformers' default with torch >= 2.8: what both run when a user sets none
         weight_decay=0.0,
         max_grad_norm=1.0,
         per_device_train_batch_size=args.prompts * args.num_generations,
