@@ -16,6 +16,12 @@ from .batching import MicroBatch
 from .compat import replaced_forward
 from .modeling import unwrap
 from .prefix import PADDING, ROOT
+from .segmented_attention import KEYWORD as RUNS_KEYWORD
+from .segmented_attention import applies as runs_apply
+from .segmented_attention import install as install_run_attention
+from .segmented_attention import row_runs
+
+install_run_attention()
 
 
 @dataclass
@@ -240,11 +246,16 @@ def micro_batch_logprobs(
         sources = shared.source[:, :-1][select]
         kwargs = {"input_ids": shared.input_ids, "position_ids": shared.position_ids, "use_cache": False,
                   "attention_mask": tree_attention_mask(shared.block, shared.branch, unwrap(model).dtype)}
+        if runs_apply(unwrap(model).config):  # each run attends to what the mask allows, not the whole row
+            kwargs[RUNS_KEYWORD] = row_runs(shared.block, shared.branch)
     else:
         kwargs = {"input_ids": micro_batch.input_ids, "position_ids": micro_batch.position_ids, "use_cache": False}
         if micro_batch.packed:
             if not splits_packed_rows(model):
                 kwargs["attention_mask"] = packed_attention_mask(micro_batch.seq_index, unwrap(model).dtype)
+                if runs_apply(unwrap(model).config):
+                    seq_index = micro_batch.seq_index  # -1 on padding: prefix.PADDING
+                    kwargs[RUNS_KEYWORD] = row_runs(seq_index, torch.full_like(seq_index, -1))
         else:
             kwargs["attention_mask"] = (micro_batch.seq_index >= 0).long()
     sink: dict[str, torch.Tensor] = {}

@@ -1,0 +1,123 @@
+"""Run-by-run attention over packed and shared-prefix rows (``segmented_attention``) equals dense masked attention,
+and the trainer's forward takes it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from verifiers_rl import segmented_attention
+from verifiers_rl.batching import BatchingConfig, plan_batch
+from verifiers_rl.policy import micro_batch_logprobs, tree_attention_mask
+from verifiers_rl.prefix import PADDING, ROOT
+from verifiers_rl.segmented_attention import row_runs, run_attention
+from verifiers_rl.synthetic import random_rollouts
+
+
+def tree_rows():
+    """Two rows: [root | block 0: prefix, branches 0, 1 | block 1: one unshared sequence | padding] and
+    [block 0: prefix, branch 2 | block 1: prefix, branches 3, 4 (an empty one between) | padding]."""
+    block = torch.tensor([[ROOT] * 3 + [0] * 9 + [1] * 4 + [PADDING] * 2,
+                          [0] * 5 + [1] * 10 + [PADDING] * 3])
+    branch = torch.tensor([[-1] * 3 + [-1] * 3 + [0] * 4 + [1] * 2 + [-1] * 4 + [-1] * 2,
+                           [-1] * 2 + [2] * 3 + [-1] * 4 + [3] * 5 + [4] * 1 + [-1] * 3])
+    return block, branch
+
+
+def test_runs_are_the_masks_visible_spans():
+    block, branch = tree_rows()
+    runs = [(r.row, r.start, r.stop, r.before) for r in row_runs(block, branch)]
+    assert runs == [
+        (0, 0, 3, ()), (0, 3, 6, ((0, 3),)), (0, 6, 10, ((0, 6),)), (0, 10, 12, ((0, 6),)),
+        (0, 12, 16, ((0, 3),)), (0, 16, 18, None),
+        (1, 0, 2, ()), (1, 2, 5, ((0, 2),)), (1, 5, 9, ()), (1, 9, 14, ((5, 9),)), (1, 14, 15, ((5, 9),)),
+        (1, 15, 18, None),
+    ]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_run_attention_equals_dense_masked_attention_in_fp64(heads, kv_heads):
+    """Values and gradients (of q, k, v) at every real position equal SDPA over the whole row with
+    ``tree_attention_mask``; padding positions come out 0 and receive no gradient."""
+    block, branch = tree_rows()
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, heads, block.shape[1], 8)
+    q = torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
+    k = torch.randn(2, kv_heads, shape[2], 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    v = torch.randn(2, kv_heads, shape[2], 8, dtype=torch.float64, generator=gen, requires_grad=True)
+    upstream = torch.randn(2, shape[2], heads, 8, dtype=torch.float64, generator=gen)
+    real = (block != PADDING)[:, :, None, None]
+    upstream = upstream * real  # nothing reads padding outputs
+
+    mask = tree_attention_mask(block, branch, torch.float64)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
+    expected = torch.autograd.grad((dense * upstream).sum(), (q, k, v))
+    runs = run_attention(q, k, v, row_runs(block, branch), 0.3)
+    got = torch.autograd.grad((runs * upstream).sum(), (q, k, v))
+
+    torch.testing.assert_close(runs * real, dense * real, rtol=1e-12, atol=1e-12)
+    assert torch.all(runs[~real.expand_as(runs)] == 0)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # The spans matter: a branch that also saw its sibling (block 0's branches as one) gives other values.
+    merged = branch.clone()
+    merged[0, 10:12] = 0
+    wrong = run_attention(q, k, v, row_runs(block, merged), 0.3)
+    assert (wrong[0, 10:12] - dense[0, 10:12]).abs().max() > 1e-3
+
+
+def test_trainer_forward_attends_run_by_run_with_and_without_activation_checkpointing(tiny_model_dir, monkeypatch):
+    """Packed shared-prefix rows of an sdpa model go through ``run_attention`` in every layer, never through a
+    whole-row SDPA call; the values and gradients equal the forward that takes the dense mask instead (the calls
+    without runs: transformers' own sdpa), also with activation checkpointing, whose recomputation takes the same
+    path."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert segmented_attention.applies(model.config)
+    rollouts = random_rollouts(3, 4, vocab_size=390, seed=3, completion_len=(4, 20), system_prompt_len=5)
+    config = BatchingConfig(mode="packed", max_seq_len=64, max_tokens_per_microbatch=4096, share_prompt_training="on")
+    (mb,) = plan_batch(rollouts, config)[0].micro_batches
+    width = mb.shared.input_ids.shape[1]
+
+    widths = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(query, key, *args, **kwargs):
+        widths.append(key.shape[2])
+        return sdpa(query, key, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+
+    def update(runs: bool, checkpointing: bool):
+        monkeypatch.setattr("verifiers_rl.policy.runs_apply", lambda config: runs)
+        model.zero_grad(set_to_none=True)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+        widths.clear()
+        out = micro_batch_logprobs(model, mb, temperature=1.0, chunk_size=64)
+        (out.logps * mb.loss_mask).sum().backward()
+        if checkpointing:
+            model.gradient_checkpointing_disable()
+            model.eval()
+        return out.logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(widths)
+
+    dense_logps, dense_grads, dense_widths = update(runs=False, checkpointing=False)
+    assert set(dense_widths) == {width}
+    for checkpointing in (False, True):
+        logps, grads, widths_seen = update(runs=True, checkpointing=checkpointing)
+        layers = model.config.num_hidden_layers
+        assert len(widths_seen) >= (2 if checkpointing else 1) * layers * 3 and max(widths_seen) < width
+        torch.testing.assert_close(logps, dense_logps, rtol=1e-5, atol=1e-5)
+        for name, grad in dense_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_a_row_of_padding_only_gives_zero_output_and_zero_gradients():
+    """An empty rank's zero-weight micro-batch: nothing to attend; its backward still reaches q, k and v (zeros),
+    as every rank's backward must reach the same parameters."""
+    block = torch.full((1, 4), PADDING)
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    out = run_attention(q, k, v, row_runs(block, torch.full_like(block, -1)), 0.3)
+    assert torch.all(out == 0)
+    out.sum().backward()
+    assert all(t.grad is not None and torch.all(t.grad == 0) for t in (q, k, v))

@@ -1,0 +1,152 @@
+"""Attention over packed and shared-prefix rows, run by run, instead of densely over the whole row.
+
+A packed row's mask (``policy.tree_attention_mask``) lets a position see the row's root, its block's shared prefix
+and its own branch, causally. Dense SDPA scores every pair of the row's positions and masks most of them: a
+1024-token row of 16 completions computes ~7x the allowed cells. Here each *run* of a row (consecutive positions of
+one block and branch) attends to exactly what it may see:
+
+    keys(run) = [the columns before the run that its mask allows (root, block prefix)] ++ [the run itself]
+    out(run)  = softmax(q K^T * scale + bottom-right causal) V        (a run's earlier keys are visible to all of it)
+
+which is the dense masked softmax over the same cells (the masked cells add exp(-inf) = 0 there), to float rounding.
+Padding positions get zero output (nothing reads them: no real position attends to padding, no loss is on it).
+
+Hooked in as transformers' ``sdpa`` attention function with a ``verifiers_rl_runs`` keyword (the model's forward
+passes unknown keywords down to its attention function): a call without it is transformers' own ``sdpa``, so other
+models in the process and the engine are unaffected, and activation checkpointing recomputes along the same path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .prefix import PADDING, ROOT
+
+KEYWORD = "verifiers_rl_runs"
+
+
+@dataclass(frozen=True)
+class Run:
+    """Query columns ``[start, stop)`` of one row; ``before``: the column ranges left of ``start`` they all see
+    (``None`` on padding)."""
+
+    row: int
+    start: int
+    stop: int
+    before: tuple[tuple[int, int], ...] | None
+
+
+def _ranges(columns: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The maximal ``[a, b)`` ranges of the True entries of a 1-D bool tensor."""
+    edges = torch.diff(torch.cat([columns.new_zeros(1), columns, columns.new_zeros(1)]).to(torch.int8))
+    starts, stops = (edges == 1).nonzero().flatten().tolist(), (edges == -1).nonzero().flatten().tolist()
+    return tuple(zip(starts, stops))
+
+
+def row_runs(block: torch.Tensor, branch: torch.Tensor) -> list[Run]:
+    """The runs of ``[R, T]`` rows of ``block`` / ``branch`` ids (``prefix.SharedPrefixRows``' meaning; a packed
+    row of unshared sequences: block = sequence, branch = -1), each with what ``policy.tree_attention_mask`` lets
+    it see before it."""
+    block, branch = block.cpu(), branch.cpu()
+    runs = []
+    for row in range(block.shape[0]):
+        b, r = block[row], branch[row]
+        change = ((b[1:] != b[:-1]) | (r[1:] != r[:-1])).nonzero().flatten().add(1).tolist()
+        for start, stop in zip([0] + change, change + [b.shape[0]]):
+            k, j = int(b[start]), int(r[start])
+            if k == PADDING:
+                runs.append(Run(row, start, stop, None))
+                continue
+            seen = b[:start] == ROOT
+            if k >= 0:
+                seen |= (b[:start] == k) & ((r[:start] == -1) | (r[:start] == j))
+            runs.append(Run(row, start, stop, _ranges(seen)))
+    return runs
+
+
+def _attend(query, key, value, run: Run, scaling: float) -> torch.Tensor:
+    """One run's output ``[1, H, L, D]`` (query: the row's ``[1, H, T, D]``; key/value ``[1, KVH, T, D]``)."""
+    q = query[:, :, run.start : run.stop]
+    own = slice(run.start, run.stop)
+    if not run.before:  # keys = the run itself: plain causal attention
+        return F.scaled_dot_product_attention(q, key[:, :, own], value[:, :, own], is_causal=True, scale=scaling,
+                                              enable_gqa=True)
+    k = torch.cat([key[:, :, a:b] for a, b in run.before] + [key[:, :, own]], dim=2)
+    v = torch.cat([value[:, :, a:b] for a, b in run.before] + [value[:, :, own]], dim=2)
+    length = run.stop - run.start
+    causal = torch.ones(length, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - length)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=True)
+
+
+def _run_by_run(query, key, value, runs: list[Run], scaling: float) -> torch.Tensor:
+    rows = []
+    for row in range(query.shape[0]):
+        q, k, v = query[row : row + 1], key[row : row + 1], value[row : row + 1]
+        parts = [q.new_zeros(1, q.shape[1], run.stop - run.start, value.shape[-1]) if run.before is None
+                 else _attend(q, k, v, run, scaling) for run in runs if run.row == row]
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows)
+
+
+class _RunAttention(torch.autograd.Function):
+    """One autograd node from (q, k, v) to the output, as SDPA is; its backward recomputes the runs' attention.
+
+    Dozens of per-run nodes would finish the q/k/v gradients in an order that depends on the row's layout, and
+    ZeRO-3 reduce-scatters parameter gradients in the order they finish: two ranks with different layouts would
+    then exchange buckets of different sizes."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, runs, scaling):
+        ctx.save_for_backward(query, key, value)
+        ctx.runs, ctx.scaling = runs, scaling
+        return _run_by_run(query, key, value, runs, scaling)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+        with torch.enable_grad():
+            output = _run_by_run(*inputs, ctx.runs, ctx.scaling)
+        wanted = [t for t in inputs if t.requires_grad]
+        if wanted and output.requires_grad:
+            grads = torch.autograd.grad(output, wanted, grad_output, allow_unused=True)
+        else:  # a row of padding only (an empty rank's micro-batch): zero gradients, as dense attention gives
+            grads = [None] * len(wanted)
+        grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
+def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: list[Run],
+                  scaling: float) -> torch.Tensor:
+    """Attention of ``[R, H, T, D]`` queries over ``[R, KVH, T, D]`` keys/values, run by run; ``[R, T, H, D]``
+    (transformers' attention-function layout)."""
+    return _RunAttention.apply(query, key, value, runs, scaling).transpose(1, 2).contiguous()
+
+
+def _sdpa_with_runs(transformers_sdpa):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        runs = kwargs.get(KEYWORD)
+        if runs is None or dropout:  # attention dropout (off in Llama/Qwen configs) is not recomputable: dense
+            return transformers_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                     **kwargs)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return run_attention(query, key, value, runs, scale), None
+
+    attention.transformers_sdpa = transformers_sdpa
+    return attention
+
+
+def install() -> None:
+    """Make transformers' ``sdpa`` attention function take ``verifiers_rl_runs`` (idempotent)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if not hasattr(current, "transformers_sdpa"):
+        AttentionInterface.register("sdpa", _sdpa_with_runs(current))
+
+
+def applies(model_config) -> bool:
+    """Whether the model attends through transformers' ``sdpa`` function (the one ``install`` extends)."""
+    return getattr(model_config, "_attn_implementation", None) == "sdpa"
