@@ -11,9 +11,9 @@ random Llama model (``verifiers_rl.models.build_tiny_model``: hidden 128, 4 laye
 through ``verifiers_rl.policy.micro_batch_logprobs`` (median of a few repetitions after one warm-up), on CPU
 with 2 threads.
 
-Note on the model: without flash-attention (as on CPU) a packed row gets a dense block-diagonal causal 4D mask,
-so its attention still costs (row length)^2 per head, padding-free or not; the MLP/projection work is what
-packing saves.
+Note on the model: it attends through sdpa, so a packed row attends run by run (``segmented_attention``: each
+sequence over itself, not the whole row); a padded row attends over its width. The "attention cells" column counts
+what the forward computes (``policy.attention_cells``), and ``auto`` models the same (``run_attention``).
 
 Run (about 45 s on 2 idle cores; ``--quick``: 32 rollouts, fewer configurations, one repetition, about 10 s):
 
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
 from verifiers_rl.models import build_tiny_model  # noqa: E402
-from verifiers_rl.policy import attention_cost, micro_batch_logprobs  # noqa: E402
+from verifiers_rl.policy import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
 from verifiers_rl.rollouts import Rollout  # noqa: E402
 
 MAX_SEQ_LEN = 1100
@@ -130,7 +130,8 @@ def main() -> None:
     # What --micro_batching auto chooses without a varlen kernel: the padded or packed layout of lower modelled cost.
     configs += [("auto", f"rows={r}, tokens={packed_budgets[0]}",
                  dict(mode="auto", rows_per_micro_batch=r, max_tokens_per_microbatch=packed_budgets[0],
-                      attention_cost=attention_cost(model))) for r in padded_rows[-2:]]
+                      attention_cost=attention_cost(model), run_attention=attends_run_by_run(model)))
+                for r in padded_rows[-2:]]
 
     results = []
     for mode, label, kwargs in configs:
@@ -141,13 +142,12 @@ def main() -> None:
         computed = sum(mb.computed_tokens for mb in mbs)
         assert real == rank_batch.stats.real_tokens and computed == rank_batch.stats.computed_tokens
         shapes = [tuple(mb.input_ids.shape) for mb in mbs]
-        # Query-key pairs the (dense-mask) attention computes: rows x width^2 per micro-batch.
-        attention_cells = sum(rows * width * width for rows, width in shapes)
+        cells = sum(attention_cells(mb, attends_run_by_run(model)) for mb in mbs)  # query-key pairs computed
         seconds = step_seconds(model, mbs, repeats)
         if mode == "auto":
             mode = "auto -> " + ("packed" if rank_batch.stats.extra["packed_micro_batches"] else "padded")
         results.append(dict(mode=mode, label=label, mbs=len(mbs), real=real, computed=computed, seconds=seconds,
-                            shapes=shapes, attention_cells=attention_cells))
+                            shapes=shapes, attention_cells=cells))
 
     print(
         f"\n{len(rollouts)} rollouts ({num_groups} groups x {group_size}), vocab {vocab}, max_seq_len {MAX_SEQ_LEN}; "
@@ -179,8 +179,8 @@ def main() -> None:
         f"{best_padded['seconds']:.3f} s); packed real-token fraction {packed_fraction:.1%} (target >= 95%)."
     )
     print(
-        f"attention cells = sum over micro-batches of rows x width^2 (dense mask, no flash-attention); "
-        f"the sequences alone need {needed_cells / 1e6:.1f} M."
+        f"attention cells = what the forward computes: run by run in packed rows (each sequence over itself), "
+        f"rows x width^2 in padded rows; the sequences alone need {needed_cells / 1e6:.1f} M."
     )
     print("\nmicro-batch shapes (rows x width):")
     for r in results:

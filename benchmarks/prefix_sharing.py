@@ -6,7 +6,8 @@ What it measures: for each workload (G completions per prompt; prompt length P; 
 micro-batches (``--rows`` sequences each) three ways: ``off`` (one row per sequence, the prompt repeated), ``on``
 (one row per group part: the prompt once, then every completion) and ``auto`` (the part size with the lowest
 modelled cost, ``verifiers_rl.prefix.best_part_size``). The table gives the tokens forwarded (padding included),
-the attention cells (rows x width^2 summed: without a varlen kernel the attention is dense over a row), the
+the attention cells the forward computes (``policy.attention_cells``: shared rows attend run by run, a
+completion over the prompt and itself; plain padded rows over their width), the
 modelled cost (tokens + attention_cost x cells, in token units; ``policy.attention_cost`` from the model config),
 and the median wall time of a real forward + backward over all micro-batches through
 ``verifiers_rl.policy.micro_batch_logprobs`` (the three modes interleaved, after one warm-up each).
@@ -40,7 +41,7 @@ if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
 import torch  # noqa: E402
 
 from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
-from verifiers_rl.policy import attention_cost, micro_batch_logprobs  # noqa: E402
+from verifiers_rl.policy import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
 from verifiers_rl.rollouts import Rollout  # noqa: E402
 from timing import load, log  # noqa: E402  (benchmarks/timing.py)
 
@@ -108,7 +109,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build_model(args)
     model.train()
-    cost = attention_cost(model)
+    cost, runs = attention_cost(model), attends_run_by_run(model)
     vocab = model.config.vocab_size
     log(f"load average at start: {load()}")
     started = time.perf_counter()
@@ -119,7 +120,8 @@ def main() -> None:
         plans = {}
         for mode in MODES:
             config = BatchingConfig(mode="padded", rows_per_micro_batch=args.rows, max_seq_len=8192,
-                                    max_tokens_per_microbatch=65536, share_prompt_training=mode, attention_cost=cost)
+                                    max_tokens_per_microbatch=65536, share_prompt_training=mode, attention_cost=cost,
+                                    run_attention=runs)
             (rank_batch,) = plan_batch(rollouts, config)
             plans[mode] = rank_batch
             one_step(model, rank_batch.micro_batches)  # warm-up
@@ -131,10 +133,10 @@ def main() -> None:
             rank_batch = plans[mode]
             shapes = forwarded_shapes(rank_batch.micro_batches)
             tokens = rank_batch.stats.computed_tokens
-            cells = sum(r * w * w for r, w in shapes)
+            cells = sum(attention_cells(mb, runs) for mb in rank_batch.micro_batches)
             rows.append(dict(name=name, P=prompt_len, C=completion_len, G=group_size, groups=groups, mode=mode,
                              tokens=tokens, unique=rank_batch.stats.unique_tokens, cells=cells,
-                             modelled=sum(r * (w + cost * w * w) for r, w in shapes), shapes=shapes,
+                             modelled=tokens + cost * cells, shapes=shapes,
                              seconds=statistics.median(times[mode])))
         log(f"[{name}] " + ", ".join(f"{m} {statistics.median(times[m]):.3f} s" for m in MODES) + f" (load {load()})")
 

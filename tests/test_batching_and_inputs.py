@@ -251,8 +251,9 @@ def test_a_group_is_split_so_that_every_rank_has_work():
 
 
 def test_auto_shares_short_completions_and_not_long_ones():
-    """The modelled cost of a row is tokens + attention_cost * tokens^2: one row per group when the prompt
-    dominates, one row per sequence when a shared row's dense attention would cost more than the prompt saves."""
+    """Dense attention (an eager model): the modelled cost of a row is tokens + attention_cost * tokens^2: one row
+    per group when the prompt dominates, one row per sequence when a shared row's dense attention would cost more
+    than the prompt saves."""
     cost = 3.3e-4  # SmolLM2-135M's ratio (policy.attention_cost)
     assert best_part_size(40, [16] * 4, cost) == 4
     assert best_part_size(100, [1000] * 8, cost) == 1

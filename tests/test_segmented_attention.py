@@ -7,9 +7,10 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from verifiers_rl import segmented_attention
-from verifiers_rl.batching import BatchingConfig, plan_batch
-from verifiers_rl.policy import micro_batch_logprobs, tree_attention_mask
-from verifiers_rl.prefix import PADDING, ROOT
+from verifiers_rl.batching import BatchingConfig, layout, plan_batch, prepare_sequences
+from verifiers_rl.policy import attention_cells, micro_batch_logprobs, tree_attention_mask
+from verifiers_rl.prefix import PADDING, ROOT, best_part_size
+from verifiers_rl.rollouts import Rollout
 from verifiers_rl.segmented_attention import row_runs, run_attention
 from verifiers_rl.synthetic import random_rollouts
 
@@ -121,3 +122,54 @@ def test_a_row_of_padding_only_gives_zero_output_and_zero_gradients():
     assert torch.all(out == 0)
     out.sum().backward()
     assert all(t.grad is not None and torch.all(t.grad == 0) for t in (q, k, v))
+
+
+@pytest.mark.parametrize("mode,share,system", [
+    ("packed", "on", 5),  # shared parts after a root
+    ("packed", "off", 5),  # one block per sequence, no root
+    ("packed", "auto", 0),
+    ("padded", "on", 5),  # shared rows, one group each, padding attends to nothing
+    ("padded", "off", 0),  # plain rows: dense
+])
+def test_the_cost_model_counts_the_cells_the_forward_computes(mode, share, system):
+    """``Layout.modelled_cost`` with ``run_attention`` charges each micro-batch the cells ``run_attention`` computes
+    on it (``Run.cells`` summed; rows x width^2 for plain padded rows), so ``auto`` compares what runs."""
+    rollouts = random_rollouts(5, 4, vocab_size=390, seed=11, completion_len=(2, 30), system_prompt_len=system)
+    config = BatchingConfig(mode=mode, max_seq_len=64, max_tokens_per_microbatch=160, rows_per_micro_batch=4,
+                            share_prompt_training=share, run_attention=True, attention_cost=1.0)
+    sequences = prepare_sequences(rollouts, [0.0] * len(rollouts), config.max_seq_len)
+    chosen = layout(sequences, config, mode)
+    modelled_cells = chosen.modelled_cost(1.0, True) - chosen.modelled_cost(0.0, True)
+    (rank_batch,) = plan_batch(rollouts, config)
+    computed = sum(attention_cells(mb, run_attention=True) for mb in rank_batch.micro_batches)
+    assert modelled_cells == computed
+    dense = sum(attention_cells(mb, run_attention=False) for mb in rank_batch.micro_batches)
+    assert (computed < dense) == (mode == "packed" or share == "on")
+
+
+def test_auto_keeps_a_group_of_long_completions_in_one_shared_row_when_rows_attend_run_by_run():
+    """Dense attention makes long completions share less (one row per sequence); run by run a branch's cells do
+    not depend on its row-mates, so ``auto`` keeps the group together and forwards its prompt once."""
+    cost = 3.3e-4  # SmolLM2-135M's ratio (policy.attention_cost)
+    assert best_part_size(100, [1000] * 8, cost) == 1
+    assert best_part_size(100, [1000] * 8, cost, runs=True) == 8
+    long = [Rollout([7] * 100, [10 + i] * 1000, [1] * 1000, float(i % 2), "long") for i in range(4)]
+    config = dict(mode="padded", rows_per_micro_batch=4, max_seq_len=2048, max_tokens_per_microbatch=8192,
+                  attention_cost=cost, share_prompt_training="auto")
+    (dense,) = plan_batch(long, BatchingConfig(**config))
+    (runs,) = plan_batch(long, BatchingConfig(**config, run_attention=True))
+    assert dense.micro_batches[0].shared is None and dense.stats.computed_tokens == 4 * 1100
+    assert runs.micro_batches[0].shared is not None and runs.stats.computed_tokens == 100 + 4 * 1000
+
+
+def test_a_runs_batching_config_only_for_models_that_attend_through_sdpa(tiny_model_dir, tmp_path):
+    """The trainer's cost model knows which attention its forward runs: run by run for an sdpa model, dense for an
+    eager one (whose attention function is not the one ``install`` extends)."""
+    from verifiers_rl.config import RLConfig
+    from verifiers_rl.steps import batching_config
+
+    args = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    for implementation, expected in (("sdpa", True), ("eager", False)):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation=implementation)
+        assert batching_config(args, model, 1, 0).run_attention is expected

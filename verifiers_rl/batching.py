@@ -235,7 +235,7 @@ def plan_parts(sequences: list[TrainSequence], config: "BatchingConfig", mode: s
         size = len(members) if mode == "packed" else min(len(members), config.rows_per_micro_batch)
         if config.share_prompt_training == "auto":
             branches = [len(token_lists[i]) - prefix for i in members]
-            size = min(size, best_part_size(prefix, branches, config.attention_cost))
+            size = min(size, best_part_size(prefix, branches, config.attention_cost, config.run_attention))
         parts += split_group(members, token_lists, prefix, size, config.max_tokens_per_microbatch)
     return split_for_ranks(parts, config.world_size, token_lists)
 
@@ -249,14 +249,19 @@ class Layout:
     micro_batches: list[list[list[int]]]
     roots: list[list[int]]  # per rank, per micro-batch: its row root's tokens (``prefix.row_root``), held once
 
-    def modelled_cost(self, attention_cost: float) -> float:
+    def modelled_cost(self, attention_cost: float, run_attention: bool = False) -> float:
         """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row): a padded micro-batch is
         one row per part, each as wide as its widest; a packed one is one row of all its parts' tokens, their
-        common root once."""
+        common root once. ``run_attention``: packed and shared rows attend run by run (``Part.cells``, the root's
+        R^2 once; padding attends to nothing), plain padded rows densely."""
         def row_costs(group: list[int], root: int) -> float:
-            tokens = [self.parts[p].tokens for p in group]
+            parts = [self.parts[p] for p in group]
+            tokens = [part.tokens for part in parts]
             if self.mode == "packed":
-                return modelled_cost(sum(tokens) - (len(tokens) - 1) * root, attention_cost)
+                cells = root * root + sum(part.cells(root) for part in parts) if run_attention else None
+                return modelled_cost(sum(tokens) - (len(tokens) - 1) * root, attention_cost, cells)
+            if run_attention and any(len(part.members) > 1 for part in parts):  # shared rows (collate)
+                return modelled_cost(len(tokens) * max(tokens), attention_cost, sum(part.cells() for part in parts))
             return len(tokens) * modelled_cost(max(tokens), attention_cost)
 
         return max(sum(row_costs(group, root) for group, root in zip(groups, roots) if group)
@@ -293,7 +298,7 @@ def cheapest_layout(sequences: list[TrainSequence], config: "BatchingConfig") ->
     candidates = [layout(sequences, config, "padded")]
     if packed_row_fits(config.max_tokens_per_microbatch, config.max_seq_len):
         candidates.append(layout(sequences, config, "packed"))
-    return min(candidates, key=lambda option: option.modelled_cost(config.attention_cost))
+    return min(candidates, key=lambda option: option.modelled_cost(config.attention_cost, config.run_attention))
 
 
 @dataclass
@@ -457,6 +462,7 @@ class BatchingConfig:
     pad_token_id: int = 0
     share_prompt_training: str = "off"
     attention_cost: float = 0.0  # one attention cell's cost in token units (``prefix.modelled_cost``), for auto
+    run_attention: bool = False  # packed and shared rows attend run by run (``policy.attends_run_by_run``)
 
     def __post_init__(self):
         # The knobs' choices and ranges (and that a packed row holds max_seq_len) are RLConfig's rules.

@@ -168,8 +168,8 @@ class RLConfig(GRPOConfig):
         metadata={
             "help": "padded: per_device_train_batch_size rows per micro-batch (length-sorted); packed: padding-free "
             "rows of at most max_tokens_per_microbatch tokens; auto: packed with a flash-attention (varlen) kernel; "
-            "otherwise (a dense block-diagonal mask attends over the whole packed row) whichever of the two the cost "
-            "model (tokens + attention cells) finds cheaper for each batch. All three are exact.",
+            "otherwise whichever of the two the cost model (tokens + the attention cells computed: run by run in a "
+            "packed row with sdpa, over the whole row with eager) finds cheaper for each batch. All three are exact.",
         },
     )
     max_tokens_per_microbatch: int | None = field(
@@ -358,8 +358,9 @@ class RLConfig(GRPOConfig):
             "common token prefix (its prompt) once per micro-batch row, shared by its completions (exact: same "
             "log-probs and update); a packed row also holds its groups' common first tokens (a system prompt) once. "
             "on: whole groups per row as far as per_device_train_batch_size (padded) and "
-            "max_tokens_per_microbatch allow; auto: rows sized by a cost model (long completions attend densely over "
-            "a shared row, so they share less), off with a flash/varlen attention kernel (it cannot take the tree "
+            "max_tokens_per_microbatch allow; auto: rows sized by a cost model (with sdpa a shared row attends run by "
+            "run and whole groups share; with eager its attention is dense and long completions share less), off "
+            "with a flash/varlen attention kernel (it cannot take the tree "
             "mask); off: one row per sequence, the prompt forwarded with every completion."
         },
     )

@@ -17,6 +17,7 @@ from .compat import replaced_forward
 from .modeling import unwrap
 from .prefix import PADDING, ROOT
 from .segmented_attention import KEYWORD as RUNS_KEYWORD
+from .segmented_attention import Run
 from .segmented_attention import applies as runs_apply
 from .segmented_attention import install as install_run_attention
 from .segmented_attention import row_runs
@@ -32,8 +33,34 @@ class PolicyOutput:
 
 def splits_packed_rows(model: torch.nn.Module) -> bool:
     """Whether the attention kernel separates packed sequences by their restarted position ids (flash/varlen);
-    other kernels need a dense block-diagonal mask and attend over the whole packed row."""
+    other kernels take a block-diagonal mask (which sdpa attends run by run, ``segmented_attention``)."""
     return "flash" in str(getattr(unwrap(model).config, "_attn_implementation", "") or "")
+
+
+def attends_run_by_run(model: torch.nn.Module) -> bool:
+    """Whether packed and shared-prefix rows attend run by run (``segmented_attention``: an sdpa model), not densely
+    over the row."""
+    return runs_apply(unwrap(model).config)
+
+
+def micro_batch_runs(micro_batch: MicroBatch) -> list[Run] | None:
+    """The runs (``segmented_attention.row_runs``) of a micro-batch's shared-prefix or packed rows; ``None`` for
+    padded rows of one sequence each, whose attention is causal over the row anyway."""
+    if micro_batch.shared is not None:
+        return row_runs(micro_batch.shared.block, micro_batch.shared.branch)
+    if micro_batch.packed:  # one block per sequence (seq_index; -1 on padding: prefix.PADDING), no branches
+        return row_runs(micro_batch.seq_index, torch.full_like(micro_batch.seq_index, -1))
+    return None
+
+
+def attention_cells(micro_batch: MicroBatch, run_attention: bool) -> int:
+    """Query-key cells the training forward's attention computes for ``micro_batch``: sum over runs of
+    |run| x (|seen before| + |run|) where it attends run by run, else rows x width^2 (dense over each row)."""
+    runs = micro_batch_runs(micro_batch) if run_attention else None
+    if runs is None:
+        rows, width = (micro_batch.shared if micro_batch.shared is not None else micro_batch).input_ids.shape
+        return rows * width * width
+    return sum(run.cells for run in runs)
 
 
 def tree_attention_mask(block: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -246,18 +273,16 @@ def micro_batch_logprobs(
         sources = shared.source[:, :-1][select]
         kwargs = {"input_ids": shared.input_ids, "position_ids": shared.position_ids, "use_cache": False,
                   "attention_mask": tree_attention_mask(shared.block, shared.branch, unwrap(model).dtype)}
-        if runs_apply(unwrap(model).config):  # each run attends to what the mask allows, not the whole row
-            kwargs[RUNS_KEYWORD] = row_runs(shared.block, shared.branch)
     else:
         kwargs = {"input_ids": micro_batch.input_ids, "position_ids": micro_batch.position_ids, "use_cache": False}
         if micro_batch.packed:
             if not splits_packed_rows(model):
                 kwargs["attention_mask"] = packed_attention_mask(micro_batch.seq_index, unwrap(model).dtype)
-                if runs_apply(unwrap(model).config):
-                    seq_index = micro_batch.seq_index  # -1 on padding: prefix.PADDING
-                    kwargs[RUNS_KEYWORD] = row_runs(seq_index, torch.full_like(seq_index, -1))
         else:
             kwargs["attention_mask"] = (micro_batch.seq_index >= 0).long()
+    runs = micro_batch_runs(micro_batch) if attends_run_by_run(model) else None
+    if runs is not None:  # each run attends to what the mask allows, not the whole row (the mask: a fallback)
+        kwargs[RUNS_KEYWORD] = runs
     sink: dict[str, torch.Tensor] = {}
     with _output_layer_as_logprobs(model, targets, select, sources, temperature, chunk_size, sink):
         output = model(**kwargs)

@@ -58,28 +58,41 @@ class Part:
     members: list[int]
     prefix_len: int
     tokens: int  # forwarded tokens: the prefix once plus every branch
+    branch_cells: int = 0  # sum over members of (length - prefix_len) * length: the branches' cells, run by run
 
     @classmethod
     def of(cls, members: list[int], token_lists: list[list[int]]) -> "Part":
         prefix = common_prefix_length([token_lists[i] for i in members])
-        return cls(list(members), prefix, prefix + sum(len(token_lists[i]) - prefix for i in members))
+        lengths = [len(token_lists[i]) for i in members]
+        return cls(list(members), prefix, prefix + sum(n - prefix for n in lengths),
+                   sum((n - prefix) * n for n in lengths))
+
+    def cells(self, root: int = 0) -> int:
+        """Attention cells of the part attended run by run (``segmented_attention``) in a row whose first ``root``
+        tokens are its root: the prefix past the root sees the root and itself, (P - R) x P, and each branch its
+        prefix and itself, (L - P) x L (a single sequence, P = L: (L - R) x L)."""
+        return (self.prefix_len - root) * self.prefix_len + self.branch_cells
 
     @property
     def shared(self) -> bool:
         return len(self.members) > 1
 
 
-def modelled_cost(tokens: int, attention_cost: float) -> float:
+def modelled_cost(tokens: int, attention_cost: float, cells: int | None = None) -> float:
     """Forward/backward cost of a row of ``tokens`` tokens, in units of one token's per-layer projections and MLP:
-    tokens + attention_cost * tokens^2 (without a varlen kernel a row's attention is dense over the whole row)."""
-    return tokens + attention_cost * tokens * tokens
+    tokens + attention_cost * cells, where cells = tokens^2 when the attention is dense over the whole row (a
+    padded row; any row of a kernel other than sdpa) and the runs' cells when it attends run by run (``Part.cells``)."""
+    return tokens + attention_cost * (tokens * tokens if cells is None else cells)
 
 
-def best_part_size(prefix_len: int, branch_lengths: list[int], attention_cost: float) -> int:
+def best_part_size(prefix_len: int, branch_lengths: list[int], attention_cost: float, runs: bool = False) -> int:
     """Sequences per shared row that minimise the modelled cost of a group: ceil(G / g) rows of
-    P + g * mean(branch) tokens each. With long branches one row per group costs more attention than the shared
-    prefix saves, and smaller parts (down to g = 1, one row per sequence) win."""
+    P + g * mean(branch) tokens each. With dense attention and long branches one row per group costs more attention
+    than the shared prefix saves, and smaller parts (down to g = 1, one row per sequence) win. Attended run by run
+    (``runs``), a branch's cells do not depend on its row-mates: the whole group, its prefix once, is cheapest."""
     count = len(branch_lengths)
+    if runs:
+        return count
     mean_branch = sum(branch_lengths) / count
     costs = {
         size: math.ceil(count / size) * modelled_cost(prefix_len + size * mean_branch, attention_cost)

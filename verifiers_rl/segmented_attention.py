@@ -38,6 +38,13 @@ class Run:
     stop: int
     before: tuple[tuple[int, int], ...] | None
 
+    @property
+    def cells(self) -> int:
+        """Query-key cells it computes: |run| x (|before| + |run|) (none on padding)."""
+        if self.before is None:
+            return 0
+        return (self.stop - self.start) * (sum(b - a for a, b in self.before) + self.stop - self.start)
+
 
 def _ranges(columns: torch.Tensor) -> tuple[tuple[int, int], ...]:
     """The maximal ``[a, b)`` ranges of the True entries of a 1-D bool tensor."""

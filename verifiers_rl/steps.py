@@ -18,7 +18,7 @@ from .config import RLConfig
 from .distributed import main_process_outcome
 from .envs.rubric import ERRORS_METRIC
 from .generator import RolloutSource, as_batch
-from .policy import attention_cost, splits_packed_rows
+from .policy import attends_run_by_run, attention_cost, splits_packed_rows
 from .progress import sample_lines
 from .rollouts import Rollout, append_rollouts
 
@@ -47,6 +47,7 @@ def batching_config(args: RLConfig, model, world_size: int, pad_token_id: int,
         # "on" with a varlen kernel is left as asked: it then fails with the flag's name.
         share_prompt_training="off" if share == "auto" and varlen else share,
         attention_cost=attention_cost(model),
+        run_attention=attends_run_by_run(model),
     )
 
 
