@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from verifiers_rl.batching import BatchingConfig, collate, plan_batch, prepare_sequences
 from verifiers_rl.loss import GlobalCounts
-from verifiers_rl.policy import micro_batch_logprobs, target_logprobs
+from verifiers_rl.policy import micro_batch_logprobs, micro_batch_runs, target_logprobs
 from verifiers_rl.prefix import ROOT, common_prefix_length
 from verifiers_rl.rollouts import Rollout
 from verifiers_rl.synthetic import random_rollouts
@@ -153,10 +153,13 @@ def fp64_model(tiny_model, monkeypatch):
     ("packed", dict(max_tokens_per_microbatch=110), 6),  # the same, with a system prompt every row holds once
     ("padded", dict(rows_per_micro_batch=4), 6),  # a system prompt, but one group per row: no root
 ])
-def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, extra, system):
+@pytest.mark.parametrize("run_overhead", [None, 0])  # these rows are short: dense at the default; run by run at 0
+def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, extra, system, run_overhead, monkeypatch):
     """Values and gradients: a forward in which each group's common prefix appears once (and a packed row's common
     system prompt once) equals, to fp64 rounding, the unshared micro-batches and the single-sequence reference;
-    every sequence is covered once."""
+    every sequence is covered once; with dense attention over the rows and attending run by run."""
+    if run_overhead is not None:
+        monkeypatch.setattr("verifiers_rl.segmented_attention.RUN_OVERHEAD_CELLS", run_overhead)
     model = fp64_model
     rollouts = shared_prefix_rollouts(system)
     results = {}
@@ -176,6 +179,8 @@ def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, ext
         results[share] = (found, grads, rank_batch)
     (plain, plain_grads, plain_batch), (shared, shared_grads, shared_batch) = results["off"], results["on"]
     assert any(mb.shared is not None for mb in shared_batch.micro_batches), "no micro-batch shared a prefix"
+    by_runs = [micro_batch_runs(mb) is not None for mb in shared_batch.micro_batches if mb.shared is not None]
+    assert all(by_runs) if run_overhead == 0 else not any(by_runs)
     rooted = [mb for mb in shared_batch.micro_batches
               if mb.shared is not None and bool((mb.shared.block == ROOT).any())]
     assert bool(rooted) == (mode == "packed" and system > 0)  # a root only where a packed row holds several groups

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from verifiers_rl import segmented_attention
 from verifiers_rl.batching import BatchingConfig, layout, plan_batch, prepare_sequences
-from verifiers_rl.policy import attention_cells, micro_batch_logprobs, tree_attention_mask
+from verifiers_rl.policy import attention_cells, micro_batch_logprobs, micro_batch_runs, tree_attention_mask
 from verifiers_rl.prefix import PADDING, ROOT, best_part_size
 from verifiers_rl.rollouts import Rollout
 from verifiers_rl.segmented_attention import row_runs, run_attention
@@ -74,10 +74,11 @@ def test_trainer_forward_attends_run_by_run_with_and_without_activation_checkpoi
     path."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert segmented_attention.applies(model.config)
-    rollouts = random_rollouts(3, 4, vocab_size=390, seed=3, completion_len=(4, 20), system_prompt_len=5)
-    config = BatchingConfig(mode="packed", max_seq_len=64, max_tokens_per_microbatch=4096, share_prompt_training="on")
+    rollouts = random_rollouts(3, 4, vocab_size=390, seed=3, completion_len=(60, 120), system_prompt_len=5)
+    config = BatchingConfig(mode="packed", max_seq_len=160, max_tokens_per_microbatch=4096, share_prompt_training="on")
     (mb,) = plan_batch(rollouts, config)[0].micro_batches
     width = mb.shared.input_ids.shape[1]
+    assert micro_batch_runs(mb) is not None  # long enough that runs beat one dense call at the default overhead
 
     widths = []
     sdpa = F.scaled_dot_product_attention
@@ -110,7 +111,7 @@ def test_trainer_forward_attends_run_by_run_with_and_without_activation_checkpoi
         assert len(widths_seen) >= (2 if checkpointing else 1) * layers * 3 and max(widths_seen) < width
         torch.testing.assert_close(logps, dense_logps, rtol=1e-5, atol=1e-5)
         for name, grad in dense_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5)  # fp32 sums of ~1000 terms
 
 
 def test_a_row_of_padding_only_gives_zero_output_and_zero_gradients():
@@ -124,27 +125,52 @@ def test_a_row_of_padding_only_gives_zero_output_and_zero_gradients():
     assert all(t.grad is not None and torch.all(t.grad == 0) for t in (q, k, v))
 
 
-@pytest.mark.parametrize("mode,share,system", [
-    ("packed", "on", 5),  # shared parts after a root
-    ("packed", "off", 5),  # one block per sequence, no root
-    ("packed", "auto", 0),
-    ("padded", "on", 5),  # shared rows, one group each, padding attends to nothing
-    ("padded", "off", 0),  # plain rows: dense
+@pytest.mark.parametrize("overhead", [segmented_attention.RUN_OVERHEAD_CELLS, 0])
+@pytest.mark.parametrize("mode,share,system,completion", [
+    ("packed", "on", 5, (2, 30)),  # shared parts after a root
+    ("packed", "on", 5, (100, 200)),  # long enough that runs win at the default overhead
+    ("packed", "off", 5, (2, 30)),  # one block per sequence, no root
+    ("packed", "auto", 0, (2, 30)),
+    ("padded", "on", 5, (2, 30)),  # shared rows, one group each, padding attends to nothing
+    ("padded", "on", 0, (100, 200)),
+    ("padded", "off", 0, (2, 30)),  # plain rows: dense
 ])
-def test_the_cost_model_counts_the_cells_the_forward_computes(mode, share, system):
-    """``Layout.modelled_cost`` with ``run_attention`` charges each micro-batch the cells ``run_attention`` computes
-    on it (``Run.cells`` summed; rows x width^2 for plain padded rows), so ``auto`` compares what runs."""
-    rollouts = random_rollouts(5, 4, vocab_size=390, seed=11, completion_len=(2, 30), system_prompt_len=system)
-    config = BatchingConfig(mode=mode, max_seq_len=64, max_tokens_per_microbatch=160, rows_per_micro_batch=4,
+def test_the_cost_model_counts_the_cells_the_forward_computes(mode, share, system, completion, overhead, monkeypatch):
+    """``Layout.modelled_cost`` with ``run_attention`` charges each micro-batch the attention the forward takes on
+    it: run by run (``Run.cells`` summed, plus ``RUN_OVERHEAD_CELLS`` per run) where that is cheaper than one dense
+    call (rows x width^2), which is what ``policy.micro_batch_runs`` picks; so ``auto`` compares what runs."""
+    monkeypatch.setattr(segmented_attention, "RUN_OVERHEAD_CELLS", overhead)
+    rollouts = random_rollouts(5, 4, vocab_size=390, seed=11, completion_len=completion, system_prompt_len=system)
+    config = BatchingConfig(mode=mode, max_seq_len=256, max_tokens_per_microbatch=1024, rows_per_micro_batch=4,
                             share_prompt_training=share, run_attention=True, attention_cost=1.0)
     sequences = prepare_sequences(rollouts, [0.0] * len(rollouts), config.max_seq_len)
     chosen = layout(sequences, config, mode)
     modelled_cells = chosen.modelled_cost(1.0, True) - chosen.modelled_cost(0.0, True)
     (rank_batch,) = plan_batch(rollouts, config)
-    computed = sum(attention_cells(mb, run_attention=True) for mb in rank_batch.micro_batches)
-    assert modelled_cells == computed
-    dense = sum(attention_cells(mb, run_attention=False) for mb in rank_batch.micro_batches)
-    assert (computed < dense) == (mode == "packed" or share == "on")
+    micro_batches = rank_batch.micro_batches
+    assert modelled_cells == sum(attention_cells(mb, True, with_overhead=True) for mb in micro_batches)
+    by_runs = [mb for mb in micro_batches if micro_batch_runs(mb) is not None]
+    dense = sum(attention_cells(mb, run_attention=False) for mb in micro_batches)
+    computed = sum(attention_cells(mb, run_attention=True) for mb in micro_batches)
+    assert (computed < dense) == bool(by_runs)
+    if overhead == 0 or completion[0] >= 100:  # runs compute fewer cells wherever a row holds several runs
+        assert bool(by_runs) == (mode == "packed" or share == "on")
+
+
+def test_a_quickstart_row_attends_densely_and_a_long_one_run_by_run():
+    """The quickstart's shape (4 groups x 4 of 16-token completions after a 24-token system prompt, one packed row
+    of ~300 tokens) is cheaper as one dense call than as 21 runs; 128-token completions are not."""
+    runs = {}
+    for longest in (16, 128):
+        rollouts = random_rollouts(4, 4, vocab_size=390, seed=1, prompt_len=(8, 12), completion_len=(6, longest),
+                                   system_prompt_len=24)
+        config = BatchingConfig(mode="packed", max_seq_len=256, max_tokens_per_microbatch=1024,
+                                share_prompt_training="on", run_attention=True)
+        micro_batches = plan_batch(rollouts, config)[0].micro_batches
+        widest = max(micro_batches, key=lambda mb: mb.shared.input_ids.shape[1])
+        runs[longest] = (len(micro_batches), widest.shared.input_ids.shape[1], micro_batch_runs(widest) is not None)
+    assert runs[16][:2] == (1, 250) and not runs[16][2]  # 21 runs would cost more than 250^2 cells
+    assert runs[128][1] == 968 and runs[128][2]
 
 
 def test_auto_keeps_a_group_of_long_completions_in_one_shared_row_when_rows_attend_run_by_run():

@@ -29,6 +29,7 @@ from .prefix import (
 )
 from .prefix import unique_tokens as group_unique_tokens
 from .rollouts import Rollout, group_by_id
+from .segmented_attention import cheaper_cells
 
 ScaleRewards = Literal["group", "batch", "none"]
 OverlongPolicy = Literal["error", "truncate"]
@@ -253,15 +254,21 @@ class Layout:
         """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row): a padded micro-batch is
         one row per part, each as wide as its widest; a packed one is one row of all its parts' tokens, their
         common root once. ``run_attention``: packed and shared rows attend run by run (``Part.cells``, the root's
-        R^2 once; padding attends to nothing), plain padded rows densely."""
+        R^2 once; padding attends to nothing) where that is cheaper than densely (``cheaper_cells``, as the forward
+        decides), plain padded rows densely."""
         def row_costs(group: list[int], root: int) -> float:
             parts = [self.parts[p] for p in group]
             tokens = [part.tokens for part in parts]
             if self.mode == "packed":
-                cells = root * root + sum(part.cells(root) for part in parts) if run_attention else None
-                return modelled_cost(sum(tokens) - (len(tokens) - 1) * root, attention_cost, cells)
+                width = sum(tokens) - (len(tokens) - 1) * root
+                cells = (cheaper_cells(root * root + sum(part.cells(root) for part in parts),
+                                       int(root > 0) + sum(part.runs(root) for part in parts), 1, width)
+                         if run_attention else None)
+                return modelled_cost(width, attention_cost, cells)
             if run_attention and any(len(part.members) > 1 for part in parts):  # shared rows (collate)
-                return modelled_cost(len(tokens) * max(tokens), attention_cost, sum(part.cells() for part in parts))
+                cells = cheaper_cells(sum(part.cells() for part in parts), sum(part.runs() for part in parts),
+                                      len(tokens), max(tokens))
+                return modelled_cost(len(tokens) * max(tokens), attention_cost, cells)
             return len(tokens) * modelled_cost(max(tokens), attention_cost)
 
         return max(sum(row_costs(group, root) for group, root in zip(groups, roots) if group)

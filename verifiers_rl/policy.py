@@ -17,6 +17,7 @@ from .compat import replaced_forward
 from .modeling import unwrap
 from .prefix import PADDING, ROOT
 from .segmented_attention import KEYWORD as RUNS_KEYWORD
+from .segmented_attention import cheaper_cells, run_by_run_cheaper
 from .segmented_attention import Run
 from .segmented_attention import applies as runs_apply
 from .segmented_attention import install as install_run_attention
@@ -38,14 +39,14 @@ def splits_packed_rows(model: torch.nn.Module) -> bool:
 
 
 def attends_run_by_run(model: torch.nn.Module) -> bool:
-    """Whether packed and shared-prefix rows attend run by run (``segmented_attention``: an sdpa model), not densely
-    over the row."""
-    return runs_apply(unwrap(model).config)
+    """Whether packed and shared-prefix rows may attend run by run (``segmented_attention``), not densely over the
+    row: an sdpa model on CPU, where it was measured (``RUN_OVERHEAD_CELLS``); on a GPU one dense masked call stays
+    (a run's kernel launches cost differently there, unmeasured)."""
+    inner = unwrap(model)
+    return runs_apply(inner.config) and inner.get_input_embeddings().weight.device.type == "cpu"
 
 
-def micro_batch_runs(micro_batch: MicroBatch) -> list[Run] | None:
-    """The runs (``segmented_attention.row_runs``) of a micro-batch's shared-prefix or packed rows; ``None`` for
-    padded rows of one sequence each, whose attention is causal over the row anyway."""
+def _row_runs(micro_batch: MicroBatch) -> list[Run] | None:
     if micro_batch.shared is not None:
         return row_runs(micro_batch.shared.block, micro_batch.shared.branch)
     if micro_batch.packed:  # one block per sequence (seq_index; -1 on padding: prefix.PADDING), no branches
@@ -53,14 +54,34 @@ def micro_batch_runs(micro_batch: MicroBatch) -> list[Run] | None:
     return None
 
 
-def attention_cells(micro_batch: MicroBatch, run_attention: bool) -> int:
+def _forwarded_shape(micro_batch: MicroBatch) -> tuple[int, int]:
+    return tuple((micro_batch.shared if micro_batch.shared is not None else micro_batch).input_ids.shape)
+
+
+def micro_batch_runs(micro_batch: MicroBatch) -> list[Run] | None:
+    """The runs (``segmented_attention.row_runs``) the forward attends a micro-batch's shared-prefix or packed rows
+    by, when that is modelled cheaper than one dense call over them (``segmented_attention.cheaper_cells``); ``None``:
+    dense (padded rows of one sequence each are causal over the row anyway)."""
+    runs = _row_runs(micro_batch)
+    if runs is None:
+        return None
+    real = [run for run in runs if run.before is not None]
+    cells = sum(run.cells for run in real)
+    rows, width = _forwarded_shape(micro_batch)
+    return runs if run_by_run_cheaper(cells, len(real), rows, width) else None
+
+
+def attention_cells(micro_batch: MicroBatch, run_attention: bool, with_overhead: bool = False) -> int:
     """Query-key cells the training forward's attention computes for ``micro_batch``: sum over runs of
-    |run| x (|seen before| + |run|) where it attends run by run, else rows x width^2 (dense over each row)."""
+    |run| x (|seen before| + |run|) where it attends run by run (``with_overhead``: plus
+    ``segmented_attention.RUN_OVERHEAD_CELLS`` per run, the cost model's term), else rows x width^2 (dense)."""
     runs = micro_batch_runs(micro_batch) if run_attention else None
     if runs is None:
-        rows, width = (micro_batch.shared if micro_batch.shared is not None else micro_batch).input_ids.shape
+        rows, width = _forwarded_shape(micro_batch)
         return rows * width * width
-    return sum(run.cells for run in runs)
+    real = [run for run in runs if run.before is not None]
+    cells = sum(run.cells for run in real)
+    return cheaper_cells(cells, len(real), *_forwarded_shape(micro_batch)) if with_overhead else cells
 
 
 def tree_attention_mask(block: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

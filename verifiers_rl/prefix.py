@@ -59,13 +59,18 @@ class Part:
     prefix_len: int
     tokens: int  # forwarded tokens: the prefix once plus every branch
     branch_cells: int = 0  # sum over members of (length - prefix_len) * length: the branches' cells, run by run
+    branches: int = 0  # members longer than the prefix (a branch run each)
 
     @classmethod
     def of(cls, members: list[int], token_lists: list[list[int]]) -> "Part":
         prefix = common_prefix_length([token_lists[i] for i in members])
         lengths = [len(token_lists[i]) for i in members]
         return cls(list(members), prefix, prefix + sum(n - prefix for n in lengths),
-                   sum((n - prefix) * n for n in lengths))
+                   sum((n - prefix) * n for n in lengths), sum(n > prefix for n in lengths))
+
+    def runs(self, root: int = 0) -> int:
+        """Its runs in a row whose first ``root`` tokens are the root: the prefix past the root, then each branch."""
+        return int(self.prefix_len > root) + self.branches
 
     def cells(self, root: int = 0) -> int:
         """Attention cells of the part attended run by run (``segmented_attention``) in a row whose first ``root``

@@ -15,9 +15,14 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from verifiers_rl import segmented_attention
 from verifiers_rl.config import RLConfig
 from verifiers_rl.trainer import RLTrainer
 from verifiers_rl.distributed import leave_process_group
+
+# Packed and shared rows attend run by run wherever that computes fewer cells: these rows are short, and at the
+# default per-run overhead every one would attend densely; so the ranks mix both attention paths.
+segmented_attention.RUN_OVERHEAD_CELLS = 0
 
 # name -> RLConfig overrides. Batches mix ragged lengths, environment tokens and fully masked sequences.
 CONFIGS = {
