@@ -8,7 +8,8 @@ micro-batches (``--rows`` sequences each) three ways: ``off`` (one row per seque
 modelled cost, ``verifiers_rl.prefix.best_part_size``). The table gives the tokens forwarded (padding included),
 the attention cells the forward computes (``policy.attention_cells``: shared rows attend run by run, a
 completion over the prompt and itself; plain padded rows over their width), the
-modelled cost (tokens + attention_cost x cells, in token units; ``policy.attention_cost`` from the model config),
+modelled cost (tokens + attention_cost x cells, a run's overhead counted as ``RUN_OVERHEAD_CELLS`` cells, in token
+units; ``policy.attention_cost`` from the model config),
 and the median wall time of a real forward + backward over all micro-batches through
 ``verifiers_rl.policy.micro_batch_logprobs`` (the three modes interleaved, after one warm-up each).
 
@@ -134,9 +135,10 @@ def main() -> None:
             shapes = forwarded_shapes(rank_batch.micro_batches)
             tokens = rank_batch.stats.computed_tokens
             cells = sum(attention_cells(mb, runs) for mb in rank_batch.micro_batches)
+            modelled_cells = sum(attention_cells(mb, runs, with_overhead=True) for mb in rank_batch.micro_batches)
             rows.append(dict(name=name, P=prompt_len, C=completion_len, G=group_size, groups=groups, mode=mode,
                              tokens=tokens, unique=rank_batch.stats.unique_tokens, cells=cells,
-                             modelled=tokens + cost * cells, shapes=shapes,
+                             modelled=tokens + cost * modelled_cells, shapes=shapes,
                              seconds=statistics.median(times[mode])))
         log(f"[{name}] " + ", ".join(f"{m} {statistics.median(times[m]):.3f} s" for m in MODES) + f" (load {load()})")
 
