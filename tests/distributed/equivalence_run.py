@@ -20,10 +20,6 @@ from verifiers_rl.config import RLConfig
 from verifiers_rl.trainer import RLTrainer
 from verifiers_rl.distributed import leave_process_group
 
-# Packed and shared rows attend run by run wherever that computes fewer cells: these rows are short, and at the
-# default per-run overhead every one would attend densely; so the ranks mix both attention paths.
-segmented_attention.RUN_OVERHEAD_CELLS = 0
-
 # name -> RLConfig overrides. Batches mix ragged lengths, environment tokens and fully masked sequences.
 CONFIGS = {
     "grpo_token_padded1": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=1),
@@ -198,6 +194,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--ddp_timeout", type=int, default=None, help="RLConfig.ddp_timeout, when given")
     args = parser.parse_args()
+    # Packed and shared rows attend run by run wherever that computes fewer cells: these rows are short, and at the
+    # default per-run overhead every one would attend densely; so the ranks mix both attention paths. (In main: the
+    # test module imports CONFIGS from here, and its process keeps the default.)
+    segmented_attention.RUN_OVERHEAD_CELLS = 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = args.only or list(CONFIGS)
