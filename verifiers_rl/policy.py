@@ -16,12 +16,11 @@ from .batching import MicroBatch
 from .compat import replaced_forward
 from .modeling import unwrap
 from .prefix import PADDING, ROOT
+from . import segmented_attention
 from .segmented_attention import KEYWORD as RUNS_KEYWORD
-from .segmented_attention import cheaper_cells, run_by_run_cheaper
-from .segmented_attention import Run
+from .segmented_attention import Run, row_runs, run_by_run_cheaper
 from .segmented_attention import applies as runs_apply
 from .segmented_attention import install as install_run_attention
-from .segmented_attention import row_runs
 
 install_run_attention()
 
@@ -80,8 +79,8 @@ def attention_cells(micro_batch: MicroBatch, run_attention: bool, with_overhead:
         rows, width = _forwarded_shape(micro_batch)
         return rows * width * width
     real = [run for run in runs if run.before is not None]
-    cells = sum(run.cells for run in real)
-    return cheaper_cells(cells, len(real), *_forwarded_shape(micro_batch)) if with_overhead else cells
+    overhead = segmented_attention.RUN_OVERHEAD_CELLS * len(real) if with_overhead else 0  # runs were cheaper
+    return sum(run.cells for run in real) + overhead
 
 
 def tree_attention_mask(block: torch.Tensor, branch: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
