@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import threading
 from pathlib import Path
 from typing import Iterable
@@ -21,7 +22,6 @@ import torch
 from ..compat import without_zero3_init
 from ..cpu_matmul import weight_major_linears
 from ..modeling import sequence_logprobs, unwrap
-from ..prefix import common_prefix_length
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
 from .llama_decode import LlamaDecoder
 from .llama_decode import supports as llama_decode_supports
@@ -277,7 +277,7 @@ class EmbeddedEngine:
         distinct = {tuple(prompt[:-1]) for prompt in prompts}
         if not self.share_prompt_prefill or len(distinct) < 2 or self.sampling.repetition_penalty != 1:
             return 0
-        root = common_prefix_length([list(prompt) for prompt in distinct])
+        root = len(os.path.commonprefix(list(distinct)))  # element-wise: any sequences, not only paths
         return root if root >= MIN_ROOT_TOKENS else 0
 
     def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]],
