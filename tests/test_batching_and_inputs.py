@@ -83,6 +83,11 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
         RLConfig(weight_sync_probe_tokens=1, **common)
     with pytest.raises(ValueError, match="max_refill_batches must be >= 0, got -1"):
         RLConfig(max_refill_batches=-1, **common)
+    # A group of one has advantage 0 (its reward minus its own mean): nothing to learn from, and no division by 0.
+    for groups in (1, 0):
+        with pytest.raises(ValueError, match=f"num_generations must be >= 2 when generating .*, got {groups}"):
+            RLConfig(num_generations=groups, rollouts_per_step=4, **common)
+    assert RLConfig(num_generations=1, rollouts_path="r.jsonl", **common).num_generations == 1  # replay: groups come from the file
     from transformers import HfArgumentParser
 
     choices = {a.dest: a.choices for a in HfArgumentParser(RLConfig)._actions}

@@ -471,6 +471,11 @@ class RLConfig(GRPOConfig):
         from .inference.factory import sampling_settings
 
         SamplingConfig(**sampling_settings(self))  # the sampling knobs' ranges (raises naming the knob)
+        if not self.rollouts_path and (self.num_generations is None or self.num_generations < 2):
+            # TRL refuses it too: without it a live run trains on zero advantages and learns nothing from rewards.
+            raise ValueError(f"num_generations must be >= 2 when generating from an environment (--env), got "
+                             f"{self.num_generations}: a rollout's advantage is its reward minus its group's mean, so "
+                             "a group of one rollout always has advantage 0.")
         if not self.rollouts_path and self.rollouts_per_step % self.num_generations:
             # Live generation samples whole groups (replay takes its groups from the file, of any size).
             raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of num_generations "
