@@ -83,6 +83,8 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
         RLConfig(weight_sync_probe_tokens=1, **common)
     with pytest.raises(ValueError, match="max_refill_batches must be >= 0, got -1"):
         RLConfig(max_refill_batches=-1, **common)
+    with pytest.raises(ValueError, match="max_completion_length must be >= 1, got 0"):
+        RLConfig(max_completion_length=0, **common)
     # A group of one has advantage 0 (its reward minus its own mean): nothing to learn from, and no division by 0.
     for groups in (1, 0):
         with pytest.raises(ValueError, match=f"num_generations must be >= 2 when generating .*, got {groups}"):

@@ -47,6 +47,7 @@ RANGES: dict[str, Range] = {
     "importance_cap": POSITIVE,
     "importance_cap_min": NON_NEGATIVE,
     "max_seq_len": AT_LEAST_ONE,
+    "max_completion_length": AT_LEAST_ONE,
     "dr_grpo_horizon": AT_LEAST_ONE,
     "max_tokens_per_microbatch": AT_LEAST_ONE,
     "rollouts_per_step": AT_LEAST_ONE,

@@ -152,3 +152,13 @@ def test_unknown_environment_lists_the_builtins():
     ):
         load_environment("gsm9k")
     assert set(BUILTINS) == {"reverse_text", "arithmetic", "calculator"}
+
+
+def test_an_argument_the_loader_does_not_take_is_named(tokenizer, tmp_path):
+    # reverse_text passes extra keywords on to SingleTurnEnv, which refuses this one: the error names it either way.
+    with pytest.raises(ValueError, match="Environment 'reverse_text' takes no argument 'num_exampels' .*--env_args"):
+        load_environment("reverse_text", tokenizer=tokenizer, num_exampels=10)
+    # A TypeError of the loader's own (not an unknown keyword) is left as it is.
+    (tmp_path / "typed_env.py").write_text("def load_environment(tokenizer, size=1):\n    return [0] * None\n")
+    with pytest.raises(TypeError, match="can't multiply sequence"):
+        load_environment(str(tmp_path / "typed_env.py"), tokenizer=tokenizer, size=2)

@@ -19,6 +19,7 @@ import ast
 import importlib
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,8 +140,34 @@ def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto
     """Build the environment ``spec`` names (module docstring), passing ``kwargs`` (e.g. ``num_examples``) to its
     loader, and ``tokenizer`` too where the loader takes one (a verifiers loader does not: the wrapper gets it).
 
-    ``tool_mode`` (``auto``, ``template`` or ``text``) is the default of the tool environments built here.
+    ``tool_mode`` (``auto``, ``template`` or ``text``) is the default of the tool environments built here. A
+    keyword the loader does not take is a ValueError naming it (``--env_args``).
     """
+    try:
+        environment = _load(spec, tokenizer, tool_mode, kwargs)
+    except TypeError as error:
+        unexpected = re.search(r"unexpected keyword argument '([^']+)'", str(error))
+        if unexpected is None or unexpected.group(1) not in kwargs:
+            raise
+        raise ValueError(f"Environment {spec!r} takes no argument {unexpected.group(1)!r} (from --env_args, "
+                         f"--eval_env_args or load_environment's keywords): {error}") from error
+    if isinstance(environment, Environment):
+        return environment
+    if _is_verifiers_v1(environment):
+        raise TypeError(
+            f"Environment {spec!r}: the loader returned a verifiers.v1 {type(environment).__name__}; verifiers_rl "
+            "trains classic verifiers environments (verifiers 0.2-0.3: vf.SingleTurnEnv, vf.MultiTurnEnv, "
+            "vf.ToolEnv, ...). verifiers.v1 runs its agents as separate programs that reach the model over HTTP."
+        )
+    raise TypeError(
+        f"Environment {spec!r}: the loader returned a {type(environment).__name__}, which is neither a verifiers_rl "
+        "Environment (verifiers_rl.envs: SingleTurnEnv, MultiTurnEnv, ToolEnv) nor a classic verifiers environment "
+        "(vf.SingleTurnEnv, vf.MultiTurnEnv, vf.ToolEnv, ...)."
+    )
+
+
+def _load(spec: str, tokenizer: Any, tool_mode: str, kwargs: dict[str, Any]) -> Any:
+    """What ``spec``'s loader returns (a classic verifiers environment wrapped in ``VerifiersEnv``)."""
     with default_tool_mode(tool_mode):
         if spec.startswith(VERIFIERS_PREFIX):
             from .adapters.verifiers_env import import_verifiers
@@ -169,19 +196,7 @@ def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto
             if tokenizer is None:
                 raise ValueError(f"Environment {spec!r} is a verifiers environment: pass the policy's tokenizer.")
             environment = VerifiersEnv(environment, tokenizer)
-    if isinstance(environment, Environment):
-        return environment
-    if _is_verifiers_v1(environment):
-        raise TypeError(
-            f"Environment {spec!r}: the loader returned a verifiers.v1 {type(environment).__name__}; verifiers_rl "
-            "trains classic verifiers environments (verifiers 0.2-0.3: vf.SingleTurnEnv, vf.MultiTurnEnv, "
-            "vf.ToolEnv, ...). verifiers.v1 runs its agents as separate programs that reach the model over HTTP."
-        )
-    raise TypeError(
-        f"Environment {spec!r}: the loader returned a {type(environment).__name__}, which is neither a verifiers_rl "
-        "Environment (verifiers_rl.envs: SingleTurnEnv, MultiTurnEnv, ToolEnv) nor a classic verifiers environment "
-        "(vf.SingleTurnEnv, vf.MultiTurnEnv, vf.ToolEnv, ...)."
-    )
+    return environment
 
 
 def _loader(spec: str) -> Any:
