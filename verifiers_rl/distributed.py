@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -163,9 +164,53 @@ def lost_peer_note(process_index: int, output_dir: str | None) -> str | None:
     return f"verifiers_rl: [rank {process_index}] {_died(dead)}; {resume_advice(output_dir)}."
 
 
-def leave_process_group() -> None:
-    """Once every rank is done, leave the process group explicitly: a gloo group left to interpreter exit has
-    aborted finished ranks ("terminate called without an active exception", exit -6), DDP and ZeRO-3 alike."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+GLOO_WORKER_THREAD = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+
+
+def _thread_states(name: str) -> list[str] | None:
+    """The scheduler states (``R``, ``S``, ...) of this process's threads called ``name``; None without ``/proc``."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    states = []
+    for task in tasks.iterdir():
+        try:
+            if (task / "comm").read_text().strip() == name:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:  # the thread ended meanwhile
+            continue
+    return states
+
+
+def wait_for_idle_gloo_workers(timeout_s: float = 10.0, poll_s: float = 0.01, quiet_polls: int = 3) -> int | None:
+    """Wait (up to ``timeout_s``) until every gloo worker thread has slept through ``quiet_polls`` polls in a row;
+    the number of such threads, or None where threads cannot be seen (no ``/proc``) or the wait timed out.
+
+    Why: a worker destroys a finished collective, and with it the last reference to its tensors, just after the
+    caller's ``wait`` returned. If the interpreter is shutting down by then, the worker cannot take the GIL to
+    release a Python-owned tensor and the process aborts ("terminate called without an active exception", exit -6;
+    seen after every rank finished, torch 2.13, pytorch/pytorch#190489). ``destroy_process_group`` does not join the
+    workers while DDP or DeepSpeed still hold the group. Sleeping here releases the GIL, so a worker waiting for it
+    runs; a worker seen asleep (not merely runnable) on consecutive polls is idle.
+    """
+    deadline, quiet = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline:
+        states = _thread_states(GLOO_WORKER_THREAD)
+        if states is None:
+            return None
+        quiet = quiet + 1 if all(state == "S" for state in states) else 0
+        if quiet >= quiet_polls:
+            return len(states)
+        time.sleep(poll_s)
+    return None
+
+
+def leave_process_group() -> int | None:
+    """Once every rank is done, leave the process group explicitly and let gloo's workers finish
+    (``wait_for_idle_gloo_workers``, whose result it returns): a gloo group left to interpreter exit has aborted
+    finished ranks ("terminate called without an active exception", exit -6), DDP and ZeRO-3 alike."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    dist.barrier()
+    dist.destroy_process_group()
+    return wait_for_idle_gloo_workers()
