@@ -8,6 +8,7 @@ gloo worker released a collective's tensors after the interpreter had begun to s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,14 +18,16 @@ from verifiers_rl.distributed import _thread_states
 from verifiers_rl.inference.engine import free_port
 
 RANK = """
-import os, torch, torch.distributed as dist
+import json, os, sys, torch, torch.distributed as dist
 from verifiers_rl.distributed import GLOO_WORKER_THREAD, _thread_states, leave_process_group
 dist.init_process_group("gloo")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # holds the group past its destruction
 for _ in range(20):  # collectives whose outputs Python drops at once: the workers hold their last references
     dist.all_gather([torch.empty(1000) for _ in range(2)], torch.ones(1000))
 idle = leave_process_group()
-print(f"rank {os.environ['RANK']}: {idle} idle workers, states {_thread_states(GLOO_WORKER_THREAD)}", flush=True)
+states = _thread_states(GLOO_WORKER_THREAD)
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as handle:  # not stdout: ranks interleave
+    json.dump({"idle": idle, "states": states}, handle)
 """
 
 
@@ -33,15 +36,14 @@ def test_a_finished_rank_waits_for_gloos_workers_and_exits_cleanly(tmp_path):
     script.write_text(RANK)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), str(script)],
+                             "--master_port", str(free_port()), str(script), str(tmp_path)],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
         # The workers outlive destroy_process_group (DDP holds the group), so there is something to wait for; a
         # torch that renamed them would make the wait a no-op: 0 found fails here.
-        line = next(line for line in result.stdout.splitlines() if line.startswith(f"rank {rank}:"))
-        found = int(line.split(":")[1].split()[0])
-        assert found >= 1 and line.endswith("states " + str(["S"] * found)), line
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["idle"] >= 1 and record["states"] == ["S"] * record["idle"], record
 
 
 def test_thread_states_reads_this_process():
