@@ -85,11 +85,9 @@ def run_by_run_cheaper(cells: int, runs: int, rows: int, width: int) -> bool:
 
 
 def cheaper_cells(cells: int, runs: int, rows: int, width: int) -> int:
-    """The modelled attention cost, in cells, of the way ``run_by_run_cheaper`` picks (``batching`` models layouts
-    with it)."""
-    if run_by_run_cheaper(cells, runs, rows, width):
-        return cells + RUN_OVERHEAD_CELLS * runs
-    return rows * width * width
+    """The modelled attention cost, in cells, of the way ``run_by_run_cheaper`` picks: the smaller of the two
+    (``batching`` models layouts with it)."""
+    return min(cells + RUN_OVERHEAD_CELLS * runs, rows * width * width)
 
 
 def _attend(query, key, value, run: Run, scaling: float) -> torch.Tensor:
