@@ -5,9 +5,11 @@ temperature 1, every request seeded (``sampling_for_rollout``): the same seeds g
 which the script asserts, so the variants do the same work. Variants (``--variants``), all through the engine's own
 decode loop (a finished row leaves the batch):
 
-- ``forward``: transformers' forward with ``F.linear`` (``llama_decode=False, weight_major_matmuls=False``);
+- ``forward``: transformers' forward with ``F.linear`` (``llama_decode=False, cpu_matmuls="linear"``);
 - ``weight_major``: transformers' forward, linear layers as ``(W x^T)^T`` with padded rows (``cpu_matmul``);
-- ``lean``: the default: after the first step, ``llama_decode``'s lean step (weight-major too).
+- ``lean``: after the first step, ``llama_decode``'s lean step (weight-major too);
+- ``packed``: the default: the lean step with oneDNN-packed weights (``cpu_matmul.PackedWeights``), the time to
+  pack them included: each batch follows a weight load, as in training, and the first batch after a load packs.
 
 For each of ``--max_new_tokens`` it times ``--batches`` batches after one warm-up batch (each batch its own seeds)
 and prints a table: median seconds per batch, completion tokens per second, and the ratio to ``forward``.
@@ -39,9 +41,10 @@ from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.models import smollm2_dir  # noqa: E402
 
 VARIANTS = {
-    "forward": dict(llama_decode=False, weight_major_matmuls=False),
-    "weight_major": dict(llama_decode=False, weight_major_matmuls=True),
-    "lean": dict(llama_decode=True, weight_major_matmuls=True),
+    "forward": dict(llama_decode=False, cpu_matmuls="linear"),
+    "weight_major": dict(llama_decode=False, cpu_matmuls="weight_major"),
+    "lean": dict(llama_decode=True, cpu_matmuls="weight_major"),
+    "packed": dict(llama_decode=True, cpu_matmuls="packed"),
 }
 WORDS = ["abc", "hello", "tree", "pqrstu"]
 
@@ -86,6 +89,8 @@ def main(argv=None) -> None:
                                                                       max_new_tokens=n), **VARIANTS[name])
             times, tokens = [], []
             for batch in range(args.batches + 1):
+                # A weight load before each batch, as in training (untimed; its own weights: the tokens stay equal).
+                engine.load_weights(list(engine.model.named_parameters()), version=batch)
                 seconds, ids = run_batch(engine, prompts, args.samples, batch, n)
                 print(f"[{n} tokens] [{name}] batch {batch}{' (warm-up)' if batch == 0 else ''}: {seconds:.2f} s, "
                       f"{sum(map(len, ids))} tokens; load {'/'.join(f'{x:.2f}' for x in os.getloadavg())}",

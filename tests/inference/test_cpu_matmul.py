@@ -1,15 +1,26 @@
-"""The engine's weight-major CPU matmuls: equal to F.linear to float rounding, in force only while it generates,
-and sampling with them draws the same tokens as without (``cpu_matmul``)."""
+"""The engine's CPU matmuls (``cpu_matmul``): weight-major and oneDNN-packed products equal F.linear to float
+rounding, row by row independent of the batch, in force only while the engine generates; packs follow every change
+of their weights; and sampling with either draws the same tokens as with F.linear."""
 
+import pytest
 import torch
 
+from verifiers_rl.cpu_matmul import PackedWeights, applies, cpu_linears, packs_available, weight_major
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.cpu_matmul import applies, weight_major_linears
 
 from test_hf_engine import assert_parity, load, prompts_of, sample_seeded
 
+pytestmark = pytest.mark.skipif(not packs_available(), reason="this torch has no oneDNN")
 
-def test_weight_major_linears_equal_f_linear_and_restore_each_layers_forward(tiny_model_dir):
+
+def packed_linear(model):
+    packs = PackedWeights(model)
+    packs.refresh()
+    return packs.linear
+
+
+@pytest.mark.parametrize("how", ["weight_major", "packed"])
+def test_cpu_linears_equal_f_linear_and_restore_each_layers_forward(tiny_model_dir, how):
     model, tokenizer = load(tiny_model_dir)
     ids = torch.tensor([prompts_of(tokenizer)[2]])
     head = model.get_output_embeddings()
@@ -17,26 +28,70 @@ def test_weight_major_linears_equal_f_linear_and_restore_each_layers_forward(tin
     head.forward = own
     layers = [layer for layer in model.modules() if applies(layer)]
     assert head not in layers and len(layers) > 0  # a layer whose forward was already replaced keeps it
+    product = weight_major if how == "weight_major" else packed_linear(model)
+    calls = []
+
+    def linear(x, layer):
+        calls.append(layer)
+        return product(x, layer)
+
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        with weight_major_linears(model) as replaced:
+        with cpu_linears(model, linear) as replaced:
             inside = model(input_ids=ids).logits
             assert all("forward" in layer.__dict__ for layer in layers) and head.forward is own
         after = model(input_ids=ids).logits
     assert replaced == len(layers)
     torch.testing.assert_close(inside, reference, rtol=0, atol=1e-5)
+    assert set(calls) == set(layers)  # every admitted layer ran the replacement, and only those
     assert torch.equal(after, reference)  # every forward put back
     assert head.forward is own and all("forward" not in layer.__dict__ for layer in layers)
 
 
-def test_engine_generates_weight_major_and_samples_the_same_tokens(tiny_model_dir):
+@torch.no_grad()
+def test_packed_equals_f_linear_for_every_row_count_and_each_row_alone():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 80)
+    packs = PackedWeights(layer)
+    assert packs.refresh() == 1
+    x = torch.randn(40, 96)
+    full = packs.linear(x, layer)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=0, atol=1e-5)
+    for rows in range(1, 26):  # a row's product does not depend on the rows beside it (sampling is per row)
+        assert torch.equal(packs.linear(x[:rows], layer), full[:rows])
+    assert torch.equal(packs.linear(x[7:8], layer), full[7:8])
+
+
+@torch.no_grad()
+def test_packs_follow_every_change_of_their_weights():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(48, 32))
+    packs = PackedWeights(model)
+    assert packs.refresh() == 2 and packs.refresh() == 0  # nothing changed: nothing re-packed
+    x = torch.randn(5, 32)
+    model[0].weight.mul_(2)  # changed in place, as a weight load's copy_
+    with pytest.raises(RuntimeError, match="refresh"):
+        packs.linear(x, model[0])  # a stale pack is never used
+    assert packs.refresh() == 1
+    torch.testing.assert_close(packs.linear(x, model[0]), x @ model[0].weight.T, rtol=0, atol=1e-5)
+    model[0].weight = torch.nn.Parameter(torch.randn(48, 32))  # another tensor (a re-tied head)
+    assert packs.refresh() == 1
+    torch.testing.assert_close(packs.linear(x, model[0]), x @ model[0].weight.T, rtol=0, atol=1e-5)
+    model[1].bias.add_(1)  # the bias is read at each call, never packed
+    h = torch.randn(5, 48)
+    torch.testing.assert_close(packs.linear(h, model[1]), model[1](h), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["packed", "weight_major"])
+def test_engine_samples_the_same_tokens_as_with_f_linear(tiny_model_dir, how):
     model, tokenizer = load(tiny_model_dir)
-    fast = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0))
-    plain = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), weight_major_matmuls=False)
+    fast = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), cpu_matmuls=how)
+    plain = EmbeddedEngine(model, tokenizer, SamplingConfig(temperature=1.0), cpu_matmuls="linear")
+    assert EmbeddedEngine(model, tokenizer).cpu_matmuls == "packed"  # auto, where torch has oneDNN
     seen = {}
 
     def record(name):
-        def hook(layer, args):  # whether the layer runs weight-major (returns None: the input stays as it is)
+        def hook(layer, args):  # whether the layer's forward is replaced (returns None: the input stays as it is)
             seen.setdefault(name, "forward" in layer.__dict__)
         return hook
 
@@ -55,3 +110,9 @@ def test_engine_generates_weight_major_and_samples_the_same_tokens(tiny_model_di
     # (it compares with the trainer's own forward).
     assert "forward" not in watched["fast"].__dict__
     assert fast.prompt_logprobs(prompts[0]) == plain.prompt_logprobs(prompts[0])
+
+
+def test_unknown_cpu_matmuls_is_refused_by_name(tiny_model_dir):
+    model, tokenizer = load(tiny_model_dir)
+    with pytest.raises(ValueError, match="cpu_matmuls must be"):
+        EmbeddedEngine(model, tokenizer, cpu_matmuls="fast")

@@ -1,12 +1,12 @@
-"""The engine's lean Llama decode step (``llama_decode``) and the padded weight-major matmul under it
-(``cpu_matmul.weight_major``): equal to transformers' forward to float rounding, with left padding, grouped-query
-attention and rows leaving the batch, and the engine samples the same tokens with it as without."""
+"""The engine's lean Llama decode step (``llama_decode``) and the matmuls under it (``cpu_matmul``: padded
+weight-major, oneDNN-packed, F.linear): equal to transformers' forward to float rounding, with left padding,
+grouped-query attention and rows leaving the batch, and the engine samples the same tokens with it as without."""
 
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from verifiers_rl.cpu_matmul import padded_rows, weight_major
+from verifiers_rl.cpu_matmul import PackedWeights, padded_rows, weight_major
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.inference.llama_decode import LlamaDecoder, supports
 
@@ -33,9 +33,13 @@ def gqa_model(seed=0):
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.parametrize("how", ["weight_major", "packed", "linear"])
 @torch.no_grad()
-def test_decode_steps_equal_transformers_forward_with_padding_and_rows_leaving():
+def test_decode_steps_equal_transformers_forward_with_padding_and_rows_leaving(how):
     model = gqa_model()
+    packs = PackedWeights(model)
+    packs.refresh()
+    linear = {"weight_major": weight_major, "packed": packs.linear, "linear": None}[how]
     assert supports(model)
     lengths = [9, 4, 7, 1, 6]  # left-padded to 9
     ids = torch.randint(3, 97, (len(lengths), 9))
@@ -47,7 +51,7 @@ def test_decode_steps_equal_transformers_forward_with_padding_and_rows_leaving()
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1]
     reference_cache = DynamicCache(config=model.config)
     model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=reference_cache)
-    decoder = LlamaDecoder(model, cache, capacity=9 + 12)
+    decoder = LlamaDecoder(model, cache, capacity=9 + 12, linear=linear)
     tokens = logits.argmax(-1)
     for step in range(12):
         if step in (4, 8):  # rows leave: the second and the last, then the first

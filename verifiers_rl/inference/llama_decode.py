@@ -10,9 +10,10 @@ layer:
     m = rms(h) * w_post;  h = h + (act(m Wg^T) * (m Wu^T)) Wd^T
     logits = (rms(h) * w_norm) W_out^T
 
-with keys and values written into preallocated buffers (no per-step concatenation) and the matmuls weight-major
-(``cpu_matmul``). It equals transformers' forward to float rounding (another summation order), and reads the model's
-own parameters at each call, so weight loads apply without a rebuild.
+with keys and values written into preallocated buffers (no per-step concatenation) and the engine's matmuls
+(``cpu_matmul``: oneDNN-packed weights or weight-major). It equals transformers' forward to float rounding (another
+summation order), and reads the model's own parameters at each call, so weight loads apply without a rebuild (packed
+weights: once the engine has re-packed them).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ..cpu_matmul import applies
-from ..cpu_matmul import weight_major
+from ..cpu_matmul import Linear
 
 
 def supports(model: torch.nn.Module) -> bool:
@@ -42,12 +43,13 @@ class LlamaDecoder:
         model: a model ``supports`` admits.
         cache: the prefill's cache; its keys/values are copied into buffers of ``capacity`` positions.
         capacity: the most positions any row will hold (prompt width + most new tokens).
-        weight_major_matmuls: the linear layers as ``cpu_matmul.weight_major`` (else ``F.linear``).
+        linear: the linear layers' product (``cpu_matmul``: ``weight_major``, a ``PackedWeights``' ``linear``);
+            None: ``F.linear``.
     """
 
-    def __init__(self, model: torch.nn.Module, cache, capacity: int, weight_major_matmuls: bool = True):
+    def __init__(self, model: torch.nn.Module, cache, capacity: int, linear: Linear | None = None):
         self.model = model
-        self.linear = weight_major if weight_major_matmuls else lambda x, layer: F.linear(x, layer.weight, layer.bias)
+        self.linear = linear or (lambda x, layer: F.linear(x, layer.weight, layer.bias))
         self.layers = model.model.layers
         config = model.config
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
