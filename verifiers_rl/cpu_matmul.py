@@ -63,13 +63,14 @@ class PackedWeights:
 
     ``refresh`` re-packs a layer when its weight is another tensor or was changed in place since its pack (torch's
     version counter: a weight load's ``copy_`` counts), so a pack never serves stale weights. Tied weights (the
-    output layer is the input embedding) are packed once, under the output layer.
+    output layer is the input embedding) are packed once, under the output layer. The layers are those ``applies``
+    admits at each ``refresh`` (a model moved off the CPU has none).
     """
 
     ROWS_HINT = 64  # oneDNN picks the blocked layout for this many rows; any count >= 4 ran as fast, 1 slower
 
     def __init__(self, model: torch.nn.Module):
-        self.layers = [layer for layer in model.modules() if applies(layer)]
+        self.model = model
         self._packs: dict[torch.nn.Linear, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def _current(self, layer: torch.nn.Linear) -> bool:
@@ -79,7 +80,9 @@ class PackedWeights:
     @torch.no_grad()
     def refresh(self) -> int:
         """Pack the weights changed since their last pack (all, the first time); how many were packed."""
-        stale = [layer for layer in self.layers if not self._current(layer)]
+        layers = [layer for layer in self.model.modules() if applies(layer)]
+        self._packs = {layer: pack for layer, pack in self._packs.items() if layer in layers}
+        stale = [layer for layer in layers if not self._current(layer)]
         for layer in stale:
             packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight, self.ROWS_HINT)
             self._packs[layer] = (layer.weight, layer.weight._version, packed)

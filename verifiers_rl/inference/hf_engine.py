@@ -280,11 +280,12 @@ class EmbeddedEngine:
 
     def _linear(self):
         """The linear layers' product while generating (``cpu_matmuls``); packs refreshed first (under the lock:
-        a weight load cannot run in between)."""
-        if self._packs is not None:
+        a weight load cannot run in between). A model moved to a GPU (``make_engine``) packs nothing and decodes
+        weight-major, as before packs."""
+        if self._packs is not None and self.model.get_input_embeddings().weight.device.type == "cpu":
             self._packs.refresh()
             return self._packs.linear
-        return weight_major if self.cpu_matmuls == "weight_major" else None
+        return None if self.cpu_matmuls == "linear" else weight_major
 
     def _root_length(self, prompts: list[list[int]]) -> int:
         """Tokens of the batch's root: the common prefix of its distinct prompts (a system prompt they all start
