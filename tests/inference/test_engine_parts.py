@@ -80,3 +80,13 @@ def test_a_failed_load_changes_nothing_and_a_good_one_swaps_everything(tiny_mode
         weights.stage([(new[0][0], torch.zeros(1))])
     weights.apply(weights.stage(new))  # wrapper prefixes removed, every tensor replaced
     assert all(torch.all(p == 0.5) for p in model.parameters())
+    # Later loads stage into the same memory (no fresh copy per load), never into the model's own tensors.
+    memory = {name: copy.data_ptr() for name, copy in weights._copies.items()}
+    assert memory and not set(memory.values()) & {p.data_ptr() for p in model.parameters()}
+    weights.apply(weights.stage([(name, torch.full_like(p, 0.25)) for name, p in model.named_parameters()]))
+    assert all(torch.all(p == 0.25) for p in model.parameters())
+    assert {name: copy.data_ptr() for name, copy in weights._copies.items()} == memory
+    new = [(name, torch.full_like(p, 0.75)) for name, p in new]
+    with pytest.raises(ConnectionError):  # a failed load over reused staging memory still changes nothing
+        weights.apply(weights.stage(broken()))
+    assert all(torch.all(p == 0.25) for p in model.parameters())

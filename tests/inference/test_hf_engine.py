@@ -431,6 +431,29 @@ def test_load_weights_waits_for_running_generate(tiny_model_dir):
     assert_parity(model, prompts, result["samples"], 1.0)
 
 
+def test_weight_loads_never_interleave(tiny_model_dir):
+    """Loads stage into reused memory (``StagedWeights``): a second load waits for the first to be applied, so the
+    weights end as one load's, never a mix of the two."""
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(temperature=0.0))
+    names = [name for name, _ in engine.model.named_parameters()]
+    shapes = {name: p.shape for name, p in engine.model.named_parameters()}
+    second = threading.Thread(target=lambda: engine.load_weights(
+        [(name, torch.full(shapes[name], 0.25)) for name in names], version=2))
+
+    def first():
+        for i, name in enumerate(names):
+            if i == len(names) // 2:  # half staged: the second load starts, and must wait
+                second.start()
+                time.sleep(0.3)
+                assert second.is_alive()
+            yield name, torch.full(shapes[name], 0.5)
+
+    engine.load_weights(first(), version=1)
+    second.join(10)
+    assert not second.is_alive() and engine.policy_version == 2
+    assert all(torch.all(p == 0.25) for p in engine.model.parameters())
+
+
 def test_smollm2_converts_loads_and_answers(smollm2_model_dir):
     model, tokenizer = load(smollm2_model_dir)
     assert len(tokenizer) == 49152 and tokenizer.eos_token == "<|im_end|>"

@@ -341,13 +341,16 @@ class EmbeddedEngine:
         into a staging area as it arrives, and the staged weights replace the live ones in one step at the end.
         So the load is atomic: an error (unknown name, wrong shape, a failing producer) leaves the weights and the
         version as they were, and generation never sees a mix of versions. The price is one extra copy of the
-        weights sent, for the length of the load. Waits for a running decode to finish.
+        weights sent, kept for the next load (``StagedWeights``). Waits for a running decode to finish.
         """
-        staged = self._weights.stage(named_tensors)
-        with self._lock:
-            check_open(self._closed)
-            self._weights.apply(staged)
-            self.policy_version = int(version)
+        weights = self._weights
+        check_open(self._closed)
+        with weights.staging:  # one load at a time (the staging copies are reused); the lock order: this, then _lock
+            staged = weights.stage(named_tensors)
+            with self._lock:
+                check_open(self._closed)
+                weights.apply(staged)
+                self.policy_version = int(version)
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """``log p(token_t | tokens_<t)`` for t = 1 .. n-1 at temperature 1, under the engine's current weights.

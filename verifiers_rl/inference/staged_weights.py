@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -15,7 +16,9 @@ class StagedWeights:
     ``stage`` checks each ``(name, tensor)`` (the trainer's names; wrapper prefixes removed) and copies it aside as it
     arrives (a producer may reuse a tensor's memory once the next item is asked for); ``apply`` copies the staged
     tensors into the model in one step. So a load that fails part-way (unknown name, wrong shape, a failing producer)
-    changes nothing. The price is one extra copy of the weights sent, for the length of the load.
+    changes nothing. The price is one extra copy of the weights sent, kept from one load to the next: a fresh copy at
+    every load spent ~0.12 s of SmolLM2-135M's ~0.15 s stage in page faults (538 MB). Hold ``staging`` from ``stage``
+    to ``apply``: the copies are reused, so two loads must not interleave.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -23,18 +26,24 @@ class StagedWeights:
         self.model_name = type(model).__name__
         self.targets = dict(model.named_parameters(remove_duplicate=False))
         self.targets.update(model.named_buffers(remove_duplicate=False))
+        self.staging = threading.Lock()
+        self._copies: dict[str, torch.Tensor] = {}  # by name: the staging memory, reused by later loads
 
     def stage(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         staged = []
         for name, tensor in named_tensors:
-            target = self.targets.get(strip_wrappers(name, keep=self.targets.__contains__))
+            key = strip_wrappers(name, keep=self.targets.__contains__)
+            target = self.targets.get(key)
             if target is None:
                 raise KeyError(f"Unknown weight {name!r}: the engine's {self.model_name} has no such parameter.")
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(
                     f"Weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {tuple(target.shape)}."
                 )
-            staged.append((target, tensor.detach().to(device=target.device, dtype=target.dtype, copy=True)))
+            copy = self._copies.get(key)
+            if copy is None or copy.shape != target.shape or copy.dtype != target.dtype or copy.device != target.device:
+                copy = self._copies[key] = torch.empty_like(target, requires_grad=False)
+            staged.append((target, copy.copy_(tensor.detach())))
         return staged
 
     @staticmethod
