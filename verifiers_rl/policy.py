@@ -14,6 +14,7 @@ import torch
 
 from .batching import MicroBatch
 from .compat import replaced_forward
+from .cpu_matmul import plain_linear
 from .modeling import unwrap
 from .prefix import PADDING, ROOT
 from . import segmented_attention
@@ -209,7 +210,7 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
 
 def _logits(hidden, weight, bias, temperature, dtype):
     # The matmul runs in the weight's dtype (no fp32 copy of a bf16 vocabulary matrix); softmax math in ``dtype``.
-    logits = (hidden.to(weight.dtype) @ weight.T).to(dtype)
+    logits = plain_linear(hidden.to(weight.dtype), weight).to(dtype)
     if bias is not None:
         logits = logits + bias.to(dtype)
     return logits if temperature == 1 else logits / temperature

@@ -5,7 +5,7 @@ of their weights; and sampling with either draws the same tokens as with F.linea
 import pytest
 import torch
 
-from verifiers_rl.cpu_matmul import PackedWeights, applies, cpu_linears, packs_available, weight_major
+from verifiers_rl.cpu_matmul import PackedWeights, applies, cpu_linears, packs_available, plain_linear, weight_major
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
 from test_hf_engine import assert_parity, load, prompts_of, sample_seeded
@@ -116,3 +116,21 @@ def test_unknown_cpu_matmuls_is_refused_by_name(tiny_model_dir):
     model, tokenizer = load(tiny_model_dir)
     with pytest.raises(ValueError, match="cpu_matmuls must be"):
         EmbeddedEngine(model, tokenizer, cpu_matmuls="fast")
+
+
+def test_plain_linear_equals_f_linear_and_leaves_autograd_to_it():
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(3, 7, 48), torch.randn(40, 48), torch.randn(40)
+    reference = torch.nn.functional.linear(x, weight, bias)
+    with torch.no_grad():
+        fast = plain_linear(x, weight, bias)
+    torch.testing.assert_close(fast, reference, rtol=0, atol=1e-5)
+    assert fast.shape == (3, 7, 40) and fast.grad_fn is None
+    weight.requires_grad_()
+    tracked = plain_linear(x, weight, bias)  # a graph to record: F.linear, whose backward exists
+    assert tracked.grad_fn is not None and torch.equal(tracked, torch.nn.functional.linear(x, weight, bias))
+    tracked.sum().backward()
+    torch.testing.assert_close(weight.grad, x.reshape(-1, 48).T.sum(-1).expand(40, 48), rtol=1e-5, atol=1e-5)
+    low = plain_linear(x.bfloat16(), weight.detach().bfloat16())  # other dtypes: F.linear
+    assert low.dtype == torch.bfloat16 and torch.equal(low, torch.nn.functional.linear(x.bfloat16(),
+                                                                                      weight.detach().bfloat16()))
