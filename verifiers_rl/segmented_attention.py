@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from .prefix import PADDING, ROOT
 
 KEYWORD = "verifiers_rl_runs"
-# What a run costs beyond its cells, in cells: its SDPA calls, slices and concatenations in forward, recompute and
-# backward. SmolLM2-135M on this project's 2-core CPU: ~0.57 ms per run and layer against ~57 ns per cell and layer
-# (profiled). A row of short sequences (the 16-token quickstart's) is cheaper as one dense call.
+# What a run costs beyond its cells, in cells: its SDPA calls, slices and concatenations in forward and backward.
+# SmolLM2-135M on this project's 2-core CPU: ~0.57 ms per run and layer against ~57 ns per cell and layer (profiled
+# when the backward still recomputed the forward: an upper bound now). A row of short sequences (the 16-token
+# quickstart's) is cheaper as one dense call.
 RUN_OVERHEAD_CELLS = 10_000
 
 
@@ -115,7 +116,9 @@ def _run_by_run(query, key, value, runs: list[Run], scaling: float) -> torch.Ten
 
 
 class _RunAttention(torch.autograd.Function):
-    """One autograd node from (q, k, v) to the output, as SDPA is; its backward recomputes the runs' attention.
+    """One autograd node from (q, k, v) to the output, as SDPA is. Its forward records the runs' own graph (their
+    SDPA calls, slices and concatenations) and its backward goes through it: no recompute of the forward (which
+    cost ~0.3 s of a 128-token SmolLM2 training step on this project's CPU).
 
     Dozens of per-run nodes would finish the q/k/v gradients in an order that depends on the row's layout, and
     ZeRO-3 reduce-scatters parameter gradients in the order they finish: two ranks with different layouts would
@@ -123,15 +126,19 @@ class _RunAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, runs, scaling):
-        ctx.save_for_backward(query, key, value)
-        ctx.runs, ctx.scaling = runs, scaling
-        return _run_by_run(query, key, value, runs, scaling)
+        needed = ctx.needs_input_grad[:3]
+        if not any(needed):  # no gradient wanted (no_grad, inputs that need none): no graph to keep
+            return _run_by_run(query, key, value, runs, scaling)
+        inputs = [t.detach().requires_grad_(n) for t, n in zip((query, key, value), needed)]
+        with torch.enable_grad():
+            output = _run_by_run(*inputs, runs, scaling)
+        ctx.graph = inputs, output
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
-        inputs = [t.detach().requires_grad_(needed) for t, needed in zip(ctx.saved_tensors, ctx.needs_input_grad)]
-        with torch.enable_grad():
-            output = _run_by_run(*inputs, ctx.runs, ctx.scaling)
+        inputs, output = ctx.graph
+        del ctx.graph  # the runs' saved tensors go with the graph, as a node's saved tensors do after backward
         wanted = [t for t in inputs if t.requires_grad]
         if wanted and output.requires_grad:
             grads = torch.autograd.grad(output, wanted, grad_output, allow_unused=True)
