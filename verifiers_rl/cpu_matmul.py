@@ -1,4 +1,5 @@
-"""The engine's CPU matmuls against large weights: ``x W^T + b`` computed faster than ``F.linear`` with few rows.
+"""CPU matmuls against large weights: ``x W^T + b`` computed faster than ``F.linear``, for the engine (few rows) and
+the training output layer's logits (``plain_linear``).
 
 Two ways, both equal to ``F.linear`` to float rounding (another summation order; a row's product never depends on
 the rows beside it):
@@ -7,7 +8,7 @@ the rows beside it):
   once into oneDNN's blocked layout, multiplied by oneDNN's kernels. SmolLM2-135M's 211 decode-step matmuls
   (30 layers and the output layer; 2 cores, AMD EPYC Zen 4, torch 2.13): 16 rows 35-40 ms against 63-73 ms
   weight-major, 4 rows 25-30 against 28-34 ms; at 1500 rows ~220 GFLOPS against ~170 for ``F.linear``. The price:
-  a second copy of the weights, re-packed after each weight load (~0.2 s for SmolLM2-135M's 538 MB).
+  a second copy of the weights, re-packed after each weight load (~0.15 s for SmolLM2-135M's 538 MB).
 - ``weight_major``: ``(W x^T)^T``. ``F.linear`` hands MKL ``x @ W^T`` (a transposed weight), and with few rows
   against a large weight MKL's sgemm is slow in that layout on this CPU: SmolLM2-135M's output layer (49152 x 576)
   times 16 rows took 64 ms as ``F.linear`` and 26 ms as ``W @ x^T``.
@@ -95,7 +96,8 @@ class PackedWeights:
     def refresh(self) -> int:
         """Pack the weights changed since their last pack (all, the first time); how many were packed."""
         layers = [layer for layer in self.model.modules() if applies(layer)]
-        self._packs = {layer: pack for layer, pack in self._packs.items() if layer in layers}
+        admitted = set(layers)
+        self._packs = {layer: pack for layer, pack in self._packs.items() if layer in admitted}
         stale = [layer for layer in layers if not self._current(layer)]
         for layer in stale:
             packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight, self.ROWS_HINT)
