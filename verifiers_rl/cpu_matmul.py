@@ -59,6 +59,11 @@ def packs_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # oneDNN's fp32 linear (a private op): ``x`` [rows, in] contiguous, ``weight`` plain or packed; no activation.
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b``, through oneDNN with the weight as it is (not packed) where that applies: fp32 CPU tensors and
     no autograd graph to record (oneDNN's op has no backward). Else ``F.linear``. The training output layer's
@@ -69,7 +74,7 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             or weight.dtype != torch.float32):
         return torch.nn.functional.linear(x, weight, bias)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+    y = _onednn_linear(flat, weight, bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -108,7 +113,7 @@ class PackedWeights:
         """``x W^T + b`` for ``x`` ``[rows, in]`` with the layer's packed weight (no gradient)."""
         if not self._current(layer):
             raise RuntimeError("A linear layer's weight changed after its pack: call PackedWeights.refresh first.")
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packs[layer][2], layer.bias, "none", [], "")
+        return _onednn_linear(x.contiguous(), self._packs[layer][2], layer.bias)
 
 
 def _replacement(layer: torch.nn.Linear, linear: Linear):
