@@ -91,34 +91,44 @@ def cheaper_cells(cells: int, runs: int, rows: int, width: int) -> int:
     return min(cells + RUN_OVERHEAD_CELLS * runs, rows * width * width)
 
 
-def _attend(query, key, value, run: Run, scaling: float) -> torch.Tensor:
-    """One run's output ``[1, H, L, D]`` (query: the row's ``[1, H, T, D]``; key/value ``[1, KVH, T, D]``)."""
-    q = query[:, :, run.start : run.stop]
-    own = slice(run.start, run.stop)
-    if not run.before:  # keys = the run itself: plain causal attention
-        return F.scaled_dot_product_attention(q, key[:, :, own], value[:, :, own], is_causal=True, scale=scaling,
-                                              enable_gqa=True)
-    k = torch.cat([key[:, :, a:b] for a, b in run.before] + [key[:, :, own]], dim=2)
-    v = torch.cat([value[:, :, a:b] for a, b in run.before] + [value[:, :, own]], dim=2)
-    length = run.stop - run.start
+def _attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    """One run's output ``[1, H, L, D]`` from its queries ``[1, H, L, D]`` and its key/value column pieces (what it
+    sees before it, then itself: ``[1, KVH, *, D]`` each)."""
+    if len(keys) == 1:  # keys = the run itself: plain causal attention
+        return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True, scale=scaling, enable_gqa=True)
+    k, v = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+    length = q.shape[2]
     causal = torch.ones(length, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - length)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=True)
 
 
-def _run_by_run(query, key, value, runs: list[Run], scaling: float) -> torch.Tensor:
+def _run_by_run(query, key, value, runs: list[Run], scaling: float, columns=None) -> torch.Tensor:
+    """``columns(which, row, a, b)``: the tensor standing for columns ``[a, b)`` of ``row`` of input ``which``
+    (0 query, 1 key, 2 value); default: a view of them."""
+    inputs = (query, key, value)
+    columns = columns or (lambda which, row, a, b: inputs[which][row : row + 1, :, a:b])
     rows = []
     for row in range(query.shape[0]):
-        q, k, v = query[row : row + 1], key[row : row + 1], value[row : row + 1]
-        parts = [q.new_zeros(1, q.shape[1], run.stop - run.start, value.shape[-1]) if run.before is None
-                 else _attend(q, k, v, run, scaling) for run in runs if run.row == row]
+        parts = []
+        for run in runs:
+            if run.row != row:
+                continue
+            if run.before is None:
+                parts.append(query.new_zeros(1, query.shape[1], run.stop - run.start, value.shape[-1]))
+                continue
+            seen = [*run.before, (run.start, run.stop)]
+            parts.append(_attend(columns(0, row, run.start, run.stop), [columns(1, row, a, b) for a, b in seen],
+                                 [columns(2, row, a, b) for a, b in seen], scaling))
         rows.append(torch.cat(parts, dim=2))
     return torch.cat(rows)
 
 
 class _RunAttention(torch.autograd.Function):
     """One autograd node from (q, k, v) to the output, as SDPA is. Its forward records the runs' own graph (their
-    SDPA calls, slices and concatenations) and its backward goes through it: no recompute of the forward (which
-    cost ~0.3 s of a 128-token SmolLM2 training step on this project's CPU).
+    SDPA calls and concatenations) on leaf copies of the column pieces each run reads, and its backward goes through
+    it and adds each piece's gradient into place: no recompute of the forward (which cost ~0.3 s of a 128-token
+    SmolLM2 training step on this project's CPU), and no backward of a slice, which zero-fills a whole row's
+    gradient per piece (~0.5 s of that step).
 
     Dozens of per-run nodes would finish the q/k/v gradients in an order that depends on the row's layout, and
     ZeRO-3 reduce-scatters parameter gradients in the order they finish: two ranks with different layouts would
@@ -129,23 +139,32 @@ class _RunAttention(torch.autograd.Function):
         needed = ctx.needs_input_grad[:3]
         if not any(needed):  # no gradient wanted (no_grad, inputs that need none): no graph to keep
             return _run_by_run(query, key, value, runs, scaling)
-        inputs = [t.detach().requires_grad_(n) for t, n in zip((query, key, value), needed)]
+        inputs, leaves = (query, key, value), []
+
+        def columns(which, row, a, b):
+            piece = inputs[which][row : row + 1, :, a:b].detach()
+            if needed[which]:
+                piece.requires_grad_()
+                leaves.append((which, row, a, b, piece))
+            return piece
+
         with torch.enable_grad():
-            output = _run_by_run(*inputs, runs, scaling)
-        ctx.graph = inputs, output
+            output = _run_by_run(query, key, value, runs, scaling, columns)
+        ctx.graph = leaves, output
+        ctx.shapes = [(t.shape, t.dtype, t.device) if n else None for t, n in zip(inputs, needed)]
         return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output):
-        inputs, output = ctx.graph
+        leaves, output = ctx.graph
         del ctx.graph  # the runs' saved tensors go with the graph, as a node's saved tensors do after backward
-        wanted = [t for t in inputs if t.requires_grad]
-        if wanted and output.requires_grad:
-            grads = torch.autograd.grad(output, wanted, grad_output, allow_unused=True)
-        else:  # a row of padding only (an empty rank's micro-batch): zero gradients, as dense attention gives
-            grads = [None] * len(wanted)
-        grads = iter(torch.zeros_like(t) if g is None else g for t, g in zip(wanted, grads))
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+        grads = [None if spec is None else torch.zeros(spec[0], dtype=spec[1], device=spec[2]) for spec in ctx.shapes]
+        if leaves and output.requires_grad:  # else a row of padding only (an empty rank's micro-batch): zeros
+            pieces = torch.autograd.grad(output, [leaf[-1] for leaf in leaves], grad_output, allow_unused=True)
+            for (which, row, a, b, _), piece in zip(leaves, pieces):
+                if piece is not None:
+                    grads[which][row : row + 1, :, a:b] += piece
+        return (*grads, None, None)
 
 
 def run_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: list[Run],
