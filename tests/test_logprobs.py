@@ -17,7 +17,8 @@ from verifiers_rl.synthetic import random_rollouts
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("through", ["logps", "entropy", "both"])
 def test_chunked_logprobs_match_unchunked_in_fp64(chunk_size, with_bias, through):
-    """Values, and gradients through the log-probs, the entropy (an entropy bonus) or both."""
+    """Values, and gradients through the log-probs, the entropy (an entropy bonus) or both; a second backward through
+    the same graph (the forward's kept last chunk is used once, then recomputed) gives the same gradients."""
     gen = torch.Generator().manual_seed(chunk_size)
     hidden = torch.randn(50, 16, dtype=torch.float64, generator=gen, requires_grad=True)
     weight = torch.randn(300, 16, dtype=torch.float64, generator=gen, requires_grad=True)
@@ -31,7 +32,9 @@ def test_chunked_logprobs_match_unchunked_in_fp64(chunk_size, with_bias, through
         inputs = [hidden, weight] + ([bias] if with_bias else [])
         objective = {"logps": (logps * upstream).sum(), "entropy": (entropy * upstream_h).sum(),
                      "both": (logps * upstream).sum() + (entropy * upstream_h).sum()}[through]
-        grads = torch.autograd.grad(objective, inputs)
+        grads = torch.autograd.grad(objective, inputs, retain_graph=True)
+        for again, first in zip(torch.autograd.grad(objective, inputs), grads):
+            torch.testing.assert_close(again, first, rtol=1e-12, atol=1e-12)
         results.append((logps.detach(), entropy.detach(), grads))
     (ref_logps, ref_entropy, ref_grads), (logps, entropy, grads) = results
     torch.testing.assert_close(logps, ref_logps, rtol=1e-12, atol=1e-12)

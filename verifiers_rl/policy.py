@@ -133,6 +133,8 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
     """log softmax((h W^T + b) / T)[target] and the entropy, over token chunks, with a recomputing backward.
 
     Each chunk works in place on one [chunk, V] buffer (two at the peak), so memory is bounded by the chunk size.
+    The last chunk's log-softmax buffer is kept from forward to backward (one [chunk, V] buffer), which then
+    recomputes only the others: a micro-batch of at most ``chunk_size`` loss tokens computes its logits once.
     """
 
     @staticmethod
@@ -141,7 +143,9 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
         logps = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
         entropy = torch.empty_like(logps)
         lse_all = torch.empty_like(logps)
-        for start in range(0, hidden.shape[0], chunk_size):
+        starts = range(0, hidden.shape[0], chunk_size)
+        ctx.kept = None
+        for start in starts:
             stop = start + chunk_size
             logsoftmax = _logits(hidden[start:stop], weight, bias, temperature, dtype)
             lse = torch.logsumexp(logsoftmax, dim=-1)
@@ -150,6 +154,8 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             probs = logsoftmax.exp()
             entropy[start:stop] = -probs.mul_(logsoftmax).sum(-1)
             lse_all[start:stop] = lse
+            if start == starts[-1] and any(ctx.needs_input_grad[:3]):
+                ctx.kept = logsoftmax  # the last chunk's log p: its buffer is live now, the backward needs no recompute
             del logsoftmax, probs
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all, entropy)
         ctx.temperature = temperature
@@ -168,13 +174,18 @@ class _ChunkedTargetLogProbs(torch.autograd.Function):
             if bias is not None and ctx.needs_input_grad[2]
             else None
         )
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
+        starts = list(range(0, hidden.shape[0], ctx.chunk_size))
+        kept, ctx.kept = ctx.kept, None  # once: a second backward (retain_graph) recomputes every chunk
+        for start in starts[-1:] + starts[:-1]:  # the kept chunk first, so at most one [chunk, V] buffer lives
             stop = min(start + ctx.chunk_size, hidden.shape[0])
             # d logp_target / d z = onehot(target) - p and d H / d z = -p (log p + H), z = logits / T; then / T.
             upstream = (grad_logps[start:stop, None].to(dtype) if grad_logps is not None
                         else torch.zeros((stop - start, 1), dtype=dtype, device=hidden.device))
-            grad_logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
-            grad_logits.sub_(lse_all[start:stop, None])  # log p
+            if kept is not None and start == starts[-1]:
+                grad_logits, kept = kept, None  # log p, from the forward
+            else:
+                grad_logits = _logits(hidden[start:stop], weight, bias, ctx.temperature, dtype)
+                grad_logits.sub_(lse_all[start:stop, None])  # log p
             if grad_entropy is not None:  # -p (g_logp + g_H (log p + H)); one more [chunk, V] buffer
                 factor = (grad_logits + entropy[start:stop, None]).mul_(grad_entropy[start:stop, None].to(dtype))
                 grad_logits.exp_().mul_(factor.add_(upstream).neg_())
