@@ -4,9 +4,9 @@ What it measures: ``verifiers_rl.policy.target_logprobs(hidden[N, H], weight[V, 
 V = 49,152 (SmolLM2's vocabulary), H = 576 (SmolLM2-135M's hidden size), N = 4,096 tokens, fp32 on CPU,
 then ``logps.sum().backward()`` into both ``hidden`` and ``weight``. ``chunk_size=None`` materialises all
 N x V logits through autograd (the reference); a chunk size keeps logits for that many tokens at a time and
-recomputes them in the backward. Each configuration runs in a fresh subprocess (this script with the hidden
-``--child`` flag), which records the peak resident set (``ru_maxrss``) after allocating the inputs and again
-after forward + backward; the table gives the increase, the part of it that is the unavoidable V x H fp32
+recomputes them in the backward, all but the last chunk's (kept from the forward). Each configuration runs in a
+fresh subprocess (this script with the hidden ``--child`` flag), which records the peak resident set (``ru_maxrss``)
+after allocating the inputs and again after forward + backward; the table gives the increase, the part of it that is the unavoidable V x H fp32
 gradient of ``weight``, the ratio to the unchunked increase, and the forward + backward wall time (best of 2 runs,
 the first being the measured one; 1 with ``--quick``).
 
