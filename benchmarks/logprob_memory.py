@@ -6,9 +6,9 @@ then ``logps.sum().backward()`` into both ``hidden`` and ``weight``. ``chunk_siz
 N x V logits through autograd (the reference); a chunk size keeps logits for that many tokens at a time and
 recomputes them in the backward, all but the last chunk's (kept from the forward). Each configuration runs in a
 fresh subprocess (this script with the hidden ``--child`` flag), which records the peak resident set (``ru_maxrss``)
-after allocating the inputs and again after forward + backward; the table gives the increase, the part of it that is the unavoidable V x H fp32
-gradient of ``weight``, the ratio to the unchunked increase, and the forward + backward wall time (best of 2 runs,
-the first being the measured one; 1 with ``--quick``).
+after allocating the inputs and again after forward + backward; the table gives the increase, the part of it that
+is the unavoidable V x H fp32 gradient of ``weight``, the ratio to the unchunked increase, and the forward + backward
+wall time (best of 2 runs, the first being the measured one; 1 with ``--quick``).
 
 Every chunked child also checks its result against the unchunked computation on a smaller problem
 (min(N, max(1000, min(1.5 x chunk, 1536))) tokens: a ragged last chunk, and several chunks for the smaller
