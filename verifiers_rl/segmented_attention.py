@@ -125,8 +125,8 @@ def _run_by_run(query, key, value, runs: list[Run], scaling: float, columns=None
 
 class _RunAttention(torch.autograd.Function):
     """One autograd node from (q, k, v) to the output, as SDPA is. Its forward records the runs' own graph (their
-    SDPA calls and concatenations) on leaf copies of the column pieces each run reads, and its backward goes through
-    it and adds each piece's gradient into place: no recompute of the forward (which cost ~0.3 s of a 128-token
+    SDPA calls and concatenations) on detached views of the column pieces each run reads (leaves of that graph), and
+    its backward goes through it and adds each piece's gradient into place: no recompute of the forward (which cost ~0.3 s of a 128-token
     SmolLM2 training step on this project's CPU), and no backward of a slice, which zero-fills a whole row's
     gradient per piece (~0.5 s of that step).
 
