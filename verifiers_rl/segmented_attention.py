@@ -126,9 +126,9 @@ def _run_by_run(query, key, value, runs: list[Run], scaling: float, columns=None
 class _RunAttention(torch.autograd.Function):
     """One autograd node from (q, k, v) to the output, as SDPA is. Its forward records the runs' own graph (their
     SDPA calls and concatenations) on detached views of the column pieces each run reads (leaves of that graph), and
-    its backward goes through it and adds each piece's gradient into place: no recompute of the forward (which cost ~0.3 s of a 128-token
-    SmolLM2 training step on this project's CPU), and no backward of a slice, which zero-fills a whole row's
-    gradient per piece (~0.5 s of that step).
+    its backward goes through it and adds each piece's gradient into place: no recompute of the forward (which cost
+    ~0.3 s of a 128-token SmolLM2 training step on this project's CPU), and no backward of a slice, which zero-fills
+    a whole row's gradient per piece (~0.5 s of that step).
 
     Dozens of per-run nodes would finish the q/k/v gradients in an order that depends on the row's layout, and
     ZeRO-3 reduce-scatters parameter gradients in the order they finish: two ranks with different layouts would
