@@ -95,3 +95,12 @@ def test_vllm_fields_are_validated():
     assert vllm_config(vllm_server_url=url, generation_timeout_s=300, vllm_reconnect_timeout_s=0).vllm_reconnect_timeout_s == 0
     with pytest.raises(ValueError, match="Unknown vllm_weight_transfer .tcp.; expected one of files, nccl, gloo"):
         vllm_config(vllm_weight_transfer="tcp")
+
+
+
+def test_bf16_stays_off_with_use_cpu_where_a_gpu_is(monkeypatch):
+    # A GPU machine's use_cpu run (the CPU reference of tests/gpu) must train in fp32 like any CPU run.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the default reads only this answer
+    assert RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none").bf16 is False

@@ -210,7 +210,8 @@ class RLConfig(GRPOConfig):
         metadata={"help": "Print num_completions_to_print sample completions (with rewards) every N steps; 0 = never."},
     )
     bf16: bool | None = field(
-        default=None, metadata={"help": "bf16 mixed precision; defaults to True on a GPU, False on CPU."}
+        default=None, metadata={"help": "bf16 mixed precision (and the embedded engine's weights in bf16); defaults to True on a GPU, False on CPU "
+                          "(and with use_cpu)."}
     )
     weight_sync_bucket_mb: float = field(
         default=256.0,
@@ -369,8 +370,8 @@ class RLConfig(GRPOConfig):
     def __post_init__(self):
         check_fields(self)  # before anything below derives a field from another
         apply_trl_names(self)
-        if self.bf16 is None:
-            self.bf16 = torch.cuda.is_available() and not self.fp16
+        if self.bf16 is None:  # use_cpu trains on the CPU even where a GPU is (a GPU machine's CPU reference run)
+            self.bf16 = torch.cuda.is_available() and not self.use_cpu and not self.fp16
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
                                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
             # TRL defaults the old name (gradient_checkpointing=True), which transformers 5 then reports as a
