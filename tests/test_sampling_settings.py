@@ -26,6 +26,15 @@ def test_config_knobs_reach_the_embedded_engine_built_by_build_engine(tiny_model
     try:
         assert isinstance(engine, EmbeddedEngine)
         assert engine.sampling == SamplingConfig(max_new_tokens=12, **KNOBS)
+        assert engine.dtype == "torch.float32"
+    finally:
+        engine.close()
+
+
+def test_the_embedded_engine_samples_in_the_training_precision(tiny_model_dir):
+    engine = build_engine(config(use_cpu=True, bf16=True), tiny_model_dir, None)  # a GPU's default, asked on CPU
+    try:
+        assert engine.dtype == "torch.bfloat16"
     finally:
         engine.close()
 

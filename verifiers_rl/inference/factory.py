@@ -53,6 +53,9 @@ def build_engine(config, model: str, tokenizer):
         weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
         chat_template_kwargs=config.chat_template_kwargs,  # what its chat() asks the server's template for
     )
+    # The embedded engine samples in the training precision (bf16 on a GPU by default), as TRL's generate and a
+    # vLLM server do; the importance weights correct what rounding differs.
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
     # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
     return make_engine(model, tokenizer, sampling, vllm_server_url=config.vllm_server_url, vllm=vllm,
-                       generate_in_loop_thread=config.max_off_policy_steps == 0)
+                       generate_in_loop_thread=config.max_off_policy_steps == 0, dtype=dtype)
