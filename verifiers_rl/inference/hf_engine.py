@@ -46,11 +46,16 @@ class RowSampler:
     """
 
     def __init__(self, temperatures: list[float], seeds: list[int | None], top_k: int, top_p: float,
-                 min_p: float = 0.0, repetition_penalty: float = 1.0, pad_lengths: list[int] | None = None):
+                 min_p: float = 0.0, repetition_penalty: float = 1.0, pad_lengths: list[int] | None = None,
+                 device: torch.device | str = "cpu"):
         from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         self.temperatures = torch.tensor(temperatures, dtype=torch.float32)
-        self.generators = [None if seed is None else torch.Generator().manual_seed(seed) for seed in seeds]
+        # The noise is drawn where the logits are: on a GPU, a [rows, vocab] draw on the CPU and its copy cost more
+        # than the decode step's kernels. A seed gives the same tokens on the same kind of device.
+        self.device = torch.device(device)
+        self.generators = [None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+                           for seed in seeds]
         # vLLM's order (min-p before top-k / top-p): both engines then sample from the same distribution.
         self.filters = [MinPLogitsWarper(float(min_p))] if min_p else []
         self.filters += ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
@@ -73,7 +78,8 @@ class RowSampler:
         filtered = logits / torch.where(sampled, temperatures, 1.0)[:, None]
         for keep in self.filters:
             filtered = keep(input_ids, filtered)
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=self.generators[row]) for row in rows])
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=self.generators[row], device=self.device)
+                               for row in rows])
         gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
         return (torch.where(sampled[:, None], filtered, logits),
                 torch.where(sampled[:, None], filtered + gumbel.to(scores.device), logits))
@@ -204,14 +210,15 @@ class EmbeddedEngine:
         """One left-padded batch of requests, decoded together (worker thread)."""
         prompts = [r.prompt_ids for r in requests]
         width, s = max(len(p) for p in prompts), self.sampling
-        sampler = RowSampler([r.temperature for r in requests], [r.seed for r in requests], s.top_k, s.top_p,
-                             s.min_p, s.repetition_penalty, pad_lengths=[width - len(p) for p in prompts])
         with self._lock:
             if self._closed:
                 raise EngineClosedError("The engine was closed while requests were waiting.")
             self.generate_calls += 1
             self.requests_served += len(prompts)
             device = self.model.get_input_embeddings().weight.device
+            sampler = RowSampler([r.temperature for r in requests], [r.seed for r in requests], s.top_k, s.top_p,
+                                 s.min_p, s.repetition_penalty, pad_lengths=[width - len(p) for p in prompts],
+                                 device=device)
             root = self._root_length(prompts)
             input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros_like(input_ids)
