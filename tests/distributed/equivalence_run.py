@@ -118,7 +118,7 @@ def process_topology(accelerator) -> dict:
         "is_local_main_process": accelerator.is_local_main_process,
         "pg_timeout_s": None,
     }
-    if dist.is_initialized():
+    if dist.is_initialized() and dist.get_backend() == "gloo":  # an NCCL group (a GPU run) has no CPU backend
         # Private API, for the test only: the gloo group's collective timeout (what ddp_timeout must set).
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))
         record["pg_timeout_s"] = backend.options._timeout.total_seconds()
@@ -193,6 +193,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--ddp_timeout", type=int, default=None, help="RLConfig.ddp_timeout, when given")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: tests/gpu (fp32 unless --bf16)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 weights (Accelerate's mixed precision)")
     args = parser.parse_args()
     # Packed and shared rows attend run by run wherever that computes fewer cells: these rows are short, and at the
     # default per-run overhead every one would attend densely; so the ranks mix both attention paths. (In main: the
@@ -202,6 +204,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     names = args.only or list(CONFIGS)
     extra = {} if args.ddp_timeout is None else {"ddp_timeout": args.ddp_timeout}
+    extra.update(use_cpu=args.device == "cpu", bf16=args.bf16)  # bf16 stated: RLConfig turns it on where CUDA is
     for name in names:
         print(f"[equivalence] rank {os.environ.get('RANK', '0')}: {name}", file=sys.stderr, flush=True)
         run(name, CONFIGS[name], args.model, {"main": args.rollouts, "small": args.small_rollouts}, out, extra)

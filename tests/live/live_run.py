@@ -39,7 +39,7 @@ class RankLossTokens(TrainerCallback):
 def run(model: str, k: int, steps: int, out: Path, env: str, env_args: dict, timeout_s: float, extra: dict,
         save: bool = False) -> None:
     args = RLConfig(
-        output_dir=str(out / f"trainer_k{k}"), use_cpu=True, report_to="none", logging_steps=1,
+        output_dir=str(out / f"trainer_k{k}"), report_to="none", logging_steps=1,
         save_strategy="steps" if save else "no", save_steps=steps,
         max_steps=steps, learning_rate=3e-3, lr_scheduler_type="constant", rollouts_per_step=32, num_generations=8,
         max_seq_len=64, max_off_policy_steps=k, loss_type="token_mean", gradient_checkpointing=False,
@@ -50,6 +50,8 @@ def run(model: str, k: int, steps: int, out: Path, env: str, env_args: dict, tim
     # The engine lives on the main process only, with its own copy of the weights.
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
     engine = EmbeddedEngine(model, tokenizer, sampling, generate_in_loop_thread=k == 0) if args.process_index == 0 else None
+    if engine is not None and not args.use_cpu:
+        engine.model.to(args.device)  # as make_engine places it
     counter = RankLossTokens()
     trainer = RLTrainer(model, args, processing_class=tokenizer, environment=environment, engine=engine,
                         callbacks=[counter])
@@ -80,10 +82,12 @@ def main() -> None:
     parser.add_argument("--timeout_s", type=float, default=120.0)
     parser.add_argument("--ddp_timeout", type=int, default=None, help="RLConfig.ddp_timeout, when given")
     parser.add_argument("--save", action="store_true", help="a checkpoint at the last step, then the final model")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: tests/gpu, in fp32")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = {} if args.ddp_timeout is None else {"ddp_timeout": args.ddp_timeout}
+    extra.update(use_cpu=args.device == "cpu", bf16=False)  # bf16 stated: RLConfig turns it on where CUDA is
     for k in args.k:
         run(args.model, k, args.steps, out, args.env, json.loads(args.env_args), args.timeout_s, extra, args.save)
 
