@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+sys.path.insert(0, str(ROOT / "tests" / "inference"))
 from equivalence_run import CONFIGS  # noqa: E402
 from test_distributed_equivalence import LAUNCH_TIMEOUT_S, load, runner_inputs  # noqa: E402
 from test_live_training import MIN_REWARD_GAIN  # noqa: E402
@@ -278,3 +279,47 @@ def test_the_engine_draws_its_noise_on_the_gpu_and_samples_the_softmax():
     assert all(g.device.type == "cuda" for g in seeded[0].generators)
     first, second = (s.draw(context[:64], logits[:64], list(range(64)))[0] for s in seeded)
     assert torch.equal(first, second) and len(set(first.tolist())) > 1
+
+
+@pytest.mark.parametrize("build", ["gqa_model", "qwen2_model"])
+def test_captured_decode_steps_equal_transformers_forward_on_the_gpu(build):
+    """graph_decode on the GPU: the first step eager, the second captured, the rest replayed; logits equal
+    transformers' forward (fp32) with rows leaving the batch twice."""
+    import test_llama_decode as lean
+    from verifiers_rl.inference.graph_decode import GraphDecoder, supports
+
+    model = getattr(lean, build)().cuda()
+    assert supports(model)
+    decoders = []
+
+    def make(cache, capacity):
+        decoders.append(GraphDecoder(model, cache, capacity))
+        return decoders[-1]
+
+    lean.assert_steps_equal_forward(model, make, tolerance=FP32_TOLERANCE)
+    assert decoders[0].graph is not None
+
+
+def test_the_engine_on_the_gpu_samples_through_captured_steps(tiny_model_dir, monkeypatch):
+    """With and without CUDA graphs the engine draws the same seeded tokens (fp32), log-probs within 1e-4."""
+    from test_hf_engine import load, prompts_of, sample_seeded
+    from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+    from verifiers_rl.inference.graph_decode import GraphDecoder
+
+    replays = []
+    step = GraphDecoder.step
+    monkeypatch.setattr(GraphDecoder, "step", lambda self, *a: (replays.append(self.graph is not None), step(self, *a))[1])
+    prompts = prompts_of(load(tiny_model_dir)[1])
+    samples = {}
+    for graphs in (True, False):
+        engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=16), cuda_graphs=graphs,
+                                generate_in_loop_thread=True)  # captures only where it decodes on this thread
+        engine.model.to("cuda")
+        try:
+            samples[graphs] = sample_seeded(engine, prompts, list(range(len(prompts))))
+        finally:
+            engine.close()
+    assert sum(replays) > len(prompts)  # steps replayed from a graph, with graphs on only
+    for captured, plain in zip(samples[True], samples[False], strict=True):
+        assert captured.token_ids == plain.token_ids
+        torch.testing.assert_close(torch.tensor(captured.logprobs), torch.tensor(plain.logprobs), rtol=0, atol=1e-4)

@@ -4,7 +4,8 @@ CPU).
 Concurrent ``sample`` calls from the coroutines of one event loop are batched (``request_batcher``) and decoded as one
 left-padded batch in a worker thread, so the loop keeps serving environments while the model runs. The decode loop is
 the engine's own (not ``generate``): a finished row leaves the batch, and after the first step an fp32 Llama model on
-CPU steps through ``llama_decode`` (transformers' forward otherwise).
+CPU steps through ``llama_decode``, a Llama or Qwen2 model on a GPU through ``graph_decode``'s captured step
+(transformers' forward otherwise).
 Weight loads are staged and applied at once (``staged_weights``).
 """
 
@@ -23,6 +24,8 @@ from ..compat import without_zero3_init
 from ..cpu_matmul import PackedWeights, cpu_linears, packs_available, weight_major
 from ..modeling import sequence_logprobs, unwrap
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
+from .graph_decode import GraphDecoder
+from .graph_decode import supports as graph_decode_supports
 from .llama_decode import LlamaDecoder
 from .llama_decode import supports as llama_decode_supports
 from .request_batcher import Request, RequestBatcher
@@ -113,6 +116,12 @@ class EmbeddedEngine:
             decode from copies of its keys/values.
         llama_decode: decode steps of a plain fp32 Llama model on CPU run ``llama_decode``'s lean step (the same
             mathematics in fewer ops, keys/values in preallocated buffers) instead of transformers' forward.
+        cuda_graphs: decode steps of a Llama or Qwen2 model on a GPU replay one captured CUDA graph per batch
+            (``graph_decode``: the lean step with fixed shapes; a GPU decode step is otherwise bound by its kernel
+            launches), when the engine decodes on the caller's thread (``generate_in_loop_thread``: synchronous
+            generation, k = 0). On a worker thread (k >= 1) it does not: a capture makes any device-wide
+            synchronisation another thread makes meanwhile fail (``torch.cuda.synchronize``, a ``cudaFree``), and
+            training runs beside it there.
 
     Log-probs are those of the distribution each token was drawn from (``RowSampler``: the penalised, tempered,
     filtered and renormalised softmax; with the default ``sampling``, the full softmax at the sampling temperature;
@@ -131,6 +140,7 @@ class EmbeddedEngine:
         share_prompt_prefill: bool = True,
         cpu_matmuls: Literal["auto", "packed", "weight_major", "linear"] = "auto",
         llama_decode: bool = True,
+        cuda_graphs: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,6 +169,7 @@ class EmbeddedEngine:
         self.cpu_matmuls = cpu_matmuls
         self._packs = PackedWeights(self.model) if cpu_matmuls == "packed" else None
         self.llama_decode = llama_decode and llama_decode_supports(self.model)
+        self.cuda_graphs = cuda_graphs  # where it applies is known once the model is on its device (make_engine)
         self.prefills_shared = 0  # prompt prefills saved by sharing (requests that reused another's keys/values)
         self.root_tokens_shared = 0  # prompt tokens not prefilled again thanks to the batches' roots
         self.model.eval()
@@ -246,7 +257,7 @@ class EmbeddedEngine:
         cache = self._shared_prefill(input_ids, attention_mask, prompts, root)
         step_ids = input_ids if cache is None else input_ids[:, -1:]  # a shared prefill holds all but the last
         cache = DynamicCache(config=self.model.config) if cache is None else cache
-        decoder = None  # the lean step (llama_decode) once the first step has filled the cache
+        decoder = None  # the lean step (llama_decode, graph_decode) once the first step has filled the cache
         rows = list(range(len(prompts)))  # the batch rows still decoding, in the order of the tensors below
         tokens: list[list[int]] = [[] for _ in prompts]
         logprobs: list[list[float]] = [[] for _ in prompts]
@@ -259,8 +270,11 @@ class EmbeddedEngine:
             else:
                 logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                     past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
-                if self.llama_decode:
-                    decoder = LlamaDecoder(self.model, cache, mask.shape[1] + max(max_new_tokens), linear)
+                capacity = mask.shape[1] + max(max_new_tokens)
+                if self.cuda_graphs and self.generate_in_loop_thread and graph_decode_supports(self.model):
+                    decoder = GraphDecoder(self.model, cache, capacity)
+                elif self.llama_decode:
+                    decoder = LlamaDecoder(self.model, cache, capacity, linear)
             drawn, drawn_logps = sampler.draw(context, logits, rows)
             running = []
             for i, (row, token, logp) in enumerate(zip(rows, drawn.tolist(), drawn_logps.tolist())):
