@@ -12,18 +12,20 @@ both trainers load the checkpoint in fp32 by default), no gradient checkpointing
 sides (TRL: ``per_device_train_batch_size=8``, one generation per step; ours: ``micro_batching="padded"``, 8 rows per
 micro-batch), reward: a cheap function of the completion text. Each trainer runs ``--warmup`` + ``--steps`` steps.
 ``--shape tiny`` (hidden 64, 2 layers, vocab 1000, 32-token prompts, 16 new tokens) checks the script on CPU.
-Qwen2 rather than a Llama with biases: the engine's lean decode step (``inference/llama_decode.py``, ``supports``)
-takes only fp32 Llama models on CPU; on a GPU every model decodes through transformers' forward, so nothing is lost.
+Qwen2: Qwen2.5's own architecture (the engine's captured GPU decode step, ``inference/graph_decode.py``, takes Llama
+and Qwen2 models).
 
 Trainers (``--trainers``, run one after the other in this process, each freed before the next):
 
 - ``trl``: ``trl.GRPOTrainer`` with ``use_vllm=False``: transformers ``generate`` on the training model itself
   (under accelerate's bf16 autocast), then training; every row carries its own copy of the prompt.
 - ``k0_shared`` / ``k0_unshared``: ``RLTrainer`` in TRL's form (the same dataset and reward function), generating with
-  the embedded engine (its own bf16 copy of the weights on the GPU, as ``bf16=True`` makes it, refreshed after every step, prompt prefill shared
-  by a group), synchronously (``max_off_policy_steps=0``), with ``share_prompt_training`` ``on`` (a group's prompt
-  forwarded once, its 8 completions branching off it in one row: 512 + 8 x 256 tokens) or ``off`` (8 rows of 768).
-- ``k1_shared``: as ``k0_shared``, generating one step ahead (``max_off_policy_steps=1``), overlapping training.
+  the embedded engine (its own bf16 copy of the weights on the GPU, as ``bf16=True`` makes it, refreshed after every
+  step, prompt prefill shared by a group, each decode step replayed from a CUDA graph captured once per batch),
+  synchronously (``max_off_policy_steps=0``), with ``share_prompt_training`` ``on`` (a group's prompt forwarded once,
+  its 8 completions branching off it in one row: 512 + 8 x 256 tokens) or ``off`` (8 rows of 768).
+- ``k1_shared``: as ``k0_shared``, generating one step ahead (``max_off_policy_steps=1``), overlapping training; its
+  decode steps run through transformers' forward (the engine captures no graph on a worker thread).
 
 Columns: ``step s``: median wall time between optimizer steps (``on_step_end`` to ``on_step_end``, after
 ``torch.cuda.synchronize()``) over the timed steps; ``gen s``, ``train s``: medians (TRL: its
@@ -43,7 +45,7 @@ P(P+1)/2 + sum over completions of C * P + C(C+1)/2; forward 4 * d FLOPs per cel
 ``peak GiB``: ``torch.cuda.max_memory_allocated`` over the trainer's run (model, optimizer, our engine's copy and
 caches), reset before each; ``x TRL``: TRL's step s / this step s (> 1: faster than TRL).
 
-Run (one H100/H200, ~3 minutes; ``--trainers`` picks; ``--budget_s``, default 170, skips a trainer when the seconds
+Run (one H100/H200, 1-2 minutes; ``--trainers`` picks; ``--budget_s``, default 170, skips a trainer when the seconds
 since start plus the longest trainer's so far would pass it, so k1_shared, last, may be skipped; 0 never skips). Every
 trainer's row is printed (stdout) as soon as it is done, its progress on stderr; one that fails prints its traceback
 and the others still run.
@@ -180,7 +182,8 @@ def run_trainer(name: str, args, model_dir: str, tokenizer, dataset, out: str):
         watch_trl(trainer, recorder, args.num_generations)
     else:
         k, share = TRAINERS[name]
-        config = RLConfig(**settings, rollouts_per_step=args.num_generations, max_seq_len=shape["prompt"] + shape["new"],
+        config = RLConfig(**settings, rollouts_per_step=args.num_generations,
+                          max_seq_len=shape["prompt"] + shape["new"],
                           max_off_policy_steps=k, micro_batching="padded", share_prompt_training=share,
                           print_samples_every=0)
         trainer = RLTrainer(model_dir, config, processing_class=tokenizer, reward_funcs=reward, train_dataset=dataset)

@@ -210,8 +210,8 @@ class RLConfig(GRPOConfig):
         metadata={"help": "Print num_completions_to_print sample completions (with rewards) every N steps; 0 = never."},
     )
     bf16: bool | None = field(
-        default=None, metadata={"help": "bf16 mixed precision (and the embedded engine's weights in bf16); defaults to True on a GPU, False on CPU "
-                          "(and with use_cpu)."}
+        default=None, metadata={"help": "bf16 mixed precision (and the embedded engine's weights in bf16); defaults "
+                                         "to True on a GPU, False on CPU (and with use_cpu)."}
     )
     weight_sync_bucket_mb: float = field(
         default=256.0,

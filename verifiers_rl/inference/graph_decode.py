@@ -113,7 +113,7 @@ class GraphDecoder(LlamaDecoder):
             return logits[live]
         if self.graph is None:  # captured, not run: the replay below runs this step
             self.graph = torch.cuda.CUDAGraph()
-            # thread_local: at k = 1 the trainer's thread keeps running its kernels while the generator captures
+            # thread_local: the process's other threads (environments, a user's) may go on launching kernels
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.logits = self._static_step()
         self.graph.replay()
