@@ -8,7 +8,9 @@
   fp32 against the same step on the CPU; ZeRO-3 on one GPU against one plain GPU process; bf16 within a bf16
   tolerance of fp32;
 - live training from the toy environment with the embedded engine generating on the GPU, in one process and under
-  ZeRO-3: the reward rises, and at k = 0 the engine's log-probs equal the trainer's after every weight load.
+  ZeRO-3: the reward rises, and at k = 0 the engine's log-probs equal the trainer's after every weight load;
+- the engine's sampler drawing its noise on the GPU, and its decode step captured and replayed as a CUDA graph
+  (``graph_decode``) against transformers' forward and against the engine without graphs.
 
 Tolerances: fp32 on the GPU against fp32/fp64 on the CPU differs only by summation order (cuBLAS, the attention
 kernels), 1e-4 relative here (the CPU suite holds ranks and micro-batches to 1e-5 against each other); bf16 keeps 8
