@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
 from .llama_decode import LlamaDecoder
 
 # Llama and Qwen2 decoder layers: the same modules and mathematics (Qwen2's q/k/v projections have biases).
@@ -72,26 +70,17 @@ class GraphDecoder(LlamaDecoder):
         """Keep returning only the rows ``index`` of those still decoding (the buffers keep every row)."""
         self.live = self.live[index.to(self.live.device)]
 
+    def _attend(self, q, k, v, keys, values, attend, scale: float) -> torch.Tensor:
+        """Written at the device position ``at``; attention over the whole buffer under the mask."""
+        keys.index_copy_(2, self.at, k[:, :, None])
+        values.index_copy_(2, self.at, v[:, :, None])
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=attend, scale=scale)
+
     def _static_step(self) -> torch.Tensor:
         """Logits ``[all rows, vocab]`` from the static inputs; writes this position's keys/values, advances it."""
-        rows = self.token_ids.shape[0]
-        h = self.model.model.embed_tokens(self.token_ids)
-        cos, sin = self.model.model.rotary_emb(h, self.positions)
-        for layer, keys, values in zip(self.layers, self.keys, self.values):
-            attention, mlp = layer.self_attn, layer.mlp
-            a = layer.input_layernorm(h)
-            q, k = apply_rotary_pos_emb(self.linear(a, attention.q_proj).view(rows, self.heads, self.head_dim),
-                                        self.linear(a, attention.k_proj).view(rows, self.kv_heads, self.head_dim),
-                                        cos, sin, unsqueeze_dim=1)
-            keys.index_copy_(2, self.at, k[:, :, None])
-            values.index_copy_(2, self.at, self.linear(a, attention.v_proj).view(rows, self.kv_heads, 1, self.head_dim))
-            o = F.scaled_dot_product_attention(q.view(rows, self.kv_heads, -1, self.head_dim), keys, values,
-                                               attn_mask=self.attend, scale=attention.scaling)
-            h = h + self.linear(o.reshape(rows, -1), attention.o_proj)
-            m = layer.post_attention_layernorm(h)
-            h = h + self.linear(mlp.act_fn(self.linear(m, mlp.gate_proj)) * self.linear(m, mlp.up_proj), mlp.down_proj)
+        logits = self._forward(self.token_ids, self.positions, self.attend)
         self.at += 1
-        return self.linear(self.model.model.norm(h), self.model.lm_head)
+        return logits
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

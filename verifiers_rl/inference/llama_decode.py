@@ -72,24 +72,38 @@ class LlamaDecoder:
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of the next token after ``token_ids`` ``[rows]``, at ``positions`` ``[rows]``;
         ``mask`` ``[rows, length + 1]``: 1 where a cached position (and this one) is a real token."""
-        rows, at = token_ids.shape[0], self.length
+        # The mask [rows, 1, 1, length]: over key/value heads and query groups.
+        logits = self._forward(token_ids, positions, mask.bool()[:, None, None, :])
+        self.length += 1
+        return logits
+
+    def _forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """The step's mathematics (above) for ``token_ids`` at ``positions`` under the pad mask ``attend``; each
+        layer's keys/values are written and attended through ``_attend``."""
+        rows = token_ids.shape[0]
         h = self.model.model.embed_tokens(token_ids)
         cos, sin = self.model.model.rotary_emb(h, positions)  # [rows, head_dim]: broadcast over heads below
-        attend = mask.bool()[:, None, None, :]  # [rows, 1, 1, length]: over key/value heads and query groups
         for layer, keys, values in zip(self.layers, self.keys, self.values):
             attention, mlp = layer.self_attn, layer.mlp
             a = layer.input_layernorm(h)
             q, k = apply_rotary_pos_emb(self.linear(a, attention.q_proj).view(rows, self.heads, self.head_dim),
                                         self.linear(a, attention.k_proj).view(rows, self.kv_heads, self.head_dim),
                                         cos, sin, unsqueeze_dim=1)
-            keys[:, :, at] = k
-            values[:, :, at] = self.linear(a, attention.v_proj).view(rows, self.kv_heads, self.head_dim)
+            v = self.linear(a, attention.v_proj).view(rows, self.kv_heads, self.head_dim)
             # Query head j reads key/value head j // (heads / kv_heads) (transformers' repeat_kv): one query
             # position, so a head's group stands where the query positions would.
-            o = F.scaled_dot_product_attention(q.view(rows, self.kv_heads, -1, self.head_dim), keys[:, :, : at + 1],
-                                               values[:, :, : at + 1], attn_mask=attend, scale=attention.scaling)
+            o = self._attend(q.view(rows, self.kv_heads, -1, self.head_dim), k, v, keys, values, attend,
+                             attention.scaling)
             h = h + self.linear(o.reshape(rows, -1), attention.o_proj)
             m = layer.post_attention_layernorm(h)
             h = h + self.linear(mlp.act_fn(self.linear(m, mlp.gate_proj)) * self.linear(m, mlp.up_proj), mlp.down_proj)
-        self.length += 1
         return self.linear(self.model.model.norm(h), self.model.lm_head)
+
+    def _attend(self, q, k, v, keys, values, attend, scale: float) -> torch.Tensor:
+        """This position's ``k``/``v`` written into the buffers at ``length``, then ``q`` attends to the positions so
+        far."""
+        at = self.length
+        keys[:, :, at] = k
+        values[:, :, at] = v
+        return F.scaled_dot_product_attention(q, keys[:, :, : at + 1], values[:, :, : at + 1], attn_mask=attend,
+                                              scale=scale)
