@@ -115,7 +115,9 @@ class EmbeddedEngine:
         share_prompt_prefill: requests decoded together that share a prompt (a group) prefill it once and
             decode from copies of its keys/values.
         llama_decode: decode steps of a plain fp32 Llama model on CPU run ``llama_decode``'s lean step (the same
-            mathematics in fewer ops, keys/values in preallocated buffers) instead of transformers' forward.
+            mathematics in fewer ops, keys/values in preallocated buffers) instead of transformers' forward. Checked
+            when the engine is built: a model ``make_engine`` then moves to a GPU keeps the lean step there where it
+            captures no graph (k >= 1; tests/gpu's live runs).
         cuda_graphs: decode steps of a Llama or Qwen2 model on a GPU replay one captured CUDA graph per batch
             (``graph_decode``: the lean step with fixed shapes; a GPU decode step is otherwise bound by its kernel
             launches), when the engine decodes on the caller's thread (``generate_in_loop_thread``: synchronous
