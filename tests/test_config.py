@@ -97,7 +97,6 @@ def test_vllm_fields_are_validated():
         vllm_config(vllm_weight_transfer="tcp")
 
 
-
 def test_bf16_stays_off_with_use_cpu_where_a_gpu_is(monkeypatch):
     # A GPU machine's use_cpu run (the CPU reference of tests/gpu) must train in fp32 like any CPU run.
     import torch

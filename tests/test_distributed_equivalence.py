@@ -29,8 +29,15 @@ pytestmark = pytest.mark.distributed
 LAUNCH_TIMEOUT_S = 600
 
 
+def launch_env(env_extra: dict | None = None, threads: int = 1) -> dict:
+    """The launched processes' environment: the repo first on PYTHONPATH, before what is there already (a GPU
+    machine's carried packages, scripts/gpu_bringup.sh)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), **(env_extra or {})}
+
+
 def launch(prefix: list[str], args: list[str], log: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    env = launch_env(env_extra)
     with log.open("w") as handle:
         result = subprocess.run(prefix + args, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                 timeout=LAUNCH_TIMEOUT_S)

@@ -124,11 +124,15 @@ def _replacement(layer: torch.nn.Linear, linear: Linear):
     return forward
 
 
+def plain(layer: torch.nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a subclass: quantized and adapter layers have their own forward) whose forward
+    nothing replaced (TRL's fp32 output-layer patch, ours)."""
+    return type(layer) is torch.nn.Linear and "forward" not in layer.__dict__
+
+
 def applies(layer: torch.nn.Module) -> bool:
-    """Plain fp32 ``nn.Linear`` layers on CPU (not subclasses: quantized and adapter layers have their own forward),
-    left alone when something already replaced the layer's forward (TRL's fp32 output-layer patch, ours)."""
-    return (type(layer) is torch.nn.Linear and "forward" not in layer.__dict__
-            and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32)
+    """``plain`` fp32 ``nn.Linear`` layers on CPU."""
+    return plain(layer) and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
 
 
 @contextlib.contextmanager

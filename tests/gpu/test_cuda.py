@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 sys.path.insert(0, str(ROOT / "tests" / "inference"))
 from equivalence_run import CONFIGS  # noqa: E402
-from test_distributed_equivalence import LAUNCH_TIMEOUT_S, load, runner_inputs  # noqa: E402
+from test_distributed_equivalence import LAUNCH_TIMEOUT_S, launch_env, load, runner_inputs  # noqa: E402
 from test_live_training import MIN_REWARD_GAIN  # noqa: E402
 from test_logprobs import shared_prefix_rollouts, single_sequence_logprobs  # noqa: E402
 
@@ -151,12 +151,8 @@ def test_micro_batches_on_the_gpu_match_the_fp64_reference(fp64_reference, tiny_
 
 
 def _start(args: list[str], log: Path, env_extra: dict) -> subprocess.Popen:
-    import os
-
-    # The repo before what is there already (a GPU machine's carried packages, scripts/gpu_bringup.sh).
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "2", **env_extra}
-    return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(args, cwd=ROOT, env=launch_env(env_extra, threads=2), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
 
 
 def _zero3_one_gpu() -> list[str]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .llama_decode import LlamaDecoder
+from ..cpu_matmul import plain
+from .llama_decode import LlamaDecoder, of_architecture
 
 # Llama and Qwen2 decoder layers: the same modules and mathematics (Qwen2's q/k/v projections have biases).
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -30,13 +31,12 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 def supports(model: torch.nn.Module) -> bool:
     """Llama and Qwen2 models on a GPU (any dtype) whose linear layers are plain ``nn.Linear`` (no adapters, no
     replaced forward), with full attention in every layer; anything else decodes through transformers' forward."""
-    config = getattr(model, "config", None)
-    if ARCHITECTURES.get(type(model).__name__) != getattr(config, "model_type", None):
+    if not of_architecture(model, ARCHITECTURES):
         return False
+    config = model.config
     full = all(kind == "full_attention" for kind in (getattr(config, "layer_types", None) or ["full_attention"]))
-    linears = [layer for layer in model.modules() if isinstance(layer, torch.nn.Linear)]
-    return (full and not getattr(config, "use_sliding_window", False) and getattr(config, "pretraining_tp", 1) == 1
-            and all(type(layer) is torch.nn.Linear and "forward" not in layer.__dict__ for layer in linears)
+    return (full and not getattr(config, "use_sliding_window", False)
+            and all(plain(layer) for layer in model.modules() if isinstance(layer, torch.nn.Linear))
             and model.get_input_embeddings().weight.device.type == "cuda")
 
 

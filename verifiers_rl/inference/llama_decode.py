@@ -27,12 +27,19 @@ from ..cpu_matmul import applies
 from ..cpu_matmul import Linear
 
 
+def of_architecture(model: torch.nn.Module, architectures: dict[str, str]) -> bool:
+    """``model``'s class is a key of ``architectures`` (class name -> ``model_type``) with its own model type, its
+    matmuls unsplit (``pretraining_tp`` 1): the layers ``LlamaDecoder`` reads."""
+    config = getattr(model, "config", None)
+    expected = architectures.get(type(model).__name__)
+    return (expected is not None and getattr(config, "model_type", None) == expected
+            and getattr(config, "pretraining_tp", 1) == 1)
+
+
 def supports(model: torch.nn.Module) -> bool:
     """Plain Llama models (``LlamaForCausalLM``: Llama, SmolLM2, ...) whose linear layers are fp32 on CPU; anything
     else decodes through transformers' forward."""
-    config = getattr(model, "config", None)
-    return (type(model).__name__ == "LlamaForCausalLM" and getattr(config, "model_type", None) == "llama"
-            and getattr(config, "pretraining_tp", 1) == 1
+    return (of_architecture(model, {"LlamaForCausalLM": "llama"})
             and all(applies(layer) for layer in model.modules() if isinstance(layer, torch.nn.Linear)))
 
 
