@@ -186,6 +186,37 @@ def test_row_sampler_draws_from_the_penalised_min_p_softmax_and_logs_it():
     torch.testing.assert_close(logprobs, probs.log()[drawn].float(), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperatures, top_k, seeded", [
+    ([1.0] * 6, 0, True), ([0.7, 1.0, 0.0, 1.3, 1.0, 0.5], 0, True), ([1.0] * 6, 3, True), ([1.0] * 6, 0, False),
+])
+def test_row_sampler_draws_the_plain_gumbel_max_formula_bit_for_bit(temperatures, top_k, seeded):
+    """``draw`` in place and on two threads (seeded rows) is token = argmax(l - log(-log u)), u drawn row after row
+    by ``torch.rand(vocab, generator=<the row's>)`` (the global generator, in row order, where unseeded), and the
+    log-prob is log_softmax(l) there: the same tokens and log-probs to the bit, also once rows have left."""
+    torch.set_num_threads(2)  # the seeded rows' noise is drawn on two threads (RowSampler._uniforms)
+    vocab, seeds = 5000, ([11, 12, 13, 14, 15, 16] if seeded else [None] * 6)
+    sampler = RowSampler(temperatures, seeds, top_k, 1.0)
+    mine = [torch.Generator().manual_seed(seed) if seeded else None for seed in seeds]
+    for step in range(6):
+        rows = [0, 1, 2, 3, 4, 5] if step < 3 else [1, 3, 4, 5]
+        scores = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(step)) * 3
+        context = torch.zeros(len(rows), 2, dtype=torch.long)
+        torch.manual_seed(step)
+        tokens, logprobs = sampler.draw(context, scores, rows)
+        torch.manual_seed(step)
+        uniform = torch.stack([torch.rand(vocab, generator=mine[row]) for row in rows])
+        tempered = torch.tensor([temperatures[row] or 1.0 for row in rows])[:, None]
+        l = scores / tempered
+        if top_k:
+            l = l.masked_fill(l < l.topk(top_k, -1).values[:, -1:], float("-inf"))
+        greedy = torch.tensor([temperatures[row] == 0 for row in rows])[:, None]
+        l = torch.where(greedy, scores, l)
+        noisy = torch.where(greedy, scores, l + -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny))))
+        expected = noisy.argmax(-1)
+        assert torch.equal(tokens, expected), step
+        assert torch.equal(logprobs, torch.log_softmax(l, -1).gather(-1, expected[:, None])[:, 0]), step
+
+
 @pytest.mark.parametrize("bad, flag", [
     (dict(min_p=1.0), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=float("nan")), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
