@@ -186,14 +186,22 @@ def test_row_sampler_draws_from_the_penalised_min_p_softmax_and_logs_it():
     torch.testing.assert_close(logprobs, probs.log()[drawn].float(), rtol=0, atol=1e-6)
 
 
+@pytest.fixture
+def two_threads():
+    """torch at two threads for one test (RowSampler draws seeded rows' noise on two threads only then), restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("temperatures, top_k, seeded", [
     ([1.0] * 6, 0, True), ([0.7, 1.0, 0.0, 1.3, 1.0, 0.5], 0, True), ([1.0] * 6, 3, True), ([1.0] * 6, 0, False),
 ])
-def test_row_sampler_draws_the_plain_gumbel_max_formula_bit_for_bit(temperatures, top_k, seeded):
+def test_row_sampler_draws_the_plain_gumbel_max_formula_bit_for_bit(temperatures, top_k, seeded, two_threads):
     """``draw`` in place and on two threads (seeded rows) is token = argmax(l - log(-log u)), u drawn row after row
     by ``torch.rand(vocab, generator=<the row's>)`` (the global generator, in row order, where unseeded), and the
     log-prob is log_softmax(l) there: the same tokens and log-probs to the bit, also once rows have left."""
-    torch.set_num_threads(2)  # the seeded rows' noise is drawn on two threads (RowSampler._uniforms)
     vocab, seeds = 5000, ([11, 12, 13, 14, 15, 16] if seeded else [None] * 6)
     sampler = RowSampler(temperatures, seeds, top_k, 1.0)
     mine = [torch.Generator().manual_seed(seed) if seeded else None for seed in seeds]
@@ -211,7 +219,8 @@ def test_row_sampler_draws_the_plain_gumbel_max_formula_bit_for_bit(temperatures
             l = l.masked_fill(l < l.topk(top_k, -1).values[:, -1:], float("-inf"))
         greedy = torch.tensor([temperatures[row] == 0 for row in rows])[:, None]
         l = torch.where(greedy, scores, l)
-        noisy = torch.where(greedy, scores, l + -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny))))
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(torch.finfo(torch.float32).tiny)))
+        noisy = torch.where(greedy, scores, l + gumbel)
         expected = noisy.argmax(-1)
         assert torch.equal(tokens, expected), step
         assert torch.equal(logprobs, torch.log_softmax(l, -1).gather(-1, expected[:, None])[:, 0]), step
