@@ -1,11 +1,9 @@
-"""examples/train.py with every built-in environment out of the box (the default model and the tiny one), the
+"""`verifiers-rl train` (verifiers_rl.cli.train, which examples/train.py runs) with every built-in environment out of the box (the default model and the tiny one), the
 length contract between the trainer's flags and the environment's limits, and clear errors for bad --model paths.
 
-The script's ``main`` runs in this process (one import of torch/transformers for all the runs)."""
+The command's ``main`` runs in this process (one import of torch/transformers for all the runs)."""
 
-import importlib.util
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,11 +14,8 @@ from verifiers_rl.envs.limits import LIMIT_FLAGS, LengthContractError, resolve_l
 from verifiers_rl.envs.rubric import Rubric
 from verifiers_rl.models import resolve_model
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("train_script", ROOT / "examples" / "train.py")
-train_script = importlib.util.module_from_spec(_spec)
-sys.modules["train_script"] = train_script  # its dataclasses look their module up
-_spec.loader.exec_module(train_script)
+from verifiers_rl.cli import train as train_script
+
 
 # An environment file as a new user writes it: its own limits (384 / 64), unlike the script's quickstart (128 / 16).
 ENV_FILE = '''

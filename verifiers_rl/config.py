@@ -231,7 +231,7 @@ class RLConfig(GRPOConfig):
         default=10,
         metadata={
             "help": "Probe after the first weight sync and then after every N-th (1: after every sync). The probe is "
-            "two forwards that generation waits for (0.6 s of a 9 s CPU quickstart step); a broken sync shows at the first."
+            "two forwards that generation waits for; a broken sync shows at the first."
         },
     )
     weight_sync_probe_tolerance: float | None = field(

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(model).exists() or args.model.startswith((".", "/", "~")):
         check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)  # before the slow imports: a wrong path fails at once
     from .envs import load_environment
-    from .envs.splits import hold_out
+    from .envs.prepare import prepare_environment
     from .evaluation import EvalSettings, eval_rows, evaluate
     import torch
 
@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     plain_output_when_redirected()
     tokenizer = load_tokenizer(args.tokenizer or model)
     environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
-    environment.use_chat_template_kwargs(args.chat_template_kwargs)  # before --holdout, as training does
-    if args.holdout:
-        hold_out(environment, args.holdout, args.seed)
+    # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
+    prepare_environment(environment, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout,
+                        seed=args.seed)
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
@@ -169,9 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` as a command: bad input is one clear line on stderr and exit status 2, no traceback."""
     try:
-        sys.exit(main())
-    except (ValueError, FileNotFoundError) as error:  # bad input: one clear line, no traceback
+        return main(argv)
+    except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

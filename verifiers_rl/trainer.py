@@ -107,7 +107,7 @@ def _tokenizer_of(model):
 def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer,
                          trainer_state):
     from .envs.adapters.trl_dataset import RewardFunctionsEnv
-    from .envs.splits import hold_out
+    from .envs.prepare import prepare_environment
 
     if reward_funcs is None or train_dataset is None:
         raise ValueError("TRL's form needs both reward_funcs and train_dataset.")
@@ -117,8 +117,8 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
         max_new_tokens=args.max_completion_length, max_seq_len=args.max_seq_len, eval_dataset=eval_dataset,
         chat_template_kwargs=args.chat_template_kwargs,
     )
-    if args.eval_holdout:  # this is where TRL's form loads its environment
-        hold_out(environment, args.eval_holdout, args.seed)
+    # This is where TRL's form loads its environment (its chat kwargs and limits are the constructor's above).
+    prepare_environment(environment, holdout=args.eval_holdout, seed=args.seed)
     return environment
 
 

@@ -1,0 +1,100 @@
+"""The `verifiers-rl` command as `pip install -e .` installs it: subcommands, the training flags by section, the
+generated configuration reference, and a two-process launch through the command that equals one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from verifiers_rl.cli import sections
+from verifiers_rl.cli.train import ScriptArguments
+from verifiers_rl.config import RLConfig
+from verifiers_rl.grpo_fields import markdown_table
+from verifiers_rl.inference.engine import free_port
+from verifiers_rl.rollouts import write_rollouts
+from verifiers_rl.synthetic import random_rollouts
+from trl import GRPOConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMAND = str(Path(sys.executable).parent / "verifiers-rl")  # the console script beside this venv's python
+
+
+def run(args: list[str], cwd: Path = ROOT, timeout: float = 300, prefix: list[str] | None = None):
+    return subprocess.run((prefix or [COMMAND]) + args, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_command_lists_its_subcommands_and_refuses_an_unknown_one():
+    listed = run(["--help"])
+    assert listed.returncode == 0
+    for command in ("train", "eval", "vllm-serve", "fields", "config"):
+        assert f"verifiers-rl {command}" in listed.stdout
+    unknown = run(["trian"])
+    assert unknown.returncode == 2 and "unknown command 'trian'" in unknown.stderr and "train" in unknown.stderr
+
+
+def test_train_help_shows_the_flags_by_section_in_order():
+    result = run(["train", "--help"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    titles = [f"{title}:" for title in sections.SECTIONS] + [f"{sections.OTHER}:"]
+    lines = result.stdout.splitlines()
+    positions = [lines.index(title) for title in titles]
+    assert positions == sorted(positions), "sections out of order"
+    loss = lines[positions[list(sections.SECTIONS).index("Loss and optimizer")]:
+                 positions[list(sections.SECTIONS).index("Batching")]]
+    assert any(line.strip().startswith("--loss_type") for line in loss)
+    assert not any(line.strip().startswith("--micro_batching") for line in loss)
+
+
+def test_every_field_of_ours_is_in_exactly_one_section():
+    """A new RLConfig or command field must be placed (it would otherwise fall into the inherited fields' list)."""
+    inherited = {f.name for f in fields(GRPOConfig)}
+    ours = [f.name for f in fields(RLConfig) if f.init and f.name not in inherited]
+    ours += [f.name for f in fields(ScriptArguments)]
+    placed = [name for names in sections.SECTIONS.values() for name in names]
+    assert len(placed) == len(set(placed)), "a field in two sections"
+    assert sorted(set(ours) - set(placed)) == []
+    known = {f.name for f in fields(RLConfig)} | {f.name for f in fields(ScriptArguments)}
+    assert sorted(set(placed) - known) == [], "a section names a field that does not exist"
+
+
+def test_docs_config_is_the_code():
+    written = (ROOT / "docs" / "config.md").read_text()
+    assert written == sections.markdown(), "regenerate it: python -m verifiers_rl.cli.sections --write docs/config.md"
+    assert "| `loss_type` | `grpo` |" in written and "`dapo`" in written  # a choice listed from the Literal type
+    assert "| `importance_cap` | `2.0` |  | > 0 |" in written  # a range from RANGES
+
+
+def test_fields_prints_the_grpo_config_table():
+    result = run(["fields"])
+    assert result.returncode == 0 and result.stdout.strip() == markdown_table().strip()
+
+
+@pytest.mark.distributed
+def test_two_processes_through_the_command_equal_one(tmp_path, tiny_model_dir):
+    """`verifiers-rl train` in one process and `accelerate launch -m verifiers_rl.cli.train` in two (DDP on CPU)
+    train the same replayed batch to the same weights."""
+    write_rollouts(tmp_path / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=3))
+    common = ["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "r.jsonl"), "--max_steps", "1",
+              "--rollouts_per_step", "16", "--per_device_train_batch_size", "4", "--optim", "sgd",
+              "--learning_rate", "0.5", "--max_seq_len", "64", "--loss_type", "dr_grpo"]
+    one = run(common + ["--output_dir", str(tmp_path / "one")], prefix=[COMMAND, "train"], timeout=600)
+    assert one.returncode == 0, one.stderr[-4000:]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+              "-m", "verifiers_rl.cli.train"]
+    two = run(common + ["--output_dir", str(tmp_path / "two")], prefix=launch, timeout=600)
+    assert two.returncode == 0, two.stderr[-4000:]
+    assert "step 1/1" in two.stdout and "[rank1]" in two.stderr  # two processes trained
+    before = load_file(Path(tiny_model_dir) / "model.safetensors")
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert any(not torch.equal(a[k], before[k]) for k in before), "the step changed nothing"
+    for name in before:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -1,0 +1,137 @@
+"""The training command's flags by section: ``verifiers-rl train --help`` and the generated ``docs/config.md``.
+
+Every field of ``RLConfig`` and of the command's ``ScriptArguments`` belongs to exactly one section (a test keeps it
+so); the TrainingArguments / GRPOConfig fields that a run usually sets are placed too, and the rest are listed under
+``OTHER``. ``python -m verifiers_rl.cli.sections --write docs/config.md`` regenerates the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+
+from trl import TrlParser
+
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "Model": ("model", "bf16", "use_cpu", "seed", "gradient_checkpointing", "activation_checkpointing"),
+    "Environment and data": ("env", "env_args", "tool_mode", "rollouts_path", "save_rollouts_path", "max_seq_len",
+                             "max_completion_length", "overlong", "chat_template_kwargs"),
+    "Generation": ("num_generations", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "generation_kwargs", "filter_groups", "max_refill_batches", "max_rollout_retries",
+                   "max_failed_rollouts_fraction", "generation_timeout_s"),
+    "Loss and optimizer": ("loss_type", "beta", "epsilon", "epsilon_high", "scale_rewards",
+                           "importance_sampling_level", "importance_correction", "importance_cap",
+                           "importance_cap_min", "importance_sequence_log_ratio", "dr_grpo_horizon", "learning_rate",
+                           "lr_scheduler_type", "optim", "max_grad_norm", "max_steps", "num_train_epochs"),
+    "Batching": ("rollouts_per_step", "per_device_train_batch_size", "gradient_accumulation_steps", "micro_batching",
+                 "max_tokens_per_microbatch", "logprob_chunk_size", "share_prompt_training"),
+    "Asynchrony and weight sync": ("max_off_policy_steps", "weight_sync_bucket_mb", "weight_sync_probe_tokens",
+                                   "weight_sync_probe_every", "weight_sync_probe_tolerance"),
+    "vLLM server": ("vllm_server_url", "vllm_max_concurrency", "vllm_request_timeout_s", "vllm_max_retries",
+                    "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer",
+                    "vllm_weight_transfer_address"),
+    "Checkpoints": ("output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"),
+    "Evaluation": ("eval_env", "eval_env_args", "eval_strategy", "eval_steps", "eval_num_examples",
+                   "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold", "eval_holdout"),
+    "Logging": ("logging_steps", "report_to", "run_name", "print_samples_every", "num_completions_to_print",
+                "log_completions", "log_completions_steps"),
+}
+OTHER = "Other TrainingArguments / GRPOConfig fields (docs/trl.md says what each does here)"
+
+
+class SectionedParser(TrlParser):
+    """TRL's parser (dataclasses -> flags, ``--config`` YAML) whose ``--help`` lists the flags by ``SECTIONS``."""
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        self.__dict__.setdefault("added", []).append(action)  # argparse keeps its own list private
+        return action
+
+    def format_help(self) -> str:
+        formatter = self.formatter_class(prog=self.prog)
+        formatter.add_usage(f"{self.prog} [--config FILE.yaml] [--FLAG VALUE ...]", [], [])
+        formatter.add_text(self.description)
+        for title, actions in sectioned_actions(self.added):
+            formatter.start_section(title)
+            formatter.add_arguments(actions)
+            formatter.end_section()
+        return formatter.format_help()
+
+
+def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[argparse.Action]]]:
+    """(title, actions) in ``SECTIONS`` order, then ``OTHER``; actions without a field (``--help``) first."""
+    by_name: dict[str, list[argparse.Action]] = {}
+    for action in actions:  # a boolean defaulting to True has two flags: --name and --no_name
+        by_name.setdefault(action.dest, []).append(action)
+    placed = {name for names in SECTIONS.values() for name in names}
+    out = [("Command", [a for a in actions if a.dest in ("help", "config")])]
+    out += [(title, [a for name in names for a in by_name.get(name, ())]) for title, names in SECTIONS.items()]
+    out.append((OTHER, [a for a in actions if a.dest not in placed and a.dest not in ("help", "config")]))
+    return [(title, found) for title, found in out if found]
+
+
+def _range_text(name: str, choices: dict[str, tuple]) -> str:
+    from ..config import RANGES
+
+    if name in choices:
+        return ", ".join(f"`{choice}`" for choice in choices[name])
+    allowed = RANGES.get(name)
+    if allowed is None:
+        return ""
+    return " or ".join([str(v) for v in allowed.also] + [f"{'>' if allowed.strict else '>='} {allowed.low:g}"])
+
+
+def _default_text(value) -> str:
+    if value is MISSING:
+        return "(required)"
+    return f"`{value}`"
+
+
+def markdown() -> str:
+    """``docs/config.md``: every sectioned field with its default, the command's own default where it differs,
+    its choices or range, and its help; then the names of the other inherited fields."""
+    from ..config import RLConfig, _choices
+    from .train import QUICKSTART, ScriptArguments
+
+    all_fields = {f.name: f for cls in (ScriptArguments, RLConfig) for f in fields(cls) if f.init}
+    choices = {**_choices(ScriptArguments), **_choices(RLConfig)}
+    for f in fields(ScriptArguments):
+        if "choices" in f.metadata:
+            choices[f.name] = tuple(f.metadata["choices"])
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the code by `python -m verifiers_rl.cli.sections --write docs/config.md` (a test keeps it",
+        "equal). Every field is a flag of `verifiers-rl train` (`--name value`) and a key of its `--config` YAML;",
+        "`RLConfig(name=value)` in Python. *Command default* is the training command's own default where it differs",
+        "from the config's (the CPU quickstart's settings); a live run without `--max_steps` stops after 60 steps,",
+        "and on a machine without a GPU the command sets `use_cpu` itself.",
+    ]
+    for title, names in SECTIONS.items():
+        lines += ["", f"## {title}", "", "| field | default | command default | choices / range | what it does |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name in names:
+            f = all_fields[name]
+            default = f.default if f.default_factory is MISSING else f.default_factory()
+            command = f"`{QUICKSTART[name]}`" if name in QUICKSTART and QUICKSTART[name] != default else ""
+            text = " ".join(str(f.metadata.get("help", "")).split()).replace("%%", "%").replace("|", "\\|")
+            lines.append(f"| `{name}` | {_default_text(default)} | {command} | {_range_text(name, choices)} | {text} |")
+    placed = {name for names in SECTIONS.values() for name in names}
+    others = sorted(name for name in all_fields if name not in placed and not name.startswith("_"))
+    lines += ["", f"## {OTHER}", "", ", ".join(f"`{name}`" for name in others), ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--write"] and len(argv) == 2:
+        with open(argv[1], "w") as handle:
+            handle.write(markdown())
+        return 0
+    print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
