@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from verifiers_rl.batching import collate, global_counts, prepare_sequences
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, EngineClosedError, InferenceEngine, Sample, SamplingConfig
-from verifiers_rl.inference import hf_engine
+from verifiers_rl.inference import batch_decode
 from verifiers_rl.inference.hf_engine import RowSampler
 from verifiers_rl.inference.llama_decode import LlamaDecoder
 from verifiers_rl.models import build_tiny_model
@@ -206,7 +206,7 @@ def test_a_batchs_common_system_prompt_is_prefilled_once_and_sampling_is_unchang
     model, tokenizer = load(tiny_model_dir)
     system = tokenizer("You are a careful assistant. Answer briefly and exactly, and check every step twice.")["input_ids"]
     root = len(system)
-    assert root >= hf_engine.MIN_ROOT_TOKENS
+    assert root >= batch_decode.MIN_ROOT_TOKENS
     prompts = [system + p for p in prompts_of(tokenizer)]
     prompts = [p for i, p in enumerate(prompts) for _ in range(i % 3 + 1)]  # groups of 1, 2 and 3 samples
     seeds = list(range(300, 300 + len(prompts)))

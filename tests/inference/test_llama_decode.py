@@ -105,7 +105,7 @@ def test_the_engine_takes_the_graph_step_only_when_it_decodes_on_the_callers_thr
     seeded tokens as with transformers' forward. No GPU here: graph_decode's support check (a GPU model) is stubbed
     to admit the CPU model and its step runs eagerly (capture=False); tests/gpu captures it on a GPU."""
     from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
-    from verifiers_rl.inference import hf_engine
+    from verifiers_rl.inference import batch_decode
 
     made = []
 
@@ -113,8 +113,8 @@ def test_the_engine_takes_the_graph_step_only_when_it_decodes_on_the_callers_thr
         made.append(capacity)
         return GraphDecoder(model, cache, capacity, capture=False)
 
-    monkeypatch.setattr(hf_engine, "graph_decode_supports", lambda model: True)
-    monkeypatch.setattr(hf_engine, "GraphDecoder", decoder)
+    monkeypatch.setattr(batch_decode, "graph_decode_supports", lambda model: True)
+    monkeypatch.setattr(batch_decode, "GraphDecoder", decoder)
     prompts = prompts_of(load(tiny_model_dir)[1])
     limits = [4 + 5 * i for i in range(len(prompts))]
 

@@ -1,4 +1,4 @@
-"""examples/train.py, unchanged, plus one report line about the engine it trained with (main process only).
+"""`verifiers-rl train` (verifiers_rl.cli.train, what examples/train.py runs), unchanged, plus one report line about the engine it trained with (main process only).
 
     accelerate launch --config_file accelerate_configs/ddp_cpu.yaml tests/vllm_backend/train_run.py \
         --model DIR --env reverse_text --max_steps 2 --vllm_server_url http://127.0.0.1:PORT ...
@@ -10,19 +10,13 @@ health, which tests/vllm_backend/test_vllm_training.py checks.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from verifiers_rl.cli import train as example
 
 
 def main(argv: list[str] | None = None) -> int:
-    spec = importlib.util.spec_from_file_location("verifiers_rl_train_example", ROOT / "examples" / "train.py")
-    example = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = example  # its dataclasses look their module up there
-    spec.loader.exec_module(example)
     engines = []
     build = example.build_engine
 

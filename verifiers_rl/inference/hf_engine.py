@@ -12,8 +12,6 @@ Weight loads are staged and applied at once (``staged_weights``).
 from __future__ import annotations
 
 import copy
-import inspect
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,16 +23,10 @@ from ..compat import without_zero3_init
 from ..cpu_matmul import PackedWeights, cpu_linears, packs_available, weight_major
 from ..modeling import sequence_logprobs, unwrap
 from .engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
-from .graph_decode import GraphDecoder
-from .graph_decode import supports as graph_decode_supports
-from .llama_decode import LlamaDecoder
+from .batch_decode import BatchDecoder
 from .llama_decode import supports as llama_decode_supports
 from .request_batcher import Request, RequestBatcher
 from .staged_weights import StagedWeights
-
-# A batch's root (the common first tokens of its distinct prompts) shorter than this is prefilled with each prompt:
-# chat templates make every prompt start with a few equal tokens, not worth a forward of their own.
-MIN_ROOT_TOKENS = 16
 
 # Draws the odd rows' Gumbel noise beside the caller's even rows: a CPU generator's draw is serial (~0.17 ms a
 # 49152-word row here), a second core halves a 16-row decode step's ~4 ms of it. Values are unchanged: each row
@@ -198,8 +190,6 @@ class EmbeddedEngine:
         self._packs = PackedWeights(self.model) if cpu_matmuls == "packed" else None
         self.llama_decode = llama_decode and llama_decode_supports(self.model)
         self.cuda_graphs = cuda_graphs  # where it applies is known once the model is on its device (make_engine)
-        self.prefills_shared = 0  # prompt prefills saved by sharing (requests that reused another's keys/values)
-        self.root_tokens_shared = 0  # prompt tokens not prefilled again thanks to the batches' roots
         self.model.eval()
         for param in self.model.parameters():
             param.requires_grad_(False)
@@ -219,9 +209,10 @@ class EmbeddedEngine:
             pad = gen.pad_token_id if gen is not None and gen.pad_token_id is not None else eos[0]
         self.pad_token_id = int(pad)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        # The output layer on the last position only, where the model takes the argument (as generate does).
-        keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
-        self._last_logits_only = {"logits_to_keep": 1} if keeps else {}
+        self._decoder = BatchDecoder(self.model, eos, share_prompt_prefill=share_prompt_prefill,
+                                     repetition_penalty=self.sampling.repetition_penalty,
+                                     llama_decode=self.llama_decode, cuda_graphs=cuda_graphs,
+                                     generate_in_loop_thread=generate_in_loop_thread)
 
         self.policy_version = 0
         self.generate_calls = 0
@@ -258,7 +249,7 @@ class EmbeddedEngine:
             sampler = RowSampler([r.temperature for r in requests], [r.seed for r in requests], s.top_k, s.top_p,
                                  s.min_p, s.repetition_penalty, pad_lengths=[width - len(p) for p in prompts],
                                  device=device)
-            root = self._root_length(prompts)
+            root = self._decoder.root_length(prompts)
             input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
             attention_mask = torch.zeros_like(input_ids)
             for row, prompt in enumerate(prompts):
@@ -273,60 +264,6 @@ class EmbeddedEngine:
                 return self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests], sampler,
                                     root, linear)
 
-    def _decode(self, input_ids, attention_mask, prompts, max_new_tokens: list[int], sampler: RowSampler,
-                root: int = 0, linear=None):
-        """Sample every row until it draws an eos token or reaches its own ``max_new_tokens``. A finished row leaves
-        the batch (its keys and values are dropped), so later decode steps compute only the rows still running:
-        with completions of mixed lengths most steps run on part of the batch. A row's tokens depend on its own
-        logits and noise only (``RowSampler``), never on when the others finish. ``linear``: the lean step's
-        linear layers (``_linear``)."""
-        from transformers import DynamicCache
-
-        cache = self._shared_prefill(input_ids, attention_mask, prompts, root)
-        step_ids = input_ids if cache is None else input_ids[:, -1:]  # a shared prefill holds all but the last
-        cache = DynamicCache(config=self.model.config) if cache is None else cache
-        decoder = None  # the lean step (llama_decode, graph_decode) once the first step has filled the cache
-        rows = list(range(len(prompts)))  # the batch rows still decoding, in the order of the tensors below
-        tokens: list[list[int]] = [[] for _ in prompts]
-        logprobs: list[list[float]] = [[] for _ in prompts]
-        samples: list[Sample] = [None] * len(prompts)  # type: ignore[list-item]  (each set when its row ends)
-        context, mask = input_ids, attention_mask  # the running rows' prompt and tokens (the penalty's context)
-        while rows:
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]  # left padding not counted
-            if decoder is not None:
-                logits = decoder.step(step_ids[:, 0], positions[:, 0], mask)
-            else:
-                logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                                    past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
-                capacity = mask.shape[1] + max(max_new_tokens)
-                if self.cuda_graphs and self.generate_in_loop_thread and graph_decode_supports(self.model):
-                    decoder = GraphDecoder(self.model, cache, capacity)
-                elif self.llama_decode:
-                    decoder = LlamaDecoder(self.model, cache, capacity, linear)
-            drawn, drawn_logps = sampler.draw(context, logits, rows)
-            running = []
-            for i, (row, token, logp) in enumerate(zip(rows, drawn.tolist(), drawn_logps.tolist())):
-                tokens[row].append(token)
-                logprobs[row].append(logp)
-                if token in self.eos_token_ids:
-                    samples[row] = Sample(tokens[row], logprobs[row], "stop")
-                elif len(tokens[row]) == max_new_tokens[row]:
-                    samples[row] = Sample(tokens[row], logprobs[row], "length")
-                else:
-                    running.append(i)
-            step_ids = drawn[:, None]
-            context = torch.cat([context, step_ids], dim=1)
-            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=1)
-            if len(running) < len(rows):
-                index = torch.tensor(running, dtype=torch.long, device=input_ids.device)
-                if decoder is not None:
-                    decoder.keep(index)
-                else:
-                    cache.batch_select_indices(index)
-                step_ids, context, mask = step_ids[index], context[index], mask[index]
-                rows = [rows[i] for i in running]
-        return samples
-
     def _linear(self):
         """The linear layers' product while generating (``cpu_matmuls``); packs refreshed first (under the lock:
         a weight load cannot run in between). A model moved to a GPU (``make_engine``) packs nothing and decodes
@@ -336,48 +273,10 @@ class EmbeddedEngine:
             return self._packs.linear
         return None if self.cpu_matmuls == "linear" else weight_major
 
-    def _root_length(self, prompts: list[list[int]]) -> int:
-        """Tokens of the batch's root: the common prefix of its distinct prompts (a system prompt they all start
-        with; their last positions excluded), prefilled once for all of them (``_shared_prefill``). 0 when prompt
-        sharing is off, the prompts are all one, the root is under ``MIN_ROOT_TOKENS``, or a repetition penalty
-        is set (its context skips left padding only; the root puts padding after it)."""
-        distinct = {tuple(prompt[:-1]) for prompt in prompts}
-        if not self.share_prompt_prefill or len(distinct) < 2 or self.sampling.repetition_penalty != 1:
-            return 0
-        root = len(os.path.commonprefix(list(distinct)))  # element-wise: any sequences, not only paths
-        return root if root >= MIN_ROOT_TOKENS else 0
-
-    def _shared_prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompts: list[list[int]],
-                        root: int = 0):
-        """When requests share a prompt (a group's samples), run each distinct prompt once (all but its last
-        position) and give every request a copy of its keys/values; decoding then computes only the rest. With a
-        ``root`` (the distinct prompts' common first tokens, at the start of every row, ``_generate``), it runs once
-        and the distinct prompts continue from copies of its keys/values. The logits are those of the unshared
-        computation (to float rounding), so sampling is unchanged. ``None`` when nothing is shared (or
-        ``share_prompt_prefill`` is off)."""
-        from transformers import DynamicCache
-
-        distinct: dict[tuple[int, ...], int] = {}
-        rows = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
-        if not self.share_prompt_prefill or (len(distinct) == len(prompts) and not root) or input_ids.shape[1] < 2:
-            return None
-        first = [rows.index(row) for row in range(len(distinct))]  # one request of each distinct prompt
-        mask = attention_mask[first, :-1]
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # padding not counted, as in _decode
-        cache = DynamicCache(config=self.model.config)
-        # Only the keys/values are wanted: the decoder alone, without the output layer (vocabulary-wide logits of
-        # every prompt position were ~0.5 s of a 5 s CPU quickstart generation).
-        decoder = self.model.get_decoder()
-        if root:
-            decoder(input_ids=input_ids[:1, :root], position_ids=positions[:1, :root], past_key_values=cache,
-                    use_cache=True)
-            cache.reorder_cache(torch.zeros(len(first), dtype=torch.long, device=input_ids.device))
-            self.root_tokens_shared += root * (len(first) - 1)
-        decoder(input_ids=input_ids[first, root:-1], attention_mask=mask, position_ids=positions[:, root:],
-                past_key_values=cache, use_cache=True)
-        cache.reorder_cache(torch.tensor(rows, device=input_ids.device))  # each request gets its prompt's copy
-        self.prefills_shared += len(prompts) - len(distinct)
-        return cache
+    def _decode(self, input_ids, attention_mask, prompts, max_new_tokens: list[int], sampler: RowSampler,
+                root: int = 0, linear=None):
+        """``BatchDecoder.decode`` (a seam: tests slow it down to see what waits for a decode)."""
+        return self._decoder.decode(input_ids, attention_mask, prompts, max_new_tokens, sampler, root, linear)
 
     # --- weights ------------------------------------------------------------------------------------------------
 
@@ -429,8 +328,8 @@ class EmbeddedEngine:
             "ok": not self._closed,
             "generate_calls": self.generate_calls,
             "requests_served": self.requests_served,
-            "prefills_shared": self.prefills_shared,
-            "root_tokens_shared": self.root_tokens_shared,
+            "prefills_shared": self._decoder.prefills_shared if self._decoder else 0,
+            "root_tokens_shared": self._decoder.root_tokens_shared if self._decoder else 0,
             "pending": pending,
         }
 
@@ -439,5 +338,6 @@ class EmbeddedEngine:
         with self._lock:
             self._closed = True
             self.model = None
+            self._decoder = None
             self._weights = None
             self._packs = None

@@ -10,20 +10,14 @@ communicator). Three parts: ``vllm_http`` (transport, retries, the connect-time 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import os
-import random
-import threading
-import time
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from ..envs.environment import check_chat_template_kwargs
-from ..modeling import default_probe_tolerance
 from .engine import Sample, SamplingConfig, WORKER_EXTENSION, check_open, check_token_ids
 from .vllm_http import (
     CHECK_TIMEOUT_S,
@@ -33,19 +27,11 @@ from .vllm_http import (
     VLLMTimeoutError,
     VLLMTransport,
     VLLMUnavailableError,
-    cause,
     connect,
-    wait_for_health,
 )
+from .vllm_recovery import ServerRecovery
 from .vllm_weights import BroadcastLoad, SnapshotLoad, WeightLoad
 from .weight_transfer import require as require_transfer
-
-logger = logging.getLogger(__name__)
-
-# A request re-sent after this many recoveries of the server and lost again is an error (a request that crashes
-# the server every time would otherwise loop).
-MAX_RECOVERIES_PER_REQUEST = 3
-RECONNECT_FLAG = "--vllm_reconnect_timeout_s"
 
 
 def _server_field(name: str) -> property:
@@ -140,15 +126,7 @@ class VLLMEngine:
                           int(weight_transfer_bucket_mb * 2**20), self.http.request_timeout_s, keep_last=keep)
         )
         self._require_weight_sync = require_weight_sync
-        # Recovery of a restarted server: one at a time; ``_incarnation`` counts the returns, so the requests that
-        # failed together recover once; ``_lost`` is the error once the server did not come back.
-        self._recovery_lock = threading.Lock()
-        self._incarnation = 0
-        self._lost: VLLMError | None = None
-        self.recoveries = 0  # times the server came back and got the current weights again
-        self.resent_requests = 0  # requests that failed with the server and were sent again after its return
-        # (version, ids, the server's log-probs of ids right after that version's load): checked after a reload.
-        self._reference: tuple[int, list[int], list[float]] | None = None
+        self.recovery = ServerRecovery(self, self.reconnect_timeout_s)
         self.policy_version = 0
         self.requests_served = 0
         self.last_load: dict | None = None
@@ -186,7 +164,7 @@ class VLLMEngine:
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         payload = {"prompt": prompt_ids, "max_tokens": max_new_tokens, "logprobs": 0,  # the chosen token's only
                    **self._sampling_payload(*self.sampling.for_this_call())}
-        data = await self._arequest("POST", "/v1/completions", payload)
+        data = await self.recovery.arequest("POST", "/v1/completions", payload)
         self.requests_served += 1
         return self._to_sample(data, max_new_tokens)
 
@@ -210,7 +188,7 @@ class VLLMEngine:
             payload["tools"] = tools
         if self.chat_template_kwargs:
             payload["chat_template_kwargs"] = self.chat_template_kwargs
-        data = await self._arequest("POST", "/v1/chat/completions", payload)
+        data = await self.recovery.arequest("POST", "/v1/chat/completions", payload)
         self.requests_served += 1
         prompt_ids = data.get("prompt_token_ids") if isinstance(data, dict) else None
         if not prompt_ids:
@@ -267,7 +245,7 @@ class VLLMEngine:
         """log p(token_t | tokens_<t) at temperature 1 for t >= 1 (``len(token_ids) - 1`` values), from the
         weights the server holds now: the check that a weight sync landed."""
         check_open(self._closed)
-        return self._recovering(lambda: self._prompt_logprobs(token_ids))
+        return self.recovery.run(lambda: self._prompt_logprobs(token_ids))
 
     def _prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         token_ids = check_token_ids(token_ids, self.vocab_size, "token_ids", min_length=2)
@@ -297,131 +275,29 @@ class VLLMEngine:
         ``policy_version`` unchanged; rejected weights raise ``VLLMRequestError``.
         """
         check_open(self._closed)
-        self._raise_if_lost()
+        self.recovery.raise_if_lost()
         if self.reconnect_timeout_s > 0 and isinstance(self.transfer, SnapshotLoad):
             # The snapshot is written once; if the server is lost while loading it, it is sent again on its return.
             snapshot = self.transfer.write(named_tensors, version)
             try:
-                self.last_load = self._recovering(lambda: self.transfer.send(snapshot))
+                self.last_load = self.recovery.run(lambda: self.transfer.send(snapshot))
             finally:
                 self.transfer.release(snapshot)
         else:  # a broadcast consumes the stream: a server lost during it is an error (the trainer stops)
             self.last_load = self.transfer.load(named_tensors, version)
         self.policy_version = int(version)
         if self.reconnect_timeout_s > 0 and self.vocab_size:
-            ids = self._reference_ids()
-            self._reference = (int(version), ids, self._recovering(lambda: self._prompt_logprobs(ids)))
+            self.recovery.take_reference(int(version))
 
-    # --- a server that restarts ---------------------------------------------------------------------------------
+    @property
+    def recoveries(self) -> int:
+        """Times the server came back and was given the current weights again."""
+        return self.recovery.recoveries
 
-    def _reference_ids(self) -> list[int]:
-        generator = random.Random(20240611)
-        return [generator.randrange(self.vocab_size) for _ in range(32)]
-
-    def _raise_if_lost(self) -> None:
-        if self._lost is not None:
-            raise self._lost
-
-    def _can_recover(self, error: VLLMError, recoveries: int) -> bool:
-        return (self.reconnect_timeout_s > 0 and isinstance(error, VLLMUnavailableError) and error.connection_lost
-                and recoveries < MAX_RECOVERIES_PER_REQUEST and not self._closed)
-
-    def _recovering(self, call):
-        """``call()`` (blocking); re-run after the server came back if it was lost (``reconnect_timeout_s``)."""
-        recoveries = 0
-        while True:
-            self._raise_if_lost()
-            incarnation = self._incarnation
-            try:
-                return call()
-            except VLLMUnavailableError as error:
-                if not self._can_recover(error, recoveries):
-                    raise
-                self._recover(incarnation, error)
-                recoveries += 1
-                self.resent_requests += 1
-
-    async def _arequest(self, method: str, path: str, payload: dict):
-        """One async request; re-sent (the same payload: a seeded sample is the same sample) after the server came
-        back if it was lost. The recovery runs on a worker thread: the loop's other requests wait for it too."""
-        recoveries = 0
-        while True:
-            self._raise_if_lost()
-            incarnation = self._incarnation
-            try:
-                return await self.http.arequest(method, path, payload)
-            except VLLMUnavailableError as error:
-                if not self._can_recover(error, recoveries):
-                    raise
-                await asyncio.to_thread(self._recover, incarnation, error)
-                recoveries += 1
-                self.resent_requests += 1
-
-    def _recover(self, incarnation: int, failure: VLLMUnavailableError) -> None:
-        """Wait for the server (up to ``reconnect_timeout_s``), check it, reload the current weights and check
-        them. The first caller of an incarnation does it; the others wait for it and then re-send."""
-        with self._recovery_lock:
-            self._raise_if_lost()
-            if incarnation != self._incarnation:
-                return  # brought back while this caller's request was failing
-            started = time.monotonic()
-            logger.warning(
-                "vLLM server at %s not answering (%s); waiting up to %.0f s for it to come back (%s).",
-                self.base_url, cause(failure), self.reconnect_timeout_s, RECONNECT_FLAG)
-            deadline = started + self.reconnect_timeout_s
-            while True:
-                try:
-                    wait_for_health(self.http, max(deadline - time.monotonic(), 0.0))
-                    self.check(require_weight_sync=self._require_weight_sync)
-                    break
-                except (VLLMUnavailableError, VLLMTimeoutError) as error:  # not answering (yet)
-                    if time.monotonic() < deadline:
-                        time.sleep(1.0)
-                        continue
-                    lost = VLLMUnavailableError(
-                        f"{failure} It did not come back within {self.reconnect_timeout_s:.0f} s ({RECONNECT_FLAG}; "
-                        f"last: {cause(error)})."
-                    )
-                    self._give_up(lost, error)
-                except VLLMError as error:  # back, but another model or no weight sync: waiting will not help
-                    self._give_up(VLLMError(f"The vLLM server at {self.base_url} came back unusable: {error}"), error)
-            try:
-                reloaded = self.transfer.reload()
-                gap = self._check_reference()
-            except VLLMError as error:
-                self._give_up(VLLMError(
-                    f"The vLLM server at {self.base_url} came back but could not be given policy version "
-                    f"{self.policy_version} again: {error}"), error)
-            self._incarnation += 1
-            self.recoveries += 1
-            what = ("reloaded policy version %d (%s)" % (self.policy_version, reloaded.get("transfer"))
-                    if reloaded else f"policy version {self.policy_version} is its own checkpoint (nothing loaded yet)")
-            logger.warning(
-                "vLLM server at %s is back after %.1f s: %s%s; re-sending the requests in flight.", self.base_url,
-                time.monotonic() - started, what, "" if gap is None else f", log-probs as before the loss (gap {gap:.2g})")
-
-    def _check_reference(self) -> float | None:
-        """The reloaded server's log-probs of the reference ids against those taken after the version's load."""
-        if self._reference is None:
-            return None
-        version, ids, before = self._reference
-        if version != self.policy_version:
-            return None
-        after = self._prompt_logprobs(ids)
-        gap = max(abs(a - b) for a, b in zip(after, before))
-        tolerance = default_probe_tolerance(self.dtype)
-        if not gap <= tolerance:
-            raise VLLMError(
-                f"after the reload its log-probs of a fixed sequence differ from those after version {version}'s load "
-                f"by up to {gap:.3g} (tolerance {tolerance:g}): it does not hold the weights it held"
-            )
-        return gap
-
-    def _give_up(self, lost: VLLMError, error: BaseException) -> None:
-        lost.server_lost = True  # the generator does not retry a rollout against a server that is gone
-        lost.last = getattr(error, "last", None) or str(error)
-        self._lost = lost
-        raise lost from error
+    @property
+    def resent_requests(self) -> int:
+        """Requests that failed with the server and were sent again after its return."""
+        return self.recovery.resent_requests
 
     # --- state --------------------------------------------------------------------------------------------------
 
