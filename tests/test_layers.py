@@ -42,3 +42,21 @@ def test_inference_and_the_vllm_worker_import_nothing_from_training():
 def test_the_check_sees_an_import_of_the_training_side():
     source = "from ..policy import unwrap\nfrom .. import trainer\nimport verifiers_rl.loss\nfrom .engine import Sample\n"
     assert imported_modules(source, ("verifiers_rl", "inference")) == {"policy", "trainer", "loss", "inference"}
+
+
+MAX_CLASS_LINES = 300
+SIZE_REASON = "Over 300 lines:"
+
+
+def test_no_class_is_over_300_lines_without_its_reason():
+    """A class that grows past 300 lines is split, or says why not in its docstring (a line opening with
+    ``Over 300 lines:``)."""
+    unexplained = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                doc = ast.get_docstring(node) or ""
+                if not any(line.strip().startswith(SIZE_REASON) for line in doc.splitlines()):
+                    unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
+                                       f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not unexplained, f"split these or give the reason ({SIZE_REASON!r}): {unexplained}"

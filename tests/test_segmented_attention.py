@@ -199,3 +199,30 @@ def test_a_runs_batching_config_only_for_models_that_attend_through_sdpa(tiny_mo
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
                                                      attn_implementation=implementation)
         assert batching_config(args, model, 1, 0).run_attention is expected
+
+
+def test_importing_the_package_leaves_transformers_attention_alone():
+    """Run-by-run attention is installed when a forward first passes runs (and removed by the trainer when training
+    ends), not as a side effect of an import: a fresh process that imports the trainer still has transformers'
+    own ``sdpa``."""
+    import subprocess
+    import sys
+
+    code = ("import verifiers_rl, verifiers_rl.trainer, verifiers_rl.policy\n"
+            "from verifiers_rl import segmented_attention\n"
+            "print(segmented_attention.installed())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_uninstall_restores_transformers_own_sdpa():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    segmented_attention.install()
+    own = ALL_ATTENTION_FUNCTIONS["sdpa"].transformers_sdpa
+    segmented_attention.install()  # idempotent: not wrapped twice
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"].transformers_sdpa is own
+    segmented_attention.uninstall()
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is own and not segmented_attention.installed()
+    segmented_attention.install()  # as the rest of this process's tests had it

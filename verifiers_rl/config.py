@@ -124,6 +124,9 @@ class RLConfig(GRPOConfig):
     ``micro_batching`` says; the update equals the single-device full-batch update. ``gradient_accumulation_steps``
     is read once, to size the default batch, and then set to 1: the trainer runs every micro-batch of a step
     inside one ``training_step``.
+
+    Over 300 lines: its body is the field declarations (each one a flag with its help); the checks are ``validate``
+    and the module's functions.
     """
 
     loss_type: LossTypeOrTRL = field(

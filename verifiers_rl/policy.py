@@ -23,8 +23,6 @@ from .segmented_attention import Run, row_runs, run_by_run_cheaper
 from .segmented_attention import applies as runs_apply
 from .segmented_attention import install as install_run_attention
 
-install_run_attention()
-
 
 @dataclass
 class PolicyOutput:
@@ -314,6 +312,7 @@ def micro_batch_logprobs(
             kwargs["attention_mask"] = (micro_batch.seq_index >= 0).long()
     runs = micro_batch_runs(micro_batch) if attends_run_by_run(model) else None
     if runs is not None:  # each run attends to what the mask allows, not the whole row (the mask: a fallback)
+        install_run_attention()  # when first needed, not at import (the trainer removes it when training ends)
         kwargs[RUNS_KEYWORD] = runs
     sink: dict[str, torch.Tensor] = {}
     with _output_layer_as_logprobs(model, targets, select, sources, temperature, chunk_size, sink):

@@ -188,12 +188,29 @@ def _sdpa_with_runs(transformers_sdpa):
 
 
 def install() -> None:
-    """Make transformers' ``sdpa`` attention function take ``verifiers_rl_runs`` (idempotent)."""
+    """Make transformers' ``sdpa`` attention function take ``verifiers_rl_runs`` (idempotent; through
+    transformers' public ``AttentionInterface``). The policy's forward installs it when it first passes runs."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     current = ALL_ATTENTION_FUNCTIONS["sdpa"]
     if not hasattr(current, "transformers_sdpa"):
         AttentionInterface.register("sdpa", _sdpa_with_runs(current))
+
+
+def uninstall() -> None:
+    """Give transformers its own ``sdpa`` back (the trainer does when training ends); a later forward with runs
+    installs it again."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    current = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    if hasattr(current, "transformers_sdpa"):
+        AttentionInterface.register("sdpa", current.transformers_sdpa)
+
+
+def installed() -> bool:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return hasattr(ALL_ATTENTION_FUNCTIONS["sdpa"], "transformers_sdpa")
 
 
 def applies(model_config) -> bool:
