@@ -6,7 +6,8 @@ every field TRL adds to ``TrainingArguments``, and ``TRAINING_ARGUMENTS_REFUSED`
 that have no effect on a trainer whose batches come from a rollout source (the others act as transformers documents).
 ``check_fields`` refuses a non-default value of a refused field at start-up, naming it, why, and what to use.
 ``tests/test_grpo_fields.py`` compares the table with ``dataclasses.fields(GRPOConfig)``: a TRL upgrade that adds a
-field fails there until it is classified. ``python -m verifiers_rl.grpo_fields`` prints the README's table.
+field fails there until it is classified. ``python -m verifiers_rl.grpo_fields`` (or ``verifiers-rl fields``) prints
+the table of docs/trl.md; ``--write`` rewrites it there.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def apply_trl_names(config) -> None:
 
 
 def markdown_table() -> str:
-    """The README's table of GRPOConfig fields (what ``python -m verifiers_rl.grpo_fields`` prints)."""
+    """The table of GRPOConfig fields in docs/trl.md (what ``python -m verifiers_rl.grpo_fields`` prints)."""
     lines = ["| GRPOConfig field | here | how / why |", "| --- | --- | --- |"]
     for name, field in GRPO_FIELDS.items():
         lines.append(f"| `{name}` | {field.status} | {field.note} |")
@@ -282,7 +283,11 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-def write_into(path: str) -> None:
+# The markdown file that holds the table (``python -m verifiers_rl.grpo_fields --write`` rewrites it there).
+TABLE_FILE = "docs/trl.md"
+
+
+def write_into(path: str = TABLE_FILE) -> None:
     """Replace the table in the markdown file ``path`` (from its header row to the last row of the second table)."""
     with open(path) as handle:
         text = handle.read()
@@ -298,7 +303,7 @@ def write_into(path: str) -> None:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["--write"]:  # python -m verifiers_rl.grpo_fields --write README.md
-        write_into(sys.argv[2])
+    if sys.argv[1:2] == ["--write"]:  # python -m verifiers_rl.grpo_fields --write [docs/trl.md]
+        write_into(*sys.argv[2:3])
     else:
         print(markdown_table())
