@@ -4,7 +4,8 @@ x padded/packed rows (ragged lengths, fully masked sequences, ranks with fewer t
 and without shared prompts (groups kept in shared-prefix rows, split over micro-batches and ranks; multi-turn-like
 prefixes shared past the prompt). The model forward of shared rows is checked in tests/test_logprobs.py.
 
-The reference below is written per sequence straight from SPEC §3, independent of the partitioned code path.
+The reference below is written per sequence straight from docs/architecture.md (What one step computes),
+independent of the partitioned code path.
 """
 
 import itertools
@@ -32,7 +33,8 @@ def _fp64():
 
 def reference_loss(sequences, logps, proximal, sampler, ref, loss_type, level, correction, cap, cap_min, beta, horizon,
                    eps_low=0.2, eps_high=0.28, delta=None, kl_ratio=False, off_policy=None, log_ratio_sum=False):
-    """Global loss of SPEC §3, one sequence at a time, with plain Python sums (TRL's knobs as TRL writes them)."""
+    """Global loss of docs/architecture.md, one sequence at a time, with plain Python sums (TRL's knobs as TRL writes
+    them)."""
     per_sequence_sums, token_counts = [], []
     for i, seq in enumerate(sequences):
         positions = [t for t, m in enumerate(seq.loss_mask) if m]

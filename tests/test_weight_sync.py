@@ -1,4 +1,4 @@
-"""Weight sync (SPEC §5): bucketed streaming of the full weights, LoRA merged, tied embeddings once, the embedded
+"""Weight sync: bucketed streaming of the full weights, LoRA merged, tied embeddings once, the embedded
 engine's streaming load, the post-sync log-prob probe, and errors that reach every rank.
 
 Single-process tests run in-process. The multi-process checks (ZeRO-3, 2 processes) share ONE launch of

@@ -1,4 +1,4 @@
-"""Rollouts -> per-rank micro-batches (SPEC §3, §4).
+"""Rollouts -> per-rank micro-batches (docs/architecture.md, What one step computes).
 
 Order of work, all on the whole batch before anything is split:
 advantages per group -> truncation to ``max_seq_len`` -> global counts -> parts (one sequence each, or a group's
@@ -492,7 +492,7 @@ def check_packed_row_fits(max_tokens_per_microbatch: int, max_seq_len: int) -> N
 
 
 def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int = 0) -> list[RankBatch]:
-    """Turn one optimizer step's rollouts into one RankBatch per rank (the whole of SPEC §3's data path)."""
+    """Turn one optimizer step's rollouts into one RankBatch per rank (docs/architecture.md's whole data path)."""
     if not rollouts:
         raise ValueError("A batch needs at least one rollout.")
     rewards = [float(r.reward) for r in rollouts]

@@ -100,7 +100,7 @@ def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], i
 
 
 class ReplaySource:
-    """Replays a rollouts file (SPEC §4 line format) through the same batching and loss as live generation.
+    """Replays a rollouts file (the rollout line format) through the same batching and loss as live generation.
 
     With ``filter_groups`` (DAPO's dynamic sampling) each batch keeps only its groups with reward variance; there is
     nothing to refill from, so a batch loses them (and one without any is trained unfiltered, with a warning).

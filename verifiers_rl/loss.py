@@ -1,4 +1,4 @@
-"""Pure tensor functions of the policy loss (SPEC §3). No framework state, nothing from the package.
+"""Pure tensor functions of the policy loss (docs/architecture.md). No framework state, nothing from the package.
 
 Every tensor here is laid out as rows x positions ``[R, T]``. A row holds one sequence (padded micro-batches)
 or several (packed micro-batches); ``seq_index[r, t]`` names the sequence a position belongs to within its
@@ -225,7 +225,7 @@ def per_token_loss(
     settings: LossSettings = LossSettings(),
     keep: torch.Tensor | None = None,
 ) -> TokenLossTerms:
-    """z = keep * o * w * L (+ beta * k3-KL, times r when ``kl_ratio``): the per-token loss of SPEC §3.
+    """z = keep * o * w * L (+ beta * k3-KL, times r when ``kl_ratio``): the per-token loss of docs/architecture.md.
 
     L the clipped surrogate, w the importance weight, o the off-policy sequence mask, ``keep`` any other token mask
     (the entropy mask); the KL term is never masked (as TRL). ``proximal_logps`` defaults to ``logps.detach()``

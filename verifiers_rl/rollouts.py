@@ -1,4 +1,4 @@
-"""The rollout record (SPEC §4): what an environment produces, what `--rollouts_path` replays, one JSON line each."""
+"""The rollout record: what an environment produces, what `--rollouts_path` replays, one JSON line each."""
 
 from __future__ import annotations
 

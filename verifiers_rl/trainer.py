@@ -1,4 +1,4 @@
-"""RLTrainer: glue between a rollout source, the batching plan, the model and the pure loss (SPEC §3).
+"""RLTrainer: glue between a rollout source, the batching plan, the model and the pure loss (docs/architecture.md).
 
 One HF Trainer step = one optimizer step = one batch. ``training_step`` runs every micro-batch of this rank
 and backpropagates  partial * world_size  for each (the backend averages gradients over ranks), with gradient
@@ -161,7 +161,7 @@ def _unused_reward(completions, **kwargs):
 
 
 class RLTrainer(GRPOTrainer):
-    """A GRPOTrainer whose update equals the single-device full-batch update (SPEC §3).
+    """A GRPOTrainer whose update equals the single-device full-batch update (docs/architecture.md).
 
     Args:
         model: hub id, local folder, or a loaded model.
@@ -459,7 +459,7 @@ class RLTrainer(GRPOTrainer):
         return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The partial loss of one micro-batch: its numerator over the global denominator (SPEC §3)."""
+        """The partial loss of one micro-batch: its numerator over the global denominator (docs/architecture.md)."""
         if return_outputs:
             raise ValueError("RLTrainer.compute_loss does not return outputs.")
         mb: MicroBatch = inputs

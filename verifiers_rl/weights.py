@@ -1,4 +1,4 @@
-"""Stream the policy's full weights to an inference engine, bucket by bucket (SPEC §5), and check them after.
+"""Stream the policy's full weights to an inference engine, bucket by bucket, and check them after.
 
 Under DeepSpeed ZeRO-3 every rank holds a shard of each parameter. ``gathered_named_weights`` walks the model in
 buckets of about ``bucket_bytes``, gathers each bucket's shards with ONE ``deepspeed.zero.GatheredParameters``

@@ -35,7 +35,7 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str
 
 
 def launch_env() -> dict:
-    # ACCELERATE_USE_CPU (SPEC §7): examples/train.py selects the CPU itself (use_cpu) when no GPU is visible; the
+    # ACCELERATE_USE_CPU (docs/scaling.md): examples/train.py picks the CPU itself (use_cpu) when no GPU is visible; the
     # env flag is set too, as users do, and must not break the ZeRO-3 launch (RLConfig swaps it for use_cpu).
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
 

@@ -1,4 +1,4 @@
-"""Inference engines (SPEC §5): one small interface, an embedded HF engine, and a vLLM server client."""
+"""Inference engines: one small interface, an embedded HF engine, and a vLLM server client."""
 
 from .engine import EngineClosedError, InferenceEngine, Sample, SamplingConfig
 from .hf_engine import EmbeddedEngine

@@ -1,4 +1,4 @@
-"""The small interface every inference engine implements (SPEC §5): the embedded HF engine, a vLLM client.
+"""The small interface every inference engine implements: the embedded HF engine, a vLLM client.
 
 Environments call ``await engine.sample(prompt_ids, max_new_tokens)`` from many coroutines at once; the engine
 batches them. The trainer calls ``load_weights`` after each optimizer step and bumps ``policy_version``, then
@@ -156,7 +156,7 @@ class InferenceEngine(Protocol):
 
 @runtime_checkable
 class SupportsPromptLogprobs(Protocol):
-    """Optional: engines that have it are checked after every weight load (the post-sync probe, SPEC §5).
+    """Optional: engines that have it are checked after every weight load (the post-sync probe).
 
     The trainer compares these log-probs with its own for a fixed ~32-token sequence and warns loudly when they
     differ (stale layers: a tied output layer not refreshed, a tensor skipped). Engines without it skip the probe.

@@ -1,4 +1,4 @@
-"""The embedded engine: a transformers model decoding on the engine's own copy of the weights (SPEC §5, default on
+"""The embedded engine: a transformers model decoding on the engine's own copy of the weights (default on
 CPU).
 
 Concurrent ``sample`` calls from the coroutines of one event loop are batched (``request_batcher``) and decoded as one

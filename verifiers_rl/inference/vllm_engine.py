@@ -1,4 +1,4 @@
-"""A client of a vLLM server (OpenAI-compatible API): the engine for real throughput (SPEC §5).
+"""A client of a vLLM server (OpenAI-compatible API): the engine for real throughput.
 
 The server runs in its own venv (``scripts/install_vllm.sh``) and is started with
 ``python -m verifiers_rl.inference.vllm_server --model DIR --port P`` (see that module for the flags it needs:
