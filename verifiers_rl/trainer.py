@@ -118,7 +118,8 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
         chat_template_kwargs=args.chat_template_kwargs,
     )
     # This is where TRL's form loads its environment (its chat kwargs and limits are the constructor's above).
-    prepare_environment(environment, holdout=args.eval_holdout, seed=args.seed)
+    prepare_environment(environment, chat_template_kwargs=args.chat_template_kwargs, holdout=args.eval_holdout,
+                        seed=args.seed)
     return environment
 
 
