@@ -4,9 +4,6 @@ log-prob temperature too) and any key both engines cannot honour is refused by n
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from verifiers_rl import eval as eval_cli
@@ -66,8 +63,7 @@ def test_generation_kwargs_override_the_fields_including_the_trainers_temperatur
 
 
 def test_the_command_line_takes_the_knobs_and_generation_kwargs_as_json():
-    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
-    from train import build_parser
+    from verifiers_rl.cli.train import build_parser
 
     argv = ["--output_dir", "/tmp/unused", "--min_p", "0.1", "--repetition_penalty", "1.2", "--temperature", "1.0",
             "--generation_kwargs", '{"temperature": 0.5, "top_k": 3}']
