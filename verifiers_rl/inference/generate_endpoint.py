@@ -86,7 +86,7 @@ class GenerateEndpoint:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # the port the OS gave (bound to 0: no race)
+        self.port = self._runner.addresses[0][1]  # the port the OS gave (bound to 0: no race); public since aiohttp 3.3
         return self
 
     async def close(self) -> None:
