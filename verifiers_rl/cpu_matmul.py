@@ -5,13 +5,11 @@ Two ways, both equal to ``F.linear`` to float rounding (another summation order;
 the rows beside it):
 
 - ``PackedWeights`` (the engine's default where torch has oneDNN, as its x86 CPU builds do): each weight reordered
-  once into oneDNN's blocked layout, multiplied by oneDNN's kernels. SmolLM2-135M's 211 decode-step matmuls
-  (30 layers and the output layer; 2 cores, AMD EPYC Zen 4, torch 2.13): 16 rows 35-40 ms against 63-73 ms
-  weight-major, 4 rows 25-30 against 28-34 ms; at 1500 rows ~220 GFLOPS against ~170 for ``F.linear``. The price:
-  a second copy of the weights, re-packed after each weight load (~0.15 s for SmolLM2-135M's 538 MB).
+  once into oneDNN's blocked layout, multiplied by oneDNN's kernels: the fastest of the three at decode shapes and
+  at training's many rows (benchmarks/embedded_decode.py). The price: a second copy of the weights, re-packed after
+  each weight load.
 - ``weight_major``: ``(W x^T)^T``. ``F.linear`` hands MKL ``x @ W^T`` (a transposed weight), and with few rows
-  against a large weight MKL's sgemm is slow in that layout on this CPU: SmolLM2-135M's output layer (49152 x 576)
-  times 16 rows took 64 ms as ``F.linear`` and 26 ms as ``W @ x^T``.
+  against a large weight MKL's sgemm is slow in that layout.
 
 Neutral ground, like ``modeling`` (the engine generates with it).
 """
@@ -27,10 +25,9 @@ from .compat import replaced_forward
 
 
 def padded_rows(rows: int) -> int:
-    """How many rows to give MKL for ``rows`` rows (zero rows added): its sgemm time on this project's CPU is far
-    from monotone in the row count of ``W x^T`` (odd counts and 12-15 slow, multiples of 8 fast; SmolLM2's
-    1536 x 576 layer, 2 threads: 1 row 0.37 ms, 4 rows 0.25, 13 rows 0.99, 16 rows 0.71, 19 rows 1.31, 24 rows
-    0.92), and a row's product does not depend on the rows beside it."""
+    """How many rows to give MKL for ``rows`` rows (zero rows added): its sgemm time is far from monotone in the
+    row count of ``W x^T`` (odd counts and 12-15 slow, multiples of 8 fast, as profiled on an x86 CPU), and a row's
+    product does not depend on the rows beside it."""
     if rows <= 3:
         return 4
     if rows in (4, 5, 9, 10, 11):
@@ -40,8 +37,7 @@ def padded_rows(rows: int) -> int:
 
 def weight_major(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[rows, in]``, computed as ``(W x^T)^T`` with the rows padded (``padded_rows``);
-    row-major like ``x`` (MKL runs ``W x^T`` several times slower when x is a column-major view: 0.8 ms instead
-    of 0.24 for SmolLM2's 4-row MLP down-projection)."""
+    row-major like ``x`` (MKL runs ``W x^T`` several times slower when x is a column-major view)."""
     rows = x.shape[0]
     padded = padded_rows(rows)
     if padded > rows:
@@ -67,8 +63,8 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b``, through oneDNN with the weight as it is (not packed) where that applies: fp32 CPU tensors and
     no autograd graph to record (oneDNN's op has no backward). Else ``F.linear``. The training output layer's
-    logits (``policy``: 700-1000 rows times SmolLM2's 49152 x 576 matrix) ran at 153-174 GFLOPS this way against
-    123-139 as ``x @ W^T`` on this project's CPU; equal to float rounding."""
+    logits (``policy``: hundreds of rows times the vocabulary matrix) run faster this way than as ``x @ W^T``; equal
+    to float rounding."""
     tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if (tracked or not packs_available() or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32):

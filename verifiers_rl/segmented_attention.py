@@ -26,10 +26,9 @@ import torch.nn.functional as F
 from .prefix import PADDING, ROOT
 
 KEYWORD = "verifiers_rl_runs"
-# What a run costs beyond its cells, in cells: its SDPA calls, slices and concatenations in forward and backward.
-# SmolLM2-135M on this project's 2-core CPU: ~0.57 ms per run and layer against ~57 ns per cell and layer (profiled
-# when the backward still recomputed the forward: an upper bound now). A row of short sequences (the 16-token
-# quickstart's) is cheaper as one dense call.
+# What a run costs beyond its cells, in cells: its SDPA calls, slices and concatenations in forward and backward
+# (the ratio of a run's fixed cost to a cell's, profiled on a CPU; an upper bound). A row of short sequences is
+# cheaper as one dense call.
 RUN_OVERHEAD_CELLS = 10_000
 
 
@@ -126,9 +125,9 @@ def _run_by_run(query, key, value, runs: list[Run], scaling: float, columns=None
 class _RunAttention(torch.autograd.Function):
     """One autograd node from (q, k, v) to the output, as SDPA is. Its forward records the runs' own graph (their
     SDPA calls and concatenations) on detached views of the column pieces each run reads (leaves of that graph), and
-    its backward goes through it and adds each piece's gradient into place: no recompute of the forward (which cost
-    ~0.3 s of a 128-token SmolLM2 training step on this project's CPU), and no backward of a slice, which zero-fills
-    a whole row's gradient per piece (~0.5 s of that step).
+    its backward goes through it and adds each piece's gradient into place: no recompute of the forward, and no
+    backward of a slice, which zero-fills a whole row's gradient per piece (both were a visible part of a training
+    step).
 
     Dozens of per-run nodes would finish the q/k/v gradients in an order that depends on the row's layout, and
     ZeRO-3 reduce-scatters parameter gradients in the order they finish: two ranks with different layouts would

@@ -132,7 +132,7 @@ class BatchDecoder:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # padding not counted, as in decode
         cache = DynamicCache(config=self.model.config)
         # Only the keys/values are wanted: the decoder alone, without the output layer (vocabulary-wide logits of
-        # every prompt position were ~0.5 s of a 5 s CPU quickstart generation).
+        # every prompt position would be a large part of a short generation).
         decoder = self.model.get_decoder()
         if root:
             decoder(input_ids=input_ids[:1, :root], position_ids=positions[:1, :root], past_key_values=cache,

@@ -1,8 +1,8 @@
 """Decode steps on a GPU replayed from one captured CUDA graph per batch.
 
-A GPU decode step of a small model is bound by kernel launches, not by the GPU: Qwen2.5-0.5B-shaped, 8 rows, an
-H200: ~850 launches, 17 ms of CPU time for 2.5 ms of GPU time through transformers' forward (profiled). Replaying a
-captured graph launches a step's kernels at once. A graph needs fixed shapes and addresses, so this step (the
+A GPU decode step of a small model is bound by kernel launches, not by the GPU: through transformers' forward a
+step launches hundreds of kernels and the CPU time to launch them exceeds the GPU's (profiled on an H200:
+benchmarks/RESULTS.md). Replaying a captured graph launches a step's kernels at once. A graph needs fixed shapes and addresses, so this step (the
 mathematics of ``llama_decode``, which it extends) keeps them:
 
 - every row of the batch stays to the end: a finished row's logits are still computed, and not returned;

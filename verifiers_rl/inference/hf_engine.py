@@ -28,9 +28,9 @@ from .llama_decode import supports as llama_decode_supports
 from .request_batcher import Request, RequestBatcher
 from .staged_weights import StagedWeights
 
-# Draws the odd rows' Gumbel noise beside the caller's even rows: a CPU generator's draw is serial (~0.17 ms a
-# 49152-word row here), a second core halves a 16-row decode step's ~4 ms of it. Values are unchanged: each row
-# still draws from its own generator.
+# Draws the odd rows' Gumbel noise beside the caller's even rows: a CPU generator's draw is serial and a
+# vocabulary-wide row per decode step adds up, so a second core halves it. Values are unchanged: each row still draws
+# from its own generator.
 _NOISE_DRAWS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
 
 
@@ -124,12 +124,12 @@ class EmbeddedEngine:
         generate_in_loop_thread: decode on the event loop's own thread (blocking the loop meanwhile)
             instead of a worker thread. For synchronous generation (k = 0) on the trainer's thread: on CPU every
             extra thread that runs torch ops gets its own OpenMP team, the teams oversubscribe the cores, and
-            decoding's many small ops then run ~1.7x slower (benchmarks/async_generation.py).
+            decoding's many small ops then run slower (benchmarks/async_generation.py).
         cpu_matmuls: how fp32 linear layers on CPU multiply while generating (``cpu_matmul``; all equal to
             ``F.linear`` to float rounding): ``packed`` with oneDNN-packed copies of the weights (re-packed after
-            each weight load; ~1.8x faster 16-row decode matmuls than ``weight_major`` on this project's CPU),
-            ``weight_major`` as ``(W x^T)^T`` (~1.75x faster decode steps than ``F.linear``), ``linear`` as
-            ``F.linear``; ``auto``: ``packed`` where torch has oneDNN, else ``weight_major``.
+            each weight load; the fastest at decode shapes where oneDNN exists), ``weight_major`` as ``(W x^T)^T``
+            (faster decode steps than ``F.linear``), ``linear`` as ``F.linear``; ``auto``: ``packed`` where torch has
+            oneDNN, else ``weight_major`` (benchmarks/embedded_decode.py measures them).
         share_prompt_prefill: requests decoded together that share a prompt (a group) prefill it once and
             decode from copies of its keys/values.
         llama_decode: decode steps of a plain fp32 Llama model on CPU run ``llama_decode``'s lean step (the same

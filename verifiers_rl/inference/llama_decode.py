@@ -1,9 +1,8 @@
 """A decode step for Llama-architecture models on CPU with fewer, larger ops than transformers' forward.
 
 A decode step computes one new position per row. With a handful of rows its matmuls are small, and transformers'
-forward (masks, cache objects, ~60 tensor ops per layer) add as much again: SmolLM2-135M, 4 rows, 2 cores: ~105 ms
-a step, of which ~60 ms matmuls (profiled). This step runs the same mathematics with the model's own modules, per
-layer:
+forward (masks, cache objects, dozens of tensor ops per layer) costs about as much again as the matmuls (profiled:
+benchmarks/embedded_decode.py). This step runs the same mathematics with the model's own modules, per layer:
 
     a = rms(h) * w_in;  q, k, v = a Wq^T, a Wk^T, a Wv^T;  q, k = rope(q), rope(k)
     h = h + softmax(q K^T / sqrt(d) + pad mask) V Wo^T            (query heads grouped on their key/value head)
@@ -110,8 +109,8 @@ class LlamaDecoder:
 
     def _attend(self, q, k, v, keys, values, attend, scale: float) -> torch.Tensor:
         """This position's ``k``/``v`` written into the buffers at ``length``, then ``q`` attends to the positions so
-        far: softmax(q K^T * scale + attend) V as two batched matmuls (one query position: CPU sdpa's kernel cost
-        60-120 us more a call at SmolLM2's 16 x 3 x 3 heads, measured)."""
+        far: softmax(q K^T * scale + attend) V as two batched matmuls (one query position: CPU sdpa's kernel costs
+        more a call at these small head counts)."""
         at = self.length
         keys[:, :, at] = k
         values[:, :, at] = v

@@ -17,8 +17,8 @@ class StagedWeights:
     arrives (a producer may reuse a tensor's memory once the next item is asked for); ``apply`` copies the staged
     tensors into the model in one step. So a load that fails part-way (unknown name, wrong shape, a failing producer)
     changes nothing. The price is one extra copy of the weights sent, kept from one load to the next: a fresh copy at
-    every load spent ~0.12 s of SmolLM2-135M's ~0.15 s stage in page faults (538 MB). Hold ``staging`` from ``stage``
-    to ``apply``: the copies are reused, so two loads must not interleave.
+    every load spends most of its time in page faults. Hold ``staging`` from ``stage`` to ``apply``: the copies are
+    reused, so two loads must not interleave.
     """
 
     def __init__(self, model: torch.nn.Module):
