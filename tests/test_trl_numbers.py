@@ -86,7 +86,9 @@ def _rollouts(batch: dict, tokenizer, sampler: torch.Tensor) -> list[Rollout]:
         completion = batch["completion_ids"][i][keep].tolist()
         out.append(Rollout(prompt_ids=prompt, completion_ids=completion, completion_mask=[1] * len(completion),
                            reward=rewards[i], group_id=i // GENERATIONS,
-                           completion_logprobs=sampler[i][keep].tolist()))
+                           completion_logprobs=sampler[i][keep].tolist(),
+                           # TRL's truncation: the completion does not end in EOS (or padding)
+                           truncated=completion[-1] not in (tokenizer.eos_token_id, tokenizer.pad_token_id)))
     return out
 
 
@@ -104,6 +106,13 @@ def _scatter(mb, per_sequence: torch.Tensor, prompt_lengths: list[int]) -> torch
             if 0 <= j < per_sequence.shape[1]:
                 out[r, t] = per_sequence[i, j]
     return out
+
+
+# What both log under TRL's names for one batch and one loss (TRL: generation, then compute_loss).
+SHARED_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completions/clipped_ratio",
+                  *(f"completions/{stat}_{kind}length" for stat in ("mean", "min", "max") for kind in ("", "terminated_")),
+                  "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                  "clip_ratio/high_max")
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
@@ -199,6 +208,11 @@ def test_loss_and_gradient_equal_trls(tiny_model_dir, tiny_model, tmp_path, case
     our_loss.backward()
     our_grads = _grads(ours.model)
 
+    ours.metrics.end_step(rank_batch)
+    logged = {name: ours._metrics["train"][name][-1] for name in SHARED_METRICS}
+    trl_logged = {**trl._metrics["eval"], **trl._metrics["train"]}  # TRL generated in eval mode (model.training off)
+    assert logged == pytest.approx({name: trl_logged[name][-1] for name in SHARED_METRICS}, abs=1e-6)
+    assert logged["clip_ratio/region_mean"] > 0, "the perturbed log-probs clip some tokens"
     assert abs(float(trl_loss)) > 1e-4, "the case has a loss to compare"
     torch.testing.assert_close(our_loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-7)
     assert our_grads.keys() == trl_grads.keys()

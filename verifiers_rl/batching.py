@@ -81,6 +81,12 @@ def normalize_then_sum_advantages(values: list[list[float]], weights: list[float
     fewer than two values in a group adds nothing there, a group of one rollout has s = 0. Standard deviations are
     unbiased (TRL's ``nanstd``); ``scale_rewards`` does not apply (TRL ignores it in this mode).
     """
+    sums = standardised_sums(values, weights, group_ids)
+    return ((sums - sums.mean()) / (_batch_std(sums) + ADVANTAGE_EPS)).tolist()
+
+
+def standardised_sums(values: list[list[float]], weights: list[float], group_ids: list) -> torch.Tensor:
+    """The s_i of ``normalize_then_sum_advantages``: each function standardised in its group, weighted, summed."""
     table = torch.tensor(values, dtype=torch.float64).reshape(len(values), len(weights))
     sums = torch.zeros(len(values), dtype=torch.float64)
     for members in group_by_id(range(len(group_ids)), group_ids.__getitem__):
@@ -88,8 +94,29 @@ def normalize_then_sum_advantages(values: list[list[float]], weights: list[float
         if len(members) > 1:
             standardised = (grouped - torch.nanmean(grouped, 0)) / (_nanstd(grouped, 0) + ADVANTAGE_EPS)
             sums[members] = torch.nansum(standardised * torch.tensor(weights, dtype=torch.float64), 1)
-    batch_std = sums.std() if len(values) > 1 else torch.tensor(0.0, dtype=torch.float64)
-    return ((sums - sums.mean()) / (batch_std + ADVANTAGE_EPS)).tolist()
+    return sums
+
+
+def _batch_std(values: torch.Tensor) -> torch.Tensor:
+    return values.std() if len(values) > 1 else torch.tensor(0.0, dtype=torch.float64)
+
+
+def zero_std_fraction(rollouts: list[Rollout], rewards: list[float], scale_rewards: ScaleRewards = "group",
+                      reward_functions: tuple[tuple[str, float], ...] = ()) -> float:
+    """TRL's ``frac_reward_zero_std``: the fraction of rollouts whose advantage's standard deviation is 0 (``isclose``):
+    their group's rewards' (scale_rewards group or none), the batch's rewards' (batch), or the batch's standardised
+    sums' (normalize_then_sum); a group of one rollout has std 0."""
+    group_ids = [r.group_id for r in rollouts]
+    if reward_functions:
+        values = [[float(r.metrics.get(name, math.nan)) for name, _ in reward_functions] for r in rollouts]
+        stds = _batch_std(standardised_sums(values, [w for _, w in reward_functions], group_ids)).expand(len(rollouts))
+    elif scale_rewards == "batch":
+        stds = _batch_std(torch.tensor(rewards, dtype=torch.float64)).expand(len(rollouts))
+    else:
+        stds = torch.zeros(len(rollouts), dtype=torch.float64)
+        for members in group_by_id(range(len(group_ids)), group_ids.__getitem__):
+            stds[members] = _batch_std(torch.tensor(rewards, dtype=torch.float64)[members])
+    return torch.isclose(stds, torch.zeros_like(stds)).double().mean().item()
 
 
 def batch_advantages(rollouts: list[Rollout], rewards: list[float], scale_rewards: ScaleRewards = "group",
@@ -438,6 +465,8 @@ class BatchStats:
     reward_mean: float
     reward_std: float
     truncated_fraction: float
+    zero_std_fraction: float = 0.0  # TRL's frac_reward_zero_std (``zero_std_fraction``)
+    input_tokens: int = 0  # prompt + sampled completion tokens of the rollouts: TRL's count for num_tokens
     unique_tokens: int = 0  # tokens with each group's common prefix counted once
     padding_tokens: int = 0  # forwarded padding
     extra: dict[str, float] = field(default_factory=dict)
@@ -525,6 +554,8 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
         reward_mean=sum(rewards) / len(rewards),
         reward_std=0.0 if math.isnan(reward_std) else reward_std,
         truncated_fraction=sum(s.truncated for s in sequences) / len(sequences),
+        zero_std_fraction=zero_std_fraction(rollouts, rewards, config.scale_rewards, config.reward_functions),
+        input_tokens=sum(len(r.prompt_ids) + sum(r.completion_mask) for r in rollouts),
         unique_tokens=unique_tokens(sequences),
         padding_tokens=sum(mb.padding_tokens for mb in micro_batches_all),
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from .envs.environment import Environment, Row
 from .envs.rubric import ERRORS_METRIC
 from .envs.sampler import derive_seed
-from .rollouts import Rollout
+from .rollouts import Rollout, metric_values
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -115,6 +115,7 @@ class EvalResult:
     truncated_fraction: float
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
+    logged_metrics: dict[str, float] = field(default_factory=dict)  # reward functions' log_metric means
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """Flat metrics named ``{prefix}_...``: every ``report_to`` backend shows them as ``{prefix}/...``
@@ -122,6 +123,7 @@ class EvalResult:
         values = {"reward": self.reward, "reward_std": self.reward_std}
         values.update({f"pass@{k}": v for k, v in self.pass_at.items()})
         values.update({f"rewards/{name}": v for name, v in self.reward_functions.items()})
+        values.update(self.logged_metrics)  # under their own names, as TRL logs them
         values.update(reward_errors=self.reward_errors, completion_tokens=self.completion_tokens,
                       truncated_fraction=self.truncated_fraction, num_prompts=float(self.num_prompts),
                       samples_per_prompt=float(self.samples_per_prompt), runtime=self.seconds)
@@ -174,6 +176,7 @@ def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold
         completion_tokens=statistics.fmean(s.rollout.completion_mask.count(1) for s in samples),
         truncated_fraction=statistics.fmean(float(s.rollout.truncated) for s in samples),
         seconds=seconds,
+        logged_metrics={name: statistics.fmean(values) for name, values in metric_values([s.rollout for s in samples], "logged_metrics").items()},
     )
 
 

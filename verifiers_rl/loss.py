@@ -118,14 +118,23 @@ def clipped_surrogate(
 
     r = exp(l - p) per token, or exp(mean_t m (l - p)) per sequence (GSPO) broadcast over its positions.
     ``delta`` (INTELLECT-2's two-sided clip, TRL's ``delta``) bounds the unclipped ratio too; None = no bound.
-    Returns (per-token loss, ratio, clip-active indicator).
+    Returns (per-token loss, ratio).
     """
     ratio = policy_ratio(logps, proximal_logps, loss_mask, seq_index, level)
     bounded = ratio if delta is None else torch.clamp(ratio, max=delta)
     unclipped = bounded * advantages
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * advantages
-    clip_active = (clipped < unclipped).to(logps.dtype)
-    return -torch.minimum(unclipped, clipped), ratio, clip_active
+    return -torch.minimum(unclipped, clipped), ratio
+
+
+@torch.no_grad()
+def clipped_regions(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: float,
+                    epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's clip indicators (its ``clip_ratio/*`` metrics): low = r < 1 - eps_low with A < 0, high = r > 1 + eps_high
+    with A > 0, on the unbounded ratio (``delta`` does not enter)."""
+    low = (ratio < 1 - epsilon_low) & (advantages < 0)
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return low.to(ratio.dtype), high.to(ratio.dtype)
 
 
 @torch.no_grad()
@@ -207,7 +216,8 @@ class TokenLossTerms:
     """Per-token tensors of one micro-batch, before aggregation."""
 
     per_token_loss: torch.Tensor
-    clip_active: torch.Tensor
+    clip_low: torch.Tensor  # ``clipped_regions``
+    clip_high: torch.Tensor
     is_weight: torch.Tensor
     is_ratio_raw: torch.Tensor
     kl: torch.Tensor | None
@@ -234,7 +244,7 @@ def per_token_loss(
     s = settings
     if proximal_logps is None:
         proximal_logps = logps.detach()
-    surrogate, ratio, clip_active = clipped_surrogate(
+    surrogate, ratio = clipped_surrogate(
         logps, proximal_logps, advantages, loss_mask, seq_index, s.level, s.epsilon_low, s.epsilon_high, s.delta
     )
     if sampler_logps is not None and s.correction != "none":
@@ -255,4 +265,4 @@ def per_token_loss(
             raise ValueError("beta != 0 needs reference log-probs.")
         kl = k3_kl(logps, ref_logps)
         loss = loss + s.beta * (kl * ratio if s.kl_ratio else kl)
-    return TokenLossTerms(loss, clip_active, weight, rho, kl)
+    return TokenLossTerms(loss, *clipped_regions(ratio, advantages, s.epsilon_low, s.epsilon_high), weight, rho, kl)

@@ -33,6 +33,8 @@ class Rollout:
     ``completion_mask`` is 1 on tokens the policy generated and that are trained on, 0 on environment/tool
     tokens inside a multi-turn completion. ``completion_logprobs`` are the sampler's log-probs, one per
     completion token (any value on masked tokens). Rollouts of the same prompt share ``group_id``.
+    ``metrics`` holds each reward function's value (logged as ``rewards/<name>/mean``); ``logged_metrics`` what
+    reward functions logged besides (TRL's ``log_metric``, logged under its own name).
     """
 
     prompt_ids: list[int]
@@ -45,6 +47,7 @@ class Rollout:
     policy_version: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     reward_errors: dict[str, str] = field(default_factory=dict)
+    logged_metrics: dict[str, float] = field(default_factory=dict)
     prompt: Any = None
     completion: Any = None
 
@@ -82,11 +85,18 @@ class Rollout:
             isinstance(k, str) and isinstance(v, str) for k, v in self.reward_errors.items()
         ):
             raise RolloutFormatError(f"{where}: `reward_errors` must map reward function names to messages.")
+        if not isinstance(self.logged_metrics, dict) or not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            for k, v in self.logged_metrics.items()
+        ):
+            raise RolloutFormatError(f"{where}: `logged_metrics` must map names to numbers.")
         if not isinstance(self.group_id, (str, int)) or isinstance(self.group_id, bool):
             raise RolloutFormatError(f"{where}: `group_id` must be a string or an integer.")
 
     def to_json(self) -> str:
-        record = {k: v for k, v in asdict(self).items() if v is not None and not (k == "reward_errors" and not v)}
+        # Empty optional maps are left out: files stay readable by versions without them.
+        record = {k: v for k, v in asdict(self).items()
+                  if v is not None and not (k in ("reward_errors", "logged_metrics") and not v)}
         return json.dumps(record)
 
     @classmethod
@@ -104,6 +114,16 @@ class Rollout:
         rollout = cls(**record)
         rollout.validate(where)
         return rollout
+
+
+def metric_values(rollouts: Iterable[Rollout], kind: str = "metrics") -> dict[str, list[float]]:
+    """Each name in the rollouts' ``kind`` map (``metrics`` or ``logged_metrics``) to its values, over the rollouts
+    that have it."""
+    values: dict[str, list[float]] = {}
+    for rollout in rollouts:
+        for name, value in getattr(rollout, kind).items():
+            values.setdefault(name, []).append(float(value))
+    return values
 
 
 def read_rollouts(path: str | Path) -> list[Rollout]:

@@ -13,6 +13,7 @@ waiting for the generator (older batches, the batch in progress), loading into t
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Callable
 
@@ -21,35 +22,46 @@ from transformers import TrainerCallback
 
 from .batching import MicroBatch, RankBatch
 
-TOKEN_METRICS = ("entropy", "clip_fraction", "is_weight", "is_ratio", "is_clipped_fraction", "kl")
+# TRL's clip_ratio/* are fractions of loss tokens, or of sequences at importance_sampling_level=sequence.
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+TOKEN_METRICS = ("entropy", *CLIP_METRICS, "is_weight", "is_ratio", "is_clipped_fraction", "kl")
 
 
 class StepMetrics:
     """Collects one optimizer step's metrics into ``sink`` (the lists the trainer averages into each log entry).
 
-    ``reduce_sum(tensor)`` sums a tensor over ranks (identity in one process).
+    ``reduce_sum(tensor)`` / ``reduce_max(tensor)`` sum / take the maximum of a tensor over ranks (identity in one
+    process). ``sequence_level``: the ratio is one per sequence (GSPO), so TRL's clip fractions count sequences.
     """
 
-    def __init__(self, sink: Callable[[], dict[str, list[float]]], reduce_sum: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, sink: Callable[[], dict[str, list[float]]], reduce_sum: Callable[[torch.Tensor], torch.Tensor],
+                 reduce_max: Callable[[torch.Tensor], torch.Tensor] = lambda t: t, sequence_level: bool = False):
         self.sink = sink
         self.reduce_sum = reduce_sum
+        self.reduce_max = reduce_max
+        self.sequence_level = sequence_level
         self.sums: dict[str, torch.Tensor] = {}
+        self.extremes: dict[str, torch.Tensor] = {}  # TRL's clip_ratio/low_min (negated) and high_max
 
     def log(self, name: str, value: float) -> None:
         self.sink()[name].append(float(value))
 
     def begin_step(self) -> None:
-        self.sums = {}
+        self.sums, self.extremes = {}, {}
 
     def _add(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().double()
         self.sums[name] = self.sums.get(name, torch.zeros((), dtype=torch.float64, device=value.device)) + value
 
+    def _max(self, name: str, values: torch.Tensor) -> None:
+        value = values.detach().double().max()
+        self.extremes[name] = torch.maximum(self.extremes[name], value) if name in self.extremes else value
+
     def add_loss_terms(self, mb: MicroBatch, entropy: torch.Tensor, terms) -> None:
         """Token sums of one micro-batch's entropy, clipping, importance weights and KL (``loss.TokenLossTerms``)."""
         mask = mb.loss_mask
         self._add("entropy", (entropy * mask).sum())
-        self._add("clip_fraction", (terms.clip_active * mask).sum())
+        self._add_clipping(mb, terms.clip_low, terms.clip_high)
         if mb.sampler_logps is not None:
             self._add("is_weight", (terms.is_weight * mask).sum())
             self._add("is_ratio", (terms.is_ratio_raw * mask).sum())
@@ -57,18 +69,38 @@ class StepMetrics:
         if terms.kl is not None:
             self._add("kl", (terms.kl.detach() * mask).sum())
 
+    def _add_clipping(self, mb: MicroBatch, low: torch.Tensor, high: torch.Tensor) -> None:
+        """TRL's clip fractions (token sums, or sequence counts at sequence level) and each sequence's low / high
+        fraction for TRL's ``clip_ratio/low_min`` and ``high_max`` (sequences without loss tokens left out)."""
+        mask = mb.loss_mask.to(low.dtype)
+        weight = mask / mb.sequence_loss_tokens.clamp(min=1).to(low.dtype) if self.sequence_level else mask
+        for name, value in zip(CLIP_METRICS, (low, high, torch.maximum(low, high))):
+            self._add(name, (value * weight).sum())
+        valid = (mb.seq_index >= 0) & (mask > 0)
+        if valid.any():
+            index = mb.seq_index[valid]
+            count = int(index.max()) + 1
+            per_sequence = [torch.zeros(count, dtype=torch.float64, device=low.device).index_add(0, index, v[valid].double())
+                            for v in (low, high, mask)]
+            trained = per_sequence[2] > 0
+            self._max("clip_ratio/low_min", -(per_sequence[0] / per_sequence[2].clamp(min=1))[trained])
+            self._max("clip_ratio/high_max", (per_sequence[1] / per_sequence[2].clamp(min=1))[trained])
+
     def end_step(self, rank_batch: RankBatch) -> None:
-        """Log the step's token metrics (every rank takes part in the reduction) and the batch's counts."""
+        """Log the step's token metrics (every rank takes part in the reductions) and the batch's counts."""
         names = [name for name in TOKEN_METRICS if name in self.sums]
         if names:
             reduced = self.reduce_sum(torch.stack([self.sums[name] for name in names]))
             tokens = max(rank_batch.counts.loss_tokens, 1)
+            sequences = max(rank_batch.counts.valid_sequences, 1)
             for name, value in zip(names, reduced.tolist()):
-                self.log(name, value / tokens)
+                self.log(name, value / (sequences if self.sequence_level and name in CLIP_METRICS else tokens))
+        self._log_extremes()
         stats = rank_batch.stats
         self.log("reward", stats.reward_mean)
         self.log("reward_std", stats.reward_std)
-        self.log("truncated_fraction", stats.truncated_fraction)
+        self.log("frac_reward_zero_std", stats.zero_std_fraction)
+        self.log("completions/clipped_ratio", stats.truncated_fraction)
         self.log("real_token_fraction", 1 - stats.padding_tokens / max(stats.computed_tokens, 1))
         self.log("tokens_forwarded", stats.computed_tokens)
         self.log("tokens_unique", stats.unique_tokens)
@@ -76,6 +108,18 @@ class StepMetrics:
         self.log("loss_tokens", rank_batch.counts.loss_tokens)
         for name, value in stats.extra.items():
             self.log(name, value)
+
+    def _log_extremes(self) -> None:
+        """``clip_ratio/low_min`` and ``high_max`` over every rank's sequences; a rank without loss tokens adds -inf,
+        so every rank takes part in the reduction."""
+        device = next(iter(self.sums.values())).device if self.sums else "cpu"
+        names = ("clip_ratio/low_min", "clip_ratio/high_max")
+        local = torch.stack([self.extremes.get(n, torch.tensor(-math.inf, dtype=torch.float64, device=device))
+                             for n in names])
+        low, high = self.reduce_max(local).tolist()
+        if math.isfinite(low):
+            self.log(names[0], -low)
+            self.log(names[1], high)
 
 
 class StepTimer(TrainerCallback):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import defaultdict
 from typing import Callable
 
 from .batching import BatchingConfig, RankBatch, plan_batch
@@ -20,7 +19,7 @@ from .envs.rubric import ERRORS_METRIC
 from .generator import RolloutSource, as_batch
 from .policy import attends_run_by_run, attention_cost, splits_packed_rows
 from .progress import sample_lines
-from .rollouts import Rollout, append_rollouts
+from .rollouts import Rollout, append_rollouts, metric_values
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +59,28 @@ def micro_batching_mode(requested: str, varlen: bool) -> str:
 
 
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
-    """A batch's completion lengths and each reward function's values under TRL's metric names:
-    ``completions/{mean,min,max}_length`` (completion tokens) and ``rewards/<name>/{mean,std}`` (over the rollouts
-    that have the metric; std with Bessel's correction, as TRL's ``nanstd``)."""
-    lengths = [len(r.completion_ids) for r in rollouts]
-    out = {"completions/mean_length": sum(lengths) / len(lengths), "completions/min_length": float(min(lengths)),
-           "completions/max_length": float(max(lengths))}
-    values: dict[str, list[float]] = defaultdict(list)
-    for rollout in rollouts:
-        for name, value in rollout.metrics.items():
-            if name != ERRORS_METRIC:
-                values[name].append(float(value))
-    for name, found in values.items():
+    """A batch's completion lengths, each reward function's values and what reward functions logged, under TRL's
+    metric names: ``completions/{mean,min,max}_length`` (sampled tokens: mask 1, as TRL counts with an env mask),
+    ``completions/{mean,min,max}_terminated_length`` (of the rollouts not truncated; 0 when none),
+    ``rewards/<name>/{mean,std}`` (over the rollouts that have the metric; std with Bessel's correction, as TRL's
+    ``nanstd``) and each ``log_metric`` name (its mean)."""
+    lengths = [sum(r.completion_mask) for r in rollouts]
+    out = length_metrics("completions/{}_length", lengths)
+    out.update(length_metrics("completions/{}_terminated_length",
+                              [n for n, r in zip(lengths, rollouts) if not r.truncated] or [0]))
+    for name, found in metric_values(rollouts).items():
+        if name == ERRORS_METRIC:
+            continue
         out[f"rewards/{name}/mean"] = statistics.fmean(found)
         out[f"rewards/{name}/std"] = statistics.stdev(found) if len(found) > 1 else 0.0
+    out.update({name: statistics.fmean(found) for name, found in metric_values(rollouts, "logged_metrics").items()})
     return out
+
+
+def length_metrics(pattern: str, lengths: list[int]) -> dict[str, float]:
+    """Mean, min and max of ``lengths`` named by ``pattern`` (``{}`` the statistic)."""
+    return {pattern.format("mean"): statistics.fmean(lengths), pattern.format("min"): float(min(lengths)),
+            pattern.format("max"): float(max(lengths))}
 
 
 class StepBatches:

@@ -278,9 +278,10 @@ class RLTrainer(GRPOTrainer):
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         sink = lambda: compat.step_metrics(self)  # noqa: E731 - TRL replaces the dict when it logs
-        reduce_sum = (lambda t: accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else (lambda t: t)
+        reduce = ((lambda how: lambda t: accelerator.reduce(t, reduction=how)) if accelerator.num_processes > 1
+                  else (lambda how: lambda t: t))
         zero3 = bool(self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3)
-        self.metrics = StepMetrics(sink, reduce_sum)
+        self.metrics = StepMetrics(sink, reduce("sum"), reduce("max"), args.importance_sampling_level == "sequence")
         gather = ((lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=GATHER_PAD)))
                   if accelerator.num_processes > 1 else (lambda t: t))
         self.entropy = EntropyTerms(args.top_entropy_quantile, args.entropy_coef, gather)
@@ -437,6 +438,10 @@ class RLTrainer(GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         rank_batch = self.steps.next(lambda batch: self._fill_fixed_logprobs(model, batch))
+        if self.steps.iteration == 1:  # a new batch: TRL counts each generated batch's tokens once
+            self.state.num_input_tokens_seen += rank_batch.stats.input_tokens
+        # TRL's num_tokens: the running count, set rather than averaged over the logging window.
+        compat.step_metrics(self)["num_tokens"] = [float(self.state.num_input_tokens_seen)]
         if self.entropy.masks:  # the quantile of the whole batch's entropies, before the first backward
             self.entropy.prepare(rank_batch, lambda mb: self._logprobs(model, mb).entropy)
         world_size = self.accelerator.num_processes

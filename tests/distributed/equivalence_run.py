@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from verifiers_rl import segmented_attention
 from verifiers_rl.config import RLConfig
+from verifiers_rl.step_metrics import TOKEN_METRICS
 from verifiers_rl.trainer import RLTrainer
 from verifiers_rl.distributed import leave_process_group
 
@@ -68,9 +69,6 @@ def reinforce_loss(inputs):
 def reinforce_partial_loss(inputs):
     """A user's loss that aggregates itself: it returns this micro-batch's partial (token mean over the batch)."""
     return inputs.aggregate(-inputs.advantages * inputs.logps, "token_mean")
-
-
-TOKEN_METRICS = ("entropy", "clip_fraction", "is_weight", "is_ratio", "is_clipped_fraction", "kl")
 
 
 class StepCounter(TrainerCallback):

@@ -18,7 +18,9 @@ What TRL documents (trl 1.16), and what this does with it:
 - ``reward_weights`` (default 1 each): the reward is the weighted sum of the functions' values, ``None`` left out
   (TRL's ``nansum``); a completion no function applies to is an error naming its prompt.
 Each function's value is a rollout metric under the function's name (TRL's: its ``__name__``, or the reward
-model's id), logged per step as ``rewards/<name>/mean`` and ``rewards/<name>/std``.
+model's id), logged per step as ``rewards/<name>/mean`` and ``rewards/<name>/std``; what a function passes to
+``log_metric(name, value)`` is logged under ``name`` itself, the step's mean, as TRL does (each group's values
+averaged, then the groups).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -209,10 +212,6 @@ class RewardFunctionsEnv(Environment):
                                             for f, n in zip(self.reward_funcs, self.reward_names)))
         except Exception as error:
             raise RolloutError(f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}") from error
-        shadowing = sorted(set(logged) & set(self.reward_names))
-        if shadowing:  # a rollout's metric under a function's name is that function's value (normalize_then_sum)
-            raise RolloutError(f"{self.name}: log_metric names {shadowing} are reward functions' names; "
-                               "log under another name.")
         for i, rollout in enumerate(rollouts):
             column = [value[i] for value in values]
             if all(v is None for v in column):
@@ -223,7 +222,7 @@ class RewardFunctionsEnv(Environment):
             rollout.reward = sum(w * v for w, v in zip(self.reward_weights, column) if v is not None)
             # A function that does not apply (None) has no metric for this rollout: the step mean leaves it out.
             rollout.metrics = {name: float(v) for name, v in zip(self.reward_names, column) if v is not None}
-            rollout.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
+            rollout.logged_metrics = {name: statistics.fmean(v) for name, v in logged.items()}
         return rollouts
 
     @staticmethod
