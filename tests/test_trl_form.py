@@ -169,3 +169,33 @@ def test_the_trl_style_example_script_runs_as_shipped(tiny_model_dir, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rewards = [float(x) for x in re.findall(r"^step \d/2 \| reward ([\d.]+)", result.stdout, re.M)]
     assert len(rewards) == 2 and all(0.0 <= r <= 1.5 for r in rewards)  # exact (<= 1) + 0.5 x shares_letters (<= 1)
+
+
+def length_reward(completions, log_metric, **kwargs):
+    """Logs a metric of its own besides its reward, as TRL's log_metric documents."""
+    for completion in completions:
+        log_metric("reply_chars", float(len(completion)))
+    return [0.1 * len(completion) for completion in completions]
+
+
+def test_trl_positional_order_and_trls_metric_names(tiny_model_dir, tmp_path):
+    # TRL's positional order: GRPOTrainer(model, reward_funcs, args, train_dataset).
+    trainer = RLTrainer(tiny_model_dir, [length_reward], config(tmp_path), Dataset.from_list(rows(False)))
+    trainer.train()
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    logged = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(logged) == 2 and len(seen) == 16
+    tokens = 0
+    for entry, batch in zip(logged, (seen[:8], seen[8:])):
+        assert entry["reply_chars"] == pytest.approx(sum(len(r.completion) for r in batch) / 8)  # under its own name
+        assert "rewards/reply_chars/mean" not in entry and "rewards/length_reward/mean" in entry
+        tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch)
+        assert entry["num_tokens"] == tokens  # TRL's running count of prompt and completion tokens
+        assert entry["completions/clipped_ratio"] == pytest.approx(sum(r.truncated for r in batch) / 8)
+        groups = [[r.reward for r in batch if r.group_id == g] for g in {r.group_id for r in batch}]
+        assert entry["frac_reward_zero_std"] == pytest.approx(sum(len(set(g)) == 1 for g in groups) / len(groups))
+        assert {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max", "completions/mean_terminated_length"} <= set(entry)
+    assert trainer.state.num_input_tokens_seen == tokens
+    with pytest.raises(TypeError, match=r"TRL's GRPOTrainer order.*multiple values for argument 'args'"):
+        RLTrainer(tiny_model_dir, [length_reward], config(tmp_path), args=config(tmp_path))

@@ -13,6 +13,7 @@ The trainer's other jobs are parts of their own, each in its module: which rollo
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import sys
@@ -148,6 +149,33 @@ def _render_with_config(args, environment, eval_environment) -> None:
         env.use_chat_template_kwargs(args.chat_template_kwargs)
 
 
+def _trl_order(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
+               reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None,
+               peft_config=None, **others):
+    """TRL 1.16's ``GRPOTrainer`` positional order, up to ``peft_config`` (the arguments after it are not taken)."""
+
+
+def _arguments(model, positional: tuple, keywords: dict) -> dict:
+    """``RLTrainer``'s arguments by name: positional ones in ``RLTrainer._construct``'s order, or in TRL's
+    (``_trl_order``) when the second is not a config (TRL's second is ``reward_funcs``)."""
+    from transformers import TrainingArguments
+
+    trl_order = bool(positional) and not (positional[0] is None or isinstance(positional[0], TrainingArguments))
+    signature = inspect.signature(_trl_order if trl_order else RLTrainer._construct)
+    if not trl_order:  # bound without ``self``
+        signature = signature.replace(parameters=list(signature.parameters.values())[1:])
+    try:
+        bound = signature.bind(model, *positional, **keywords).arguments
+    except TypeError as error:
+        order = "TRL's GRPOTrainer order" if trl_order else "RLTrainer's order"
+        raise TypeError(f"RLTrainer{signature} ({order}): {error}") from None
+    bound.update(bound.pop("others", {}))
+    if bound.pop("quantization_config", None) is not None:
+        raise ValueError("quantization_config: RLTrainer loads no model by id with it; load the model quantized "
+                         "(from_pretrained(..., quantization_config=...)) and pass the model.")
+    return bound
+
+
 def _is_peft(model) -> bool:
     try:
         from peft import PeftModel
@@ -176,9 +204,15 @@ class RLTrainer(GRPOTrainer):
         loss_fn: optional custom loss, ``loss_fn(LossInputs) -> per-token loss [R, T] or a partial loss``.
         eval_environment: what ``evaluate`` (every ``--eval_steps``) rolls out on the engine; defaults to
             ``environment``. A replay run evaluates too when given one and an ``engine``.
+
+    Positional arguments follow ``_construct``'s order (model, args, processing_class, rollout_source, ...) or, when
+    the second is not a config, TRL's ``GRPOTrainer(model, reward_funcs, args, train_dataset, ...)`` (``_trl_order``).
     """
 
-    def __init__(
+    def __init__(self, model, *positional, **keywords):
+        self._construct(**_arguments(model, positional, keywords))
+
+    def _construct(
         self,
         model,
         args: RLConfig | None = None,
