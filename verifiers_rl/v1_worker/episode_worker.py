@@ -10,12 +10,16 @@ Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own print
   "inprocess" | <harness id>, "runtime": {"type": "subprocess"}}`` -> ``{"op": "loaded", "num_tasks": n,
   "tasks": [<task data>...], "env_id": ..., "harness": ...}``. ``env_config`` merges into v1's env config (e.g.
   ``{"taskset": {"num_tasks": 8}}``). ``harness`` defaults to ``"null"`` (v1's chat harness, a PEP 723 program
-  run with ``uv``); ``"inprocess"`` is the same chat loop in this process (no subprocess, no ``uv``).
+  run with ``uv``); ``"inprocess"`` is the same chat loop in this process (no subprocess, no ``uv``). Every seat
+  the environment declares (``agent`` for a plain taskset, TextArena's ``player``, ...) plays under ``harness``
+  and ``runtime``, except where its author pinned them.
 * ``{"op": "run", "id": <any>, "task": <index>, "base_url": ".../v1", "model": <name>, "renderer_model": <folder>}``
   -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [<the episode's, then its traces'>], "traces": [{"ok",
   "reward", "rewards", "metrics", "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches":
   [{"token_ids", "sampled_mask", "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in
-  completion order. The API key is read from the environment variable ``VERIFIERS_RL_V1_API_KEY``.
+  completion order. The API key is read from the environment variable ``VERIFIERS_RL_V1_API_KEY``. For a model
+  without a renderer of its own in the ``renderers`` package, turns are bridged by ``bridge_renderer.py`` (the
+  sampled ids kept verbatim: one branch per episode of one agent).
 * ``{"op": "close"}`` or end of input: exit.
 
 Any request that fails answers ``{"op": "error", "id": ..., "error": <type: message>, "traceback": ...}``.
@@ -24,6 +28,7 @@ Any request that fails answers ``{"op": "error", "id": ..., "error": <type: mess
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import sys
@@ -33,6 +38,7 @@ from pathlib import Path
 
 API_KEY_VAR = "VERIFIERS_RL_V1_API_KEY"
 INPROCESS_HARNESS_ID = "verifiers_rl_inprocess_chat"
+BRIDGE_RENDERER_FILE = Path(__file__).resolve().parent / "bridge_renderer.py"
 
 # The protocol's channel is the real stdout; anything verifiers prints lands on stderr.
 _OUT = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
@@ -122,6 +128,30 @@ def merge(base: dict, extra: dict) -> dict:
     return out
 
 
+@functools.cache
+def bridge_renderer(renderer_model: str | None):
+    """``bridge_renderer.ExactBridgeRenderer`` for a model without a renderer of its own in the ``renderers``
+    package (where v1 would fall back to ``DefaultRenderer``, which re-tokenises every turn); None (v1 resolves
+    the model's own renderer, whose bridge is exact) otherwise."""
+    from renderers import CustomRendererConfig
+    from renderers.base import MODEL_RENDERER_MAP
+
+    if renderer_model is None or renderer_model in MODEL_RENDERER_MAP:
+        return None
+    return CustomRendererConfig(import_path=f"{BRIDGE_RENDERER_FILE}:ExactBridgeRenderer")
+
+
+def seats(taskset_id: str, env_id: str = "") -> dict[str, set[str]]:
+    """The environment's own seats (its ``AgentConfig`` fields: ``agent`` for a plain taskset, TextArena's
+    ``player``, ...), each with the fields its author pinned: the worker's harness and runtime fill only the rest."""
+    from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type
+
+    fields = env_config_type(taskset_id, env_id).model_fields
+    return {name: {key for key in field.default.model_fields_set if getattr(field.default, key) is not None}
+            for name, field in fields.items() if isinstance(field.default, AgentConfig)}
+
+
 def trace_json(trace) -> dict:
     return {
         "ok": bool(trace.ok),
@@ -158,9 +188,11 @@ class Worker:
         if harness == "inprocess":
             register_inprocess_harness()
             harness = INPROCESS_HARNESS_ID
-        config = {"taskset": {"id": module_id(request["env"])},
-                  "agent": {"harness": {"id": harness}, "runtime": request.get("runtime") or {"type": "subprocess"}}}
-        config = merge(config, request.get("env_config") or {})
+        taskset_id, env_config = module_id(request["env"]), request.get("env_config") or {}
+        defaults = {"harness": {"id": harness}, "runtime": request.get("runtime") or {"type": "subprocess"}}
+        seat_configs = {seat: {key: value for key, value in defaults.items() if key not in pinned}
+                        for seat, pinned in seats(taskset_id, env_config.get("id") or "").items()}
+        config = merge({"taskset": {"id": taskset_id}, **seat_configs}, env_config)
         self.env = vf.load_environment(vf.resolve_env_config(config))
         self.tasks = list(self.env.taskset)
         self.serving = self.env.serving()
@@ -175,7 +207,8 @@ class Worker:
             raise RuntimeError("load an environment first")
         task = self.tasks[int(request["task"])]
         client = vf.TrainClientConfig(base_url=request["base_url"], api_key_var=API_KEY_VAR,
-                                      renderer_model_name=request.get("renderer_model"))
+                                      renderer_model_name=request.get("renderer_model"),
+                                      renderer=bridge_renderer(request.get("renderer_model")))
         episode = await self.env.run_episode(task, vf.ModelContext(model=request["model"], client=client))
         traces = [trace_json(t) for t in episode.traces]
         # A trace's failure (e.g. its harness's setup) leaves the episode's own errors empty: the trainer reads these.
