@@ -290,9 +290,12 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def disk_full(error: BaseException, folder: str | Path) -> bool:
-    """Whether writing into ``folder`` failed for lack of space: ENOSPC / EDQUOT, or (torch.save reports a full disk
-    as a RuntimeError of its stream) less than 1% / 16 MiB left on its device."""
+    """Whether writing into ``folder`` failed for lack of space: ENOSPC / EDQUOT, its message in another error's text
+    (safetensors' SafetensorError), or (torch.save reports a full disk as a RuntimeError of its stream) less than
+    1% / 16 MiB left on its device."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(os.strerror(code) in str(error) for code in (errno.ENOSPC, errno.EDQUOT)):
         return True
     usage = shutil.disk_usage(folder)
     return usage.free < max(usage.total // 100, 16 * 2**20) if usage.total > 16 * 2**20 else usage.free < usage.total // 20

@@ -42,6 +42,8 @@ from .weights import gathered
 
 logger = logging.getLogger(__name__)
 
+_SAVED, _FAILED, _DISK_FULL = 0, 1, 2  # a rank's outcome of writing its part of a checkpoint, agreed by the largest
+
 
 class RunCheckpoints:
     """Checkpoints of one run. ``model`` returns the bare model (its architecture identifies the run);
@@ -153,14 +155,17 @@ class RunCheckpoints:
             # end up in the new checkpoint or its manifest.
             shutil.rmtree(root, ignore_errors=True)
         self.accelerator.wait_for_everyone()
-        error = None
+        error, outcome = None, _SAVED
         try:
             write_hf(str(root))
             self._save_run_state(written, global_step)
-        except (OSError, RuntimeError) as failed:  # a full disk above all (torch.save reports it as a RuntimeError)
+        except Exception as failed:  # noqa: BLE001 - whatever a save raises (safetensors' SafetensorError too)
             error = failed
-        if agreed_max(int(error is not None), self.accelerator.device):
-            self._abandon(root, final, error)
+            outcome = _DISK_FULL if disk_full(failed, run_dir) else _FAILED
+        # Every rank learns that a part failed, and whether a full disk did it (the largest outcome wins).
+        agreed = agreed_max(outcome, self.accelerator.device)
+        if agreed != _SAVED:
+            self._abandon(root, final, error, full=agreed == _DISK_FULL)
         wait = self.accelerator.wait_for_everyone
         wait()
         if self.args.should_save:
@@ -174,10 +179,9 @@ class RunCheckpoints:
         self.last_checkpoint = final
         return final
 
-    def _abandon(self, root: Path, final: str, error: Exception | None) -> None:
+    def _abandon(self, root: Path, final: str, error: Exception | None, full: bool) -> None:
         """A rank could not write its part: remove the partial folder (earlier checkpoints stay as they were) and
-        stop every rank with an error that says what happened and where."""
-        full = error is not None and disk_full(error, os.path.dirname(final))
+        stop every rank with an error that says what happened and where (``full``: some rank's disk filled)."""
         if self.accelerator.is_local_main_process:
             shutil.rmtree(root, ignore_errors=True)
         what = ("no space left on the device" if full
