@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import shutil
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,34 @@ def _problem(path: Path) -> str | None:
     if missing:
         return (f"it is not a complete verifiers_rl checkpoint (no {', '.join(missing)}): a run killed while saving "
                 f"leaves {PARTIAL_PREFIX}checkpoint-N, never resumed")
-    return verify_manifest(path)
+    return verify_manifest(path) or _unreadable(path)
+
+
+def _unreadable(folder: Path) -> str | None:
+    """The first file of ``folder`` that does not read as data (JSON or safetensors cut short, where no manifest
+    said so; a torch file holding more than tensors, e.g. a crafted pickle), or None. A resume reads these whole;
+    here only their headers and pickles (torch files memory-mapped)."""
+    from safetensors import SafetensorError, safe_open
+
+    from . import compat
+
+    for path in sorted(folder.rglob("*.json")):
+        try:
+            json.loads(path.read_text())
+        except ValueError as error:  # UnicodeDecodeError included
+            return f"{path.relative_to(folder)} does not parse as JSON ({error}): cut short?"
+    for path in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return f"{path.relative_to(folder)} does not parse as safetensors ({error}): cut short?"
+    for path in sorted([*folder.rglob("*.pt"), *folder.rglob("*.pth")]):  # HF's and DeepSpeed's (global_step*/)
+        try:
+            compat.load_as_data(path, str(folder), map_location="cpu", mmap=zipfile.is_zipfile(path))
+        except CheckpointError as error:
+            return str(error)
+    return None
 
 
 # --- what a checkpoint holds ------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ Imports stay inside the functions: the vLLM worker (another venv, without TRL) i
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 from typing import Any
 
 _MISSING = object()
@@ -137,3 +139,74 @@ def loop_is_idle(loop) -> bool | None:
     """
     ready = getattr(loop, "_ready", None)
     return None if ready is None else not ready
+
+
+def _deepspeed_checkpoint_globals() -> list:
+    """What DeepSpeed's own checkpoint files hold besides tensors and plain values: its config enums and loss scalers
+    (deepspeed 0.19: ``optim_states.pt`` keeps ``zero_stage`` as a ``ZeroStageEnum`` and the fp16 ``loss_scaler``
+    object). Classes only, no functions: unpickling one sets fields, it runs nothing else."""
+    try:
+        from deepspeed.runtime.config import DtypeEnum
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler, LossScaleProfile
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    except ImportError:  # no DeepSpeed: HF's files need none of these
+        return []
+    return [ZeroStageEnum, OffloadDeviceEnum, DtypeEnum, LossScaleProfile, LossScaler, DynamicLossScaler]
+
+
+def load_as_data(file, checkpoint: str, map_location=None, load=None, **kwargs) -> Any:
+    """``torch.load`` of one file of ``checkpoint`` as data: ``weights_only=True``, allowing DeepSpeed's config enums
+    and HF's numpy types of its RNG states (transformers 5.23: ``trainer_pt_utils.safe_globals``). A file holding
+    anything else (a crafted pickle runs code when it is loaded) is refused unread; any file that does not load raises
+    ``CheckpointError`` naming it and the checkpoint. ``load``: the ``torch.load`` to call (default torch's);
+    ``kwargs``: torch.load's others (``mmap=True`` reads only the pickle of a zip-format file)."""
+    import torch
+    from transformers.trainer_pt_utils import safe_globals as hf_numpy_globals
+
+    from .checkpoint import CheckpointError
+
+    load = load or torch.load
+    kwargs.pop("weights_only", None)
+    kwargs.pop("pickle_module", None)  # weights_only brings its own restricted unpickler
+    name = os.path.relpath(file, checkpoint) if isinstance(file, (str, os.PathLike)) else repr(file)
+    with hf_numpy_globals(), torch.serialization.safe_globals(_deepspeed_checkpoint_globals()):
+        try:
+            return load(file, map_location=map_location, weights_only=True, **kwargs)
+        except Exception as error:  # noqa: BLE001 - torch's refusal and a damaged file alike: named, then raised
+            found = re.search(r"WeightsUnpickler error: (.*?)(?:\. Please|$)", str(error), re.MULTILINE)
+            if found:
+                raise CheckpointError(
+                    f"{name} of checkpoint {checkpoint} was refused: it holds more than tensors and plain values "
+                    f"({found.group(1)}), so it was not loaded and nothing of it ran. A crafted or foreign file: "
+                    "resume from a checkpoint your own run wrote (--resume_from_checkpoint)."
+                ) from None
+            raise CheckpointError(f"Cannot read {name} of checkpoint {checkpoint} ({type(error).__name__}: {error}): "
+                                  "resume from another checkpoint (--resume_from_checkpoint).") from error
+
+
+@contextlib.contextmanager
+def checkpoint_loads_as_data(checkpoint: str | None):
+    """While HF's Trainer resumes from ``checkpoint``, every ``torch.load`` goes through ``load_as_data``: HF's files
+    (``optimizer.pt``, ``scheduler.pt``, ``rng_state_*.pth``) and DeepSpeed's (``global_step*/*.pt``). No-op for None.
+
+    transformers 5.23 calls ``torch.load`` in ``Trainer._prepare_for_training`` (DeepSpeed's checkpoint, the
+    optimizer, scheduler and scaler), ``_load_rng_state`` and ``_load_from_checkpoint``; deepspeed 0.19's
+    ``TorchCheckpointEngine.load`` calls ``torch.load(..., weights_only=False)``. Both look ``torch.load`` up at each
+    call, and neither has a switch for it: the module attribute is replaced for the duration.
+    """
+    if checkpoint is None:
+        yield
+        return
+    import torch
+
+    original = torch.load
+
+    def guarded(file, map_location=None, *_, **kwargs):  # a positional pickle_module is dropped, as in load_as_data
+        return load_as_data(file, str(checkpoint), map_location, load=original, **kwargs)
+
+    torch.load = guarded
+    try:
+        yield
+    finally:
+        torch.load = original

@@ -429,6 +429,19 @@ class RLTrainer(GRPOTrainer):
         run_dir = super()._get_output_dir(trial)
         self.checkpoints.save(run_dir, self.state.global_step, write_hf, self.state.best_model_checkpoint)
 
+    # HF reads its files and DeepSpeed's in these three: each as data, a crafted one refused by name (compat.py).
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        with compat.checkpoint_loads_as_data(resume_from_checkpoint):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _load_rng_state(self, checkpoint) -> None:
+        with compat.checkpoint_loads_as_data(checkpoint):
+            super()._load_rng_state(checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        with compat.checkpoint_loads_as_data(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _issue_warnings_after_load(self, load_result) -> None:
         # A tied output layer is saved once, under the input embedding's name: its absence is not a missing weight.
         model = unwrap(self.model)
