@@ -6,6 +6,7 @@ checkpoints loadable and stops with an error saying so."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,6 +16,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+from test_distributed_equivalence import accelerate
+from test_checkpoint_files import plant
+from test_resume import run as launch
 from verifiers_rl.checkpoint import CheckpointError, manifest_name, resolve_checkpoint
 from verifiers_rl.config import RLConfig
 from verifiers_rl.rollouts import write_rollouts
@@ -80,6 +84,43 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_one_is_refused
         resolve_checkpoint(str(copy / "checkpoint-3"), copy)
 
 
+@pytest.mark.parametrize("name", ["trainer_state.json", "verifiers_rl_state.json", "config.json", "model.safetensors"])
+def test_a_checkpoint_without_a_manifest_whose_file_is_cut_short_is_damaged(run, tmp_path, name, caplog):
+    """An older (or hand-copied) checkpoint has no manifest to tell a copy that stopped part-way: files that do not
+    parse say it."""
+    folder, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    checkpoint = copy / "checkpoint-3"
+    (checkpoint / manifest_name(0)).unlink()
+    cut(checkpoint / name)
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.checkpoint"):
+        assert resolve_checkpoint("latest", copy) == copy / "checkpoint-2"
+        assert resolve_checkpoint("auto", copy) == copy / "checkpoint-2"
+    assert re.search(rf"Skipping {checkpoint}: {name} does not parse as \w+ .*: cut short\?", caplog.text), caplog.text
+    with pytest.raises(CheckpointError, match=rf"checkpoint-3' cannot be resumed from: {name} does not parse"):
+        resolve_checkpoint(str(checkpoint), copy)
+
+
+@pytest.mark.parametrize("name", ["optimizer.pt", "scheduler.pt", "rng_state.pth"])
+def test_a_pickle_planted_in_an_hf_file_is_refused_naming_file_and_checkpoint(run, tiny_model_dir, rollouts, tmp_path,
+                                                                               name, caplog):
+    """HF loads its files with weights_only=True already (nothing runs); the refusal now says which file, and
+    ``latest`` passes over the checkpoint for the one before."""
+    folder, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(folder, copy)
+    checkpoint, marker = copy / "checkpoint-3", tmp_path / "planted-code-ran"
+    plant(checkpoint / name, checkpoint, marker)
+    resumed = trainer(tiny_model_dir, rollouts, copy, 4, save_every=None)
+    with pytest.raises(CheckpointError, match=rf"{name} of checkpoint {checkpoint} was refused: .*GLOBAL io.open"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.checkpoint"):
+        assert resolve_checkpoint("latest", copy) == copy / "checkpoint-2"
+    assert f"Skipping {checkpoint}: {name} of checkpoint {checkpoint} was refused" in caplog.text
+    assert not marker.exists()
+
+
 def test_the_resumed_run_from_the_newest_intact_checkpoint_equals_the_uninterrupted_one(run, tiny_model_dir,
                                                                                        rollouts, tmp_path):
     folder, straight = run
@@ -116,6 +157,20 @@ def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(run, tiny_m
     assert max(float((got[k] - straight[k]).abs().max() / straight[k].abs().max()) for k in straight) < 1e-6
 
 
+def mounted_tmpfs(folder: Path, size: int) -> None:
+    """A real filesystem of ``size`` bytes at ``folder`` (root mounts it; elsewhere the test is skipped, not faked)."""
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.strip()}")
+
+
+def used_bytes(folder: Path) -> int:
+    """What ``folder``'s files take on a tmpfs (whole pages)."""
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in folder.rglob("*") if p.is_file())
+
+
 def test_a_full_disk_while_saving_keeps_the_earlier_checkpoints_and_says_so(tiny_model_dir, rollouts, tmp_path):
     """A real full disk: the output folder is a tmpfs with room for about one and a half checkpoints (needs root to
     mount; where mounting is refused the test is skipped rather than faked)."""
@@ -123,11 +178,7 @@ def test_a_full_disk_while_saving_keeps_the_earlier_checkpoints_and_says_so(tiny
     trainer(tiny_model_dir, rollouts, probe, 1).train()
     size = sum(p.stat().st_size for p in (probe / "checkpoint-1").rglob("*") if p.is_file())
     disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.5)}", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.strip()}")
+    mounted_tmpfs(disk, int(size * 1.5))
     try:
         full = trainer(tiny_model_dir, rollouts, disk / "out", 3)
         with pytest.raises(CheckpointError, match=r"Writing checkpoint-2 to .*disk/out failed \(no space left on the "
@@ -139,6 +190,33 @@ def test_a_full_disk_while_saving_keeps_the_earlier_checkpoints_and_says_so(tiny
         load_file(disk / "out" / "checkpoint-1" / "model.safetensors")
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)  # lazy: the trainer may still hold a file open
+
+
+@pytest.mark.distributed
+def test_a_disk_that_fills_inside_the_model_file_stops_both_ranks_saying_so(tiny_model_dir, rollouts, tmp_path):
+    """Two processes (DDP); the tmpfs holds checkpoint-1 and half of checkpoint-2's model.safetensors, so safetensors
+    (not torch.save) meets the full disk, on rank 0 only."""
+    args = ["--model", tiny_model_dir, "--rollouts_path", str(rollouts), "--rollouts_per_step", "8",
+            "--save_strategy", "steps", "--save_steps", "1"]
+    launch(accelerate("ddp_cpu.yaml"), tmp_path / "probe", args + ["--max_steps", "1"], tmp_path / "probe.log")
+    probe = tmp_path / "probe" / "checkpoint-1"
+    disk = tmp_path / "disk"
+    # checkpoint-1, checkpoint-2's config files (written before its weights), half its model file
+    mounted_tmpfs(disk, used_bytes(probe) + 2 * 4096 + (probe / "model.safetensors").stat().st_size // 2)
+    try:
+        log = launch(accelerate("ddp_cpu.yaml"), disk / "out", args + ["--max_steps", "3"], tmp_path / "full.log",
+                     expect=1)
+        out = re.escape(str(disk / "out"))
+        for rank in (0, 1):
+            assert re.search(rf"\[rank{rank}\]: verifiers_rl.checkpoint.CheckpointError: Writing checkpoint-2 to {out} "
+                             r"failed \(no space left on the device\); its partial folder is removed", log), log[-6000:]
+        assert "SafetensorError" in log  # the cause: the disk filled inside model.safetensors
+        assert "died (killed" not in log  # rank 1 learned the error, not a lost peer
+        names = sorted(p.name for p in (disk / "out").iterdir())
+        assert "checkpoint-1" in names and not [n for n in names if n.startswith(".partial-") or n == "checkpoint-2"]
+        assert resolve_checkpoint("latest", disk / "out") == disk / "out" / "checkpoint-1"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_partial_folder_left_by_a_killed_save_is_cleared_before_the_step_is_written_again(tiny_model_dir,

@@ -112,3 +112,34 @@ def test_transformers_sets_up_the_device_in_a_cached_property_that_post_init_rea
     assert isinstance(TrainingArguments.__dict__["_setup_devices"], cached_property)
     assert "self.device" in inspect.getsource(TrainingArguments.__post_init__)
     assert "self.distributed_state = PartialState(" in inspect.getsource(TrainingArguments._setup_devices.func)
+
+
+def test_deepspeeds_checkpoint_engine_would_run_a_pickle_and_the_guard_refuses_it_naming_file_and_checkpoint(tmp_path):
+    # DeepSpeed's own load, as a ZeRO-3 resume calls it (a real 2-process one: tests/test_checkpoint_files.py).
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from test_checkpoint_files import PlantedCode
+    from verifiers_rl.checkpoint import CheckpointError
+
+    checkpoint, marker = tmp_path / "checkpoint-1", tmp_path / "planted-code-ran"
+    (checkpoint / "global_step1").mkdir(parents=True)
+    file = checkpoint / "global_step1" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"planted": PlantedCode(marker)}, file)
+    engine = TorchCheckpointEngine()
+    with compat.checkpoint_loads_as_data(str(checkpoint)):
+        with pytest.raises(CheckpointError, match=rf"global_step1/{file.name} of checkpoint {checkpoint} was refused"):
+            engine.load(str(file), map_location="cpu")
+    assert not marker.exists()
+    engine.load(str(file), map_location="cpu")  # unguarded, it runs the file's code: why the guard exists
+    assert marker.exists()
+
+
+def test_transformers_reads_a_checkpoints_torch_files_in_the_methods_the_trainer_guards():
+    # RLTrainer wraps these three in compat.checkpoint_loads_as_data; a load elsewhere would go unguarded.
+    from transformers import Trainer
+
+    prepare = inspect.getsource(Trainer._prepare_for_training)
+    assert "deepspeed_load_checkpoint(" in prepare and "self._load_optimizer_and_scheduler(" in prepare
+    assert "torch.load(" in inspect.getsource(Trainer._load_rng_state)
+    assert "torch.load(" in inspect.getsource(Trainer._load_optimizer_and_scheduler)
+    assert set(RLTrainer.__dict__) >= {"_prepare_for_training", "_load_rng_state", "_load_from_checkpoint"}
