@@ -158,7 +158,7 @@ def _unreadable(folder: Path) -> str | None:
 
     for path in sorted(folder.rglob("*.json")):
         try:
-            json.loads(path.read_text())
+            json.loads(path.read_bytes())  # bytes: UTF-8 whatever the locale
         except ValueError as error:  # UnicodeDecodeError included
             return f"{path.relative_to(folder)} does not parse as JSON ({error}): cut short?"
     for path in sorted(folder.rglob("*.safetensors")):
