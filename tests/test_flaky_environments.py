@@ -8,7 +8,7 @@ import logging
 import pytest
 from transformers import AutoTokenizer
 
-from verifiers_rl.envs import Rubric, SingleTurnEnv
+from verifiers_rl.envs import RolloutRefused, Rubric, SingleTurnEnv
 from verifiers_rl.generator import AsyncGenerator, GenerationError
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
@@ -84,3 +84,36 @@ def test_more_failures_than_allowed_stop_the_run_with_the_error_and_the_flags(ti
         from verifiers_rl.config import RLConfig
 
         RLConfig(output_dir="/tmp/unused", report_to="none", max_failed_rollouts_fraction=1.5)
+
+
+class RefusingEnv(FlakyEnv):
+    """Refuses every rollout of the ``refused`` rows, as the v1 adapter refuses an episode it cannot train."""
+
+    def __init__(self, *args, refused: tuple[int, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.refused, self.calls = set(refused), {}
+
+    async def generate(self, sampler, prompt, prompt_ids, state):
+        row = state["info"]["row"]
+        self.calls[row] = self.calls.get(row, 0) + 1
+        if row in self.refused:
+            raise RolloutRefused(f"row {row}: the episode has 2 trainable branches")
+        return await super().generate(sampler, prompt, prompt_ids, state)
+
+
+def test_a_refusal_is_not_retried_as_if_it_were_flaky(tiny_model_dir, caplog):
+    # A refusal is a function of the group's seeds, which a retry reuses: retrying would only refuse again.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(4)]
+    refusing = RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64, name="flaky",
+                           refused=(2,))
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+        result = batch(tiny_model_dir, refusing, max_rollout_retries=2, max_failed_rollouts_fraction=0.25)
+    assert result.stats["groups_dropped_on_error"] == 1 and result.stats["rollouts_failed"] == 1  # one attempt
+    assert refusing.calls[2] == 4 and refusing.calls[1] == 4  # its 4 rollouts once, as every other group's
+    assert "Group" in caplog.text and "refused (not retried" in caplog.text
+    with pytest.raises(GenerationError, match=r"1 of 4 groups were refused \(not retried: the same seeds would "
+                                              r"refuse them again\), more than --max_failed_rollouts_fraction 0 "
+                                              r".*2 trainable branches"):
+        batch(tiny_model_dir, RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64,
+                                          name="flaky", refused=(2,)))

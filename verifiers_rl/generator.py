@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from .envs.environment import RolloutError
+from .envs.environment import RolloutError, RolloutRefused
 from .envs.sampler import derive_seed
 from .rollouts import Rollout, RolloutFormatError, group_by_id, read_rollouts
 
@@ -394,7 +394,7 @@ class AsyncGenerator:
 
     async def _groups(self, picks: list[tuple[str, object, int]], index: int) -> list[list[Rollout]]:
         """The groups of ``picks``; a group whose rollout raised is generated again (same seeds) up to
-        ``max_rollout_retries`` times, then dropped. Counted in the batch's ``rollouts_failed`` (failed attempts) and
+        ``max_rollout_retries`` times, then dropped (a ``RolloutRefused`` at once: the same seeds refuse again). Counted in the batch's ``rollouts_failed`` (failed attempts) and
         ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
         them) fails the batch with the last error."""
         results = await asyncio.gather(*(self._group(row, group_id, seed) for group_id, row, seed in picks))
@@ -405,12 +405,17 @@ class AsyncGenerator:
         stats["rollouts_failed"] = stats.get("rollouts_failed", 0.0) + failures
         stats["groups_dropped_on_error"] = stats.get("groups_dropped_on_error", 0.0) + dropped
         if dropped and (not groups or dropped > self.max_failed_rollouts_fraction * len(results)):
-            error = next(error for group, _, error in results if group is None)
+            errors = [error for group, _, error in results if group is None]
+            refused = sum(isinstance(error, RolloutRefused) for error in errors)
+            retried = (f"{self.max_rollout_retries + 1} time(s) each (--max_rollout_retries "
+                       f"{self.max_rollout_retries})")
+            how = (f"failed {retried}" if not refused else
+                   "were refused (not retried: the same seeds would refuse them again)" if refused == dropped else
+                   f"were refused ({refused}, not retried: the same seeds would refuse them again) or failed {retried}")
             raise GenerationError(
-                f"Batch {index}: {dropped} of {len(results)} groups failed {self.max_rollout_retries + 1} time(s) "
-                f"each (--max_rollout_retries {self.max_rollout_retries}), more than --max_failed_rollouts_fraction "
-                f"{self.max_failed_rollouts_fraction:g} of the batch. Last error: {error}"
-            ) from error
+                f"Batch {index}: {dropped} of {len(results)} groups {how}, more than --max_failed_rollouts_fraction "
+                f"{self.max_failed_rollouts_fraction:g} of the batch. Last error: {errors[0]}"
+            ) from errors[0]
         if dropped:
             logger.warning("Batch %d: dropped %d of %d groups whose rollouts kept failing (%d failed attempts).",
                            index, dropped, len(results), failures)
@@ -423,6 +428,10 @@ class AsyncGenerator:
             try:
                 group = await self.environment.rollout_group(self.engine, row, group_id, self.num_generations, seed=seed)
                 return group, attempt, None
+            except RolloutRefused as refused:  # a function of the seeds, which a retry reuses: it would refuse again
+                logger.warning("Group %s refused (not retried: the same seeds would refuse it again): %s", group_id,
+                               refused)
+                return None, attempt + 1, refused
             except RolloutError as failed:
                 if _server_lost(failed):  # not a flaky environment: the engine already waited for its server
                     raise

@@ -1,7 +1,7 @@
 """Environments: datasets of tasks, rollout procedures and rubrics. They know nothing about training; they call a
 ``Sampler`` (an inference engine) and produce ``verifiers_rl.rollouts.Rollout`` records."""
 
-from .environment import Environment, RolloutError, Row, Trajectory
+from .environment import Environment, RolloutError, RolloutRefused, Row, Trajectory
 from .loading import BUILTINS, DEFAULT_ENVIRONMENT, load_environment
 from .math_check import MathChecker, correct_answer
 from .multiturn import MultiTurnEnv, TemplateError
@@ -19,6 +19,7 @@ __all__ = [
     "MultiTurnEnv",
     "Parser",
     "RolloutError",
+    "RolloutRefused",
     "Row",
     "RolloutSampling",
     "Rubric",

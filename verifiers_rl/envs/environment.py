@@ -42,6 +42,12 @@ class RolloutError(RuntimeError):
     """A rollout failed; the message names the environment and the dataset row."""
 
 
+class RolloutRefused(RolloutError):
+    """A rollout the trainer cannot train as it is (e.g. a verifiers v1 episode of several branches). Its shape is a
+    function of the group's seeds, so the generator does not retry it as if it were flaky: the same seeds would
+    refuse it again."""
+
+
 @dataclass
 class Row:
     """One task: the prompt as chat messages, plus the optional ``answer`` and ``info`` the rubric receives."""
@@ -248,7 +254,8 @@ class Environment(ABC):
             trajectory = await self.generate(sampler, row.prompt, prompt_ids, state)
             score = await self.rubric.score(row.prompt, trajectory.completion, row.answer, state, row.info)
         except Exception as error:
-            raise RolloutError(
+            kind = RolloutRefused if isinstance(error, RolloutRefused) else RolloutError  # a refusal stays one
+            raise kind(
                 f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}"
             ) from error
         return Rollout(

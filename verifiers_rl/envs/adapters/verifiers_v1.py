@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ...rollouts import Rollout
-from ..environment import Environment, RolloutError, Row
+from ..environment import Environment, RolloutError, RolloutRefused, Row
 from ..rubric import Rubric
 from ..sampler import RolloutSampling, Sampler
 
@@ -158,8 +158,12 @@ class V1Env(Environment):
 
     Each task of the taskset is one row; a group is ``n`` episodes of one task; each episode's trace must have one
     trainable branch, which becomes one ``Rollout``: the tokens up to the first sampled one are the prompt, the
-    rest the completion (mask 1 on the sampled tokens), with the sampler's log-probs (the engine's, exactly) and
-    the trace's reward (sum of score x weight) and metrics (the taskset's metrics and each reward's score, under
+    rest the completion (mask 1 on the sampled tokens, 0 on the environment's turns between them). A multi-turn
+    episode of one agent is one branch: for a model without a renderer of its own in v1's ``renderers`` package,
+    its turns are joined by verifiers_rl's exact turn bridge (``v1_worker/bridge_renderer.py``), which keeps the
+    sampled ids. An episode of several branches (sub-agents, rewritten history) is refused (``RolloutRefused``:
+    not retried, the same seeds would refuse it again). Each rollout carries the sampler's log-probs (the
+    engine's, exactly), the trace's reward (sum of score x weight) and metrics (the taskset's metrics and each reward's score, under
     ``reward/<name>``). A failed episode is a ``RolloutError`` naming the task.
     """
 
@@ -264,14 +268,14 @@ class V1Env(Environment):
     def _to_rollout(self, traces: list[dict], row: Row, group_id, where: str) -> Rollout:
         branches = [(trace, b) for trace in traces for b in trace["branches"] if b["trainable"]]
         if len(branches) != 1:
-            raise RolloutError(
+            raise RolloutRefused(
                 f"{where}: the episode has {len(branches)} trainable branches; verifiers_rl trains one token sequence "
                 "per rollout (an episode of one agent whose turns extend each other).")
         [(trace, branch)] = branches
         if not trace["ok"]:
             raise RolloutError(f"{where}: the trace failed: {'; '.join(trace['errors']) or 'no error given'}")
         if branch.get("advantages") is not None:
-            raise RolloutError(f"{where}: the trace carries its own advantages; verifiers_rl computes advantages from "
+            raise RolloutRefused(f"{where}: the trace carries its own advantages; verifiers_rl computes advantages from "
                                "the rewards (--scale_rewards).")
         ids, mask, logprobs = branch["token_ids"], branch["sampled_mask"], branch["logprobs"]
         if True not in mask:
