@@ -250,7 +250,11 @@ class RLConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Generate through this vLLM server (e.g. http://127.0.0.1:8000) instead of the embedded engine; "
-            "start one with `python -m verifiers_rl.inference.vllm_server --model MODEL --port 8000`."
+            "start one with `python -m verifiers_rl.inference.vllm_server --model MODEL --port 8000`. Several "
+            "servers of the same model: a comma-separated list (a list in YAML); requests go to the least busy one, "
+            "a group's samples to one server (its prefix cache), every weight sync and probe reaches each, and a "
+            "server that stops answering is left out until it answers again at the same address (it then gets the "
+            "current weights); with all of them down the run waits vllm_reconnect_timeout_s."
         },
     )
     vllm_max_concurrency: int = field(
@@ -371,6 +375,8 @@ class RLConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if isinstance(self.vllm_server_url, (list, tuple)):  # a YAML list of servers: the flag's comma-joined form
+            self.vllm_server_url = ",".join(str(url).strip() for url in self.vllm_server_url)
         check_fields(self)  # before anything below derives a field from another
         apply_trl_names(self)
         if self.bf16 is None:  # use_cpu trains on the CPU even where a GPU is (a GPU machine's CPU reference run)

@@ -92,6 +92,9 @@ class EngineWeightSync:
             done = time.perf_counter()
         if generating:
             self.generator.weights_updated()
+        server_metrics = getattr(self.engine, "server_metrics", None) if generating else None
+        for name, value in (server_metrics() if server_metrics else {}).items():  # vllm/<i>/... of several servers
+            self.log(name, value)
         self.log("weight_sync_wait_s", loading - start)
         self.log("weight_sync_s", probing - loading)
         self.log("weight_sync_probe_s", done - probing)
@@ -159,14 +162,18 @@ class EngineWeightSync:
 
         def check():
             try:
-                engine_logps = self.engine.prompt_logprobs(ids)
+                by_server = engine_logprobs_by_server(self.engine, ids)
             except Exception as exc:
                 raise WeightSyncError(
                     f"The post-sync probe of policy version {version} failed: {type(exc).__name__}: {exc}"
                 ) from exc
-            result = compare_logprobs(trainer_logps, [float(x) for x in engine_logps])
+            results = {name: compare_logprobs(trainer_logps, [float(x) for x in logps])
+                       for name, logps in by_server.items()}
+            if hasattr(self.engine, "record_probe"):  # several servers: each one's gap is logged as its metric
+                self.engine.record_probe({name: result.max_gap for name, result in results.items()})
+            name, result = max(results.items(), key=lambda item: item[1].max_gap)
             if not result.max_gap <= tolerance:
-                message = probe_warning(result, version, tolerance)
+                message = (f"{name}: " if name else "") + probe_warning(result, version, tolerance)
                 logger.warning(message)
                 warnings.warn(message, WeightSyncWarning, stacklevel=2)
             return result
@@ -188,6 +195,12 @@ class EngineWeightSync:
         finally:
             model.train(was_training)
         return logps.cpu().tolist() if self.accelerator.is_main_process else None
+
+
+def engine_logprobs_by_server(engine, ids: list[int]) -> dict[str, list[float]]:
+    """The engine's probe log-probs by server name (``MultiServerEngine`` checks each server; one engine: ``""``)."""
+    by_server = getattr(engine, "prompt_logprobs_by_server", None)
+    return by_server(ids) if by_server is not None else {"": engine.prompt_logprobs(ids)}
 
 
 class WeightSyncCallback(TrainerCallback):

@@ -8,18 +8,25 @@ from typing import Any
 import torch
 
 from .engine import SamplingConfig
+from .vllm_http import server_urls
 
 
 def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: str | None = None,
                 vllm: dict[str, Any] | None = None, require_weight_sync: bool = True,
                 generate_in_loop_thread: bool = False, max_batch_size: int = 64, dtype: torch.dtype = torch.float32):
-    """A ``VLLMEngine`` client of ``vllm_server_url`` (checked now: it must answer and serve ``model``; a server still
+    """A ``VLLMEngine`` client of ``vllm_server_url`` (a ``MultiServerEngine`` when it names several; checked now: it must answer and serve ``model``; a server still
     starting gets 30 s; ``vllm``: its other arguments), or the embedded HF engine on its own copy of ``model``'s
     weights, on the GPU when there is one (``generate`` follows the embedding's device)."""
+    urls = server_urls(vllm_server_url)
+    if len(urls) > 1:
+        from .vllm_pool import MultiServerEngine
+
+        return MultiServerEngine(urls, model=model, sampling=sampling, require_weight_sync=require_weight_sync,
+                                 wait_s=30.0, **(vllm or {}))
     if vllm_server_url:
         from .vllm_engine import VLLMEngine
 
-        return VLLMEngine(vllm_server_url, model=model, sampling=sampling, require_weight_sync=require_weight_sync,
+        return VLLMEngine(urls[0], model=model, sampling=sampling, require_weight_sync=require_weight_sync,
                           wait_s=30.0, **(vllm or {}))
     from .hf_engine import EmbeddedEngine
 

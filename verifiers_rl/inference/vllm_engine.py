@@ -155,35 +155,39 @@ class VLLMEngine:
 
     # --- sampling -----------------------------------------------------------------------------------------------
 
-    async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Sample:
+    async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None,
+                     draw: tuple[float, int | None] | None = None) -> Sample:
         """Sample one completion of ``prompt_ids`` through ``/v1/completions`` (default length:
         ``sampling.max_new_tokens``). Concurrent calls run as concurrent requests (at most ``max_concurrency``),
-        which the server batches; a seeded call's tokens do not depend on what it is batched with."""
+        which the server batches; a seeded call's tokens do not depend on what it is batched with. ``draw``: this
+        call's (temperature, seed) when the caller already drew them (``SamplingConfig.for_this_call``; a
+        ``MultiServerEngine`` re-sending a call to another server keeps its seed)."""
         check_open(self._closed)
         max_new_tokens = self.sampling.new_tokens(max_new_tokens)
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         payload = {"prompt": prompt_ids, "max_tokens": max_new_tokens, "logprobs": 0,  # the chosen token's only
-                   **self._sampling_payload(*self.sampling.for_this_call())}
+                   **self._sampling_payload(*(draw or self.sampling.for_this_call()))}
         data = await self.recovery.arequest("POST", "/v1/completions", payload)
         self.requests_served += 1
         return self._to_sample(data, max_new_tokens)
 
     async def chat(
-        self, messages: list[dict], max_new_tokens: int | None = None, tools: list[dict] | None = None
+        self, messages: list[dict], max_new_tokens: int | None = None, tools: list[dict] | None = None,
+        draw: tuple[float, int | None] | None = None,
     ) -> ChatSample:
         """Sample one assistant reply to chat ``messages`` through ``/v1/chat/completions``: the server applies
         the model's chat template (with ``tools``, if given, and the engine's ``chat_template_kwargs``, e.g.
         ``{"enable_thinking": False}``) and a generation prompt.
 
         Returns the prompt ids the server rendered beside the sample, so the result can be trained on exactly
-        as sampled (no re-tokenization). Same sampling, seeds, log-probs and limits as ``sample``.
+        as sampled (no re-tokenization). Same sampling, seeds (and ``draw``), log-probs and limits as ``sample``.
         """
         check_open(self._closed)
         max_new_tokens = self.sampling.new_tokens(max_new_tokens)
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts.")
         payload = {"messages": messages, "max_tokens": max_new_tokens, "logprobs": True, "top_logprobs": 0,
-                   "add_generation_prompt": True, **self._sampling_payload(*self.sampling.for_this_call())}
+                   "add_generation_prompt": True, **self._sampling_payload(*(draw or self.sampling.for_this_call()))}
         if tools:
             payload["tools"] = tools
         if self.chat_template_kwargs:

@@ -99,10 +99,25 @@ class _LoopClient:
     keeper: asyncio.Task | None = None
 
 
-def check_server_url(url: str | None, flag: str) -> None:
-    """A vLLM server's address must be ``http(s)://host:port``; the error names ``flag``."""
-    if url is not None and not str(url).startswith(("http://", "https://")):
-        raise ValueError(f"{flag} must start with http:// or https://, got {url!r}.")
+def server_urls(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """The servers ``--vllm_server_url`` names: a comma-separated string (or a YAML list) of addresses."""
+    if value is None:
+        return []
+    parts = value.split(",") if isinstance(value, str) else [str(part) for part in value]
+    return [part.strip() for part in parts if part.strip()]
+
+
+def check_server_url(url: str | list[str] | None, flag: str) -> None:
+    """Each vLLM server's address (``server_urls``) must be ``http(s)://host:port``, and none given twice; the error
+    names ``flag``."""
+    urls = server_urls(url)
+    for one in urls:
+        if not one.startswith(("http://", "https://")):
+            raise ValueError(f"{flag} must start with http:// or https://, got {one!r}.")
+    if url is not None and not urls:
+        raise ValueError(f"{flag} names no server, got {url!r}.")
+    if len({one.rstrip("/") for one in urls}) < len(urls):
+        raise ValueError(f"{flag} names a server twice: {url!r}.")
 
 
 class VLLMTransport:

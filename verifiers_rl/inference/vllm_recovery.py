@@ -23,6 +23,26 @@ MAX_RECOVERIES_PER_REQUEST = 3
 RECONNECT_FLAG = "--vllm_reconnect_timeout_s"
 
 
+def reference_ids(vocab_size: int) -> list[int]:
+    """The fixed sequence whose log-probs, taken right after a load, tell whether a reloaded server holds the same
+    weights (the same ids in every run)."""
+    generator = random.Random(20240611)
+    return [generator.randrange(vocab_size) for _ in range(32)]
+
+
+def reference_gap(before: list[float], after: list[float], dtype: str | None, version: int) -> float:
+    """The largest gap between a reloaded server's log-probs of ``reference_ids`` and those after ``version``'s load;
+    raises ``VLLMError`` beyond the tolerance of the server's ``dtype``."""
+    gap = max(abs(a - b) for a, b in zip(after, before))
+    tolerance = default_probe_tolerance(dtype)
+    if not gap <= tolerance:
+        raise VLLMError(
+            f"after the reload its log-probs of a fixed sequence differ from those after version {version}'s load "
+            f"by up to {gap:.3g} (tolerance {tolerance:g}): it does not hold the weights it held"
+        )
+    return gap
+
+
 class ServerRecovery:
     """Re-runs a request that failed because the engine's server went away, once the server is back with the
     current weights.
@@ -48,8 +68,7 @@ class ServerRecovery:
 
     def take_reference(self, version: int) -> None:
         """Record the server's log-probs of a fixed sequence right after ``version``'s load."""
-        generator = random.Random(20240611)
-        ids = [generator.randrange(self.engine.vocab_size) for _ in range(32)]
+        ids = reference_ids(self.engine.vocab_size)
         self._reference = (version, ids, self.run(lambda: self.engine._prompt_logprobs(ids)))
 
     def raise_if_lost(self) -> None:
@@ -145,15 +164,7 @@ class ServerRecovery:
         version, ids, before = self._reference
         if version != self.engine.policy_version:
             return None
-        after = self.engine._prompt_logprobs(ids)
-        gap = max(abs(a - b) for a, b in zip(after, before))
-        tolerance = default_probe_tolerance(self.engine.dtype)
-        if not gap <= tolerance:
-            raise VLLMError(
-                f"after the reload its log-probs of a fixed sequence differ from those after version {version}'s load "
-                f"by up to {gap:.3g} (tolerance {tolerance:g}): it does not hold the weights it held"
-            )
-        return gap
+        return reference_gap(before, self.engine._prompt_logprobs(ids), self.engine.dtype, version)
 
     def _give_up(self, lost: VLLMError, error: BaseException) -> None:
         lost.server_lost = True  # the generator does not retry a rollout against a server that is gone

@@ -3,6 +3,7 @@
     scripts/install_vllm.sh                                       # once: vLLM in its own venv (.venv-vllm)
     python -m verifiers_rl.inference.vllm_server --model DIR --port 8000
     python -m verifiers_rl.inference.vllm_server --model DIR --then python examples/train.py --model DIR   # both
+    python -m verifiers_rl.inference.vllm_server --model DIR --num-servers 2 --then python examples/train.py ...
     python examples/train.py --model DIR --vllm_server_url http://127.0.0.1:8000 ...
 
 In Python (tests): ``with VLLMServer(model_dir) as server: VLLMEngine(server.url, model=model_dir)``.
@@ -373,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-transfer", choices=TRANSFERS, default="files",
                         help="how the trainer sends weights: files (snapshots on a shared filesystem), nccl (GPUs), "
                         "gloo (CPUs); with --then the training command gets --vllm_weight_transfer too")
+    parser.add_argument("--num-servers", type=int, default=1,
+                        help="start this many servers of the model on consecutive ports from --port (their logs: "
+                        "--log with .0, .1, ... before its suffix); --then gets their comma-joined URLs, and all of "
+                        "them stop together")
     parser.add_argument("--then", action="store_true",
                         help="everything after --then is a command to run once the server is up, with "
                         "--vllm_server_url URL appended; the server stops when it ends, and its exit code is ours. "
@@ -389,30 +394,41 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             parser.error("--then needs a command after it")
     args, extra = parser.parse_known_args(argv)
+    if args.num_servers < 1:
+        parser.error(f"--num-servers must be >= 1, got {args.num_servers}")
+    servers: list[VLLMServer] = []
     try:
-        server = VLLMServer(
-            args.model, port=args.port, host=args.host, served_model_name=args.served_model_name, venv=args.venv,
-            max_model_len=args.max_model_len, dtype=args.dtype, enforce_eager=not args.no_enforce_eager,
-            kv_cache_gib=args.kv_cache_gib, max_logprobs=args.max_logprobs, extra_args=extra,
-            startup_timeout_s=args.startup_timeout_s, log_path=args.log, weight_transfer=args.weight_transfer,
-        )
+        for index in range(args.num_servers):
+            servers.append(VLLMServer(
+                args.model, port=args.port + index, host=args.host, served_model_name=args.served_model_name,
+                venv=args.venv, max_model_len=args.max_model_len, dtype=args.dtype,
+                enforce_eager=not args.no_enforce_eager, kv_cache_gib=args.kv_cache_gib,
+                max_logprobs=args.max_logprobs, extra_args=extra, startup_timeout_s=args.startup_timeout_s,
+                log_path=_server_log(args.log, index, args.num_servers), weight_transfer=args.weight_transfer,
+            ))
     except VLLMServerError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # a job runner's SIGTERM stops the server like Ctrl-C does
     try:
-        server.start()
+        for server in servers:  # side by side: each loads the model while the others do
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+        urls = ",".join(server.url for server in servers)
+        logs = ", ".join(server.log_name for server in servers)
         if command:
-            command = command + ["--vllm_server_url", server.url]
+            command = command + ["--vllm_server_url", urls]
             if args.weight_transfer != "files":
                 command += ["--vllm_weight_transfer", args.weight_transfer]
-            print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); running: "
-                  f"{' '.join(command)}", flush=True)
-            return run_preemptible(command, args.stop_grace_s, say=server.say)
-        print(f"vLLM serving {args.model} at {server.url} (log: {server.log_name}); Ctrl-C stops it.", flush=True)
-        while server.process.poll() is None:
+            print(f"vLLM serving {args.model} at {urls} (log: {logs}); running: {' '.join(command)}", flush=True)
+            return run_preemptible(command, args.stop_grace_s, say=servers[0].say)
+        print(f"vLLM serving {args.model} at {urls} (log: {logs}); Ctrl-C stops it.", flush=True)
+        while all(server.process.poll() is None for server in servers):
             time.sleep(1.0)
-        print(f"The vLLM server exited with code {server.process.returncode}:\n{server.log_tail()}", file=sys.stderr)
+        exited = next(server for server in servers if server.process.poll() is not None)
+        print(f"The vLLM server at {exited.url} exited with code {exited.process.returncode}:\n{exited.log_tail()}",
+              file=sys.stderr)
         return 1
     except VLLMServerError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -420,7 +436,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        server.stop()
+        for server in servers:
+            server.stop()
+
+
+def _server_log(log: str, index: int, count: int) -> str:
+    """Server ``index``'s log: ``log`` itself for one server or the terminal (``-``), else ``name.<index>.suffix``."""
+    if count == 1 or log == "-":
+        return log
+    path = Path(log)
+    return str(path.with_name(f"{path.stem}.{index}{path.suffix}"))
 
 
 if __name__ == "__main__":
