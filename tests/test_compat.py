@@ -142,4 +142,20 @@ def test_transformers_reads_a_checkpoints_torch_files_in_the_methods_the_trainer
     assert "deepspeed_load_checkpoint(" in prepare and "self._load_optimizer_and_scheduler(" in prepare
     assert "torch.load(" in inspect.getsource(Trainer._load_rng_state)
     assert "torch.load(" in inspect.getsource(Trainer._load_optimizer_and_scheduler)
-    assert set(RLTrainer.__dict__) >= {"_prepare_for_training", "_load_rng_state", "_load_from_checkpoint"}
+    guarded = {"_prepare_for_training", "_load_rng_state", "_load_from_checkpoint"}
+    assert all(getattr(RLTrainer, name) is getattr(compat.TrainerHooks, name) for name in guarded)
+
+
+def test_every_private_trainer_method_we_override_still_exists_with_its_parameters():
+    """compat.TrainerHooks overrides private methods of transformers' Trainer: a rename or a new parameter upstream
+    would silently stop an override from running (or break its super() call)."""
+    from transformers import Trainer
+
+    for name in compat.TrainerHooks.OVERRIDDEN:
+        assert hasattr(Trainer, name), f"transformers' Trainer has no {name} any more"
+        ours = list(inspect.signature(getattr(compat.TrainerHooks, name)).parameters)
+        theirs = list(inspect.signature(getattr(Trainer, name)).parameters)
+        assert ours == theirs, f"Trainer.{name}{theirs} changed; compat.TrainerHooks.{name} takes {ours}"
+        assert getattr(RLTrainer, name) is getattr(compat.TrainerHooks, name), f"RLTrainer overrides {name} again"
+    assert {name for name in vars(compat.TrainerHooks) if name.startswith("_") and callable(
+        getattr(compat.TrainerHooks, name)) and not name.startswith("__")} == set(compat.TrainerHooks.OVERRIDDEN)

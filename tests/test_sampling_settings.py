@@ -52,7 +52,7 @@ def test_config_knobs_reach_the_vllm_request_payload():
 
 def test_generation_kwargs_override_the_fields_including_the_trainers_temperature(tiny_model_dir):
     overridden = config(temperature=1.0, top_p=1.0, generation_kwargs=KNOBS)
-    # The trainer computes its log-probs at args.temperature (RLTrainer._logprobs): the engine's temperature.
+    # The trainer computes its log-probs at args.temperature (StepLoss.logprobs): the engine's temperature.
     assert {name: getattr(overridden, name) for name in KNOBS} == KNOBS
     engine = build_engine(overridden, tiny_model_dir, None)
     try:

@@ -202,7 +202,7 @@ def test_loss_and_gradient_equal_trls(tiny_model_dir, tiny_model, tmp_path, case
             n = prompt_lengths[i] + len(rollouts[i].completion_ids)
             assert mb.input_ids[r, :n].tolist() == rollouts[i].prompt_ids + rollouts[i].completion_ids
     if ours.entropy.masks:  # what training_step does before the first backward
-        ours.entropy.prepare(rank_batch, lambda mb: ours._logprobs(ours.model, mb).entropy)
+        ours.entropy.prepare(rank_batch, lambda mb: ours.step_loss.logprobs(ours.model, mb).entropy)
     ours.model.train()
     our_loss = sum(ours.compute_loss(ours.model, mb) for mb in rank_batch.micro_batches)
     our_loss.backward()

@@ -11,7 +11,7 @@ import importlib
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "RLTrainer": "trainer", "LossInputs": "trainer", "CustomLoss": "trainer",
+    "RLTrainer": "trainer", "LossInputs": "step_loss", "CustomLoss": "step_loss",
     "RLConfig": "config",
     "Rollout": "rollouts", "read_rollouts": "rollouts", "write_rollouts": "rollouts",
     "Batch": "generator", "RolloutSource": "generator", "ReplaySource": "generator", "AsyncGenerator": "generator",

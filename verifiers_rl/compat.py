@@ -210,3 +210,57 @@ def checkpoint_loads_as_data(checkpoint: str | None):
         yield
     finally:
         torch.load = original
+
+
+class TrainerHooks:
+    """The HF ``Trainer`` private methods ``RLTrainer`` overrides (a mixin before ``GRPOTrainer``), in one place.
+
+    Written against transformers 5.23 (``tests/test_compat.py`` checks that each still exists on ``Trainer`` with the
+    same parameters, and that the loads still call ``torch.load``). Remove an override when transformers offers a
+    public hook for it: a checkpoint root to write under (``_get_output_dir``, ``_save_checkpoint``), loading
+    checkpoint files as data (the three loads), and the tied-weights aliases in load warnings.
+    The class using it provides ``checkpoints`` (``RunCheckpoints``), ``state`` and ``model``.
+    """
+
+    OVERRIDDEN = ("_get_output_dir", "_save_checkpoint", "_prepare_for_training", "_load_rng_state",
+                  "_load_from_checkpoint", "_issue_warnings_after_load")
+    _checkpoint_root: str | None = None  # set while HF writes a checkpoint (under its partial name)
+
+    def _get_output_dir(self, trial) -> str:
+        return self._checkpoint_root or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """HF's checkpoint, written atomically with this run's state beside it (``RunCheckpoints.save``)."""
+
+        def write_hf(root: str) -> None:
+            self._checkpoint_root = root
+            try:
+                super(TrainerHooks, self)._save_checkpoint(model, trial)
+            finally:
+                self._checkpoint_root = None
+
+        run_dir = super()._get_output_dir(trial)
+        self.checkpoints.save(run_dir, self.state.global_step, write_hf, self.state.best_model_checkpoint)
+
+    # HF reads its files and DeepSpeed's in these three: each as data, a crafted one refused by name.
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        with checkpoint_loads_as_data(resume_from_checkpoint):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _load_rng_state(self, checkpoint) -> None:
+        with checkpoint_loads_as_data(checkpoint):
+            super()._load_rng_state(checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        with checkpoint_loads_as_data(resume_from_checkpoint):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _issue_warnings_after_load(self, load_result) -> None:
+        # A tied output layer is saved once, under the input embedding's name: its absence is not a missing weight.
+        from .modeling import unwrap
+
+        model = unwrap(self.model)
+        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        aliases -= {name for name, _ in model.named_parameters()}
+        load_result.missing_keys[:] = [key for key in load_result.missing_keys if key not in aliases]
+        super()._issue_warnings_after_load(load_result)

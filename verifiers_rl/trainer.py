@@ -17,8 +17,6 @@ import inspect
 import math
 import os
 import sys
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from accelerate.utils import DistributedType
@@ -26,9 +24,8 @@ from datasets import Dataset
 from torch.utils.data import DataLoader
 from trl import GRPOTrainer
 
-from . import compat, evaluation, progress, reporting
+from . import compat, evaluation, progress, reporting, segmented_attention
 from .adapter_reference import AdapterReference, AdapterReferenceCallback
-from .batching import MicroBatch, RankBatch
 from .config import RLConfig
 from .distributed import (
     collective_failure_note,
@@ -41,47 +38,14 @@ from .entropy_terms import GATHER_PAD, EntropyTerms
 from .generator import AsyncGenerator, RolloutSource, make_source
 from .inference.factory import build_engine
 from .launch import restart_count
-from .loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
+from .loss import LossSettings
 from .modeling import unwrap
-from .policy import micro_batch_logprobs
 from .preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
 from .run_state import RunCheckpoints
+from .step_loss import CustomLoss, StepLoss
 from .step_metrics import StepMetrics, StepTimer
 from .steps import StepBatches, batching_config
 from .weight_sync import EngineWeightSync, WeightSyncCallback
-
-
-@dataclass
-class LossInputs:
-    """What a custom loss function receives for one micro-batch (tensors [R, T], zeros off the loss mask).
-
-    ``global_stats`` maps a mask name to its counts over the whole step batch on all ranks (tokens N, valid
-    sequences B_v, horizon H). ``aggregate(per_token, loss_type)`` turns per-token losses into this
-    micro-batch's partial loss under the global denominator, so partials over ranks and micro-batches sum to
-    the single-device loss.
-    """
-
-    logps: torch.Tensor
-    proximal_logps: torch.Tensor
-    sampler_logps: torch.Tensor | None
-    ref_logps: torch.Tensor | None
-    advantages: torch.Tensor
-    loss_mask: torch.Tensor
-    seq_index: torch.Tensor
-    sequence_loss_tokens: torch.Tensor
-    global_stats: dict[str, GlobalCounts]
-    loss_type: str
-
-    def aggregate(self, per_token: torch.Tensor, loss_type: str | None = None) -> torch.Tensor:
-        if loss_type is not None:  # the custom loss's own choice (the config's is checked by RLConfig)
-            check_choice("loss_type", loss_type, LOSS_TYPES)
-        weights = aggregation_weights(
-            loss_type or self.loss_type, self.loss_mask, self.sequence_loss_tokens, self.global_stats["loss_mask"]
-        )
-        return (per_token * weights.to(per_token.dtype)).sum()
-
-
-CustomLoss = Callable[[LossInputs], torch.Tensor]
 
 
 def _config(args, model) -> RLConfig:
@@ -189,7 +153,7 @@ def _unused_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-class RLTrainer(GRPOTrainer):
+class RLTrainer(compat.TrainerHooks, GRPOTrainer):
     """A GRPOTrainer whose update equals the single-device full-batch update (docs/architecture.md).
 
     Args:
@@ -322,12 +286,14 @@ class RLTrainer(GRPOTrainer):
         if self.entropy.masks and self.loss_fn is not None:
             raise ValueError("top_entropy_quantile masks the built-in loss's tokens; with a custom loss_fn leave it at "
                              "1.0 (LossInputs carries no entropy mask).")
-        self.loss_settings = LossSettings(
+        settings = LossSettings(
             level=args.importance_sampling_level, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
             delta=args.delta, correction=args.importance_correction, correction_cap=args.importance_cap,
             correction_cap_min=args.importance_cap_min, sequence_log_ratio=args.importance_sequence_log_ratio,
             beta=self.beta, kl_ratio=args.use_bias_correction_kl, off_policy_threshold=args.off_policy_mask_threshold,
         )
+        self.step_loss = StepLoss(args, settings, self.entropy, self.metrics, self.loss_fn,
+                                  reference=lambda: (self.ref_model, self.adapter_reference))
         batching = batching_config(args, self.model, accelerator.num_processes, pad, self._reward_functions)
         self.steps = StepBatches(self._source, args, batching,
                                  accelerator.device, lambda: self.state.global_step)
@@ -379,6 +345,7 @@ class RLTrainer(GRPOTrainer):
             raise
         finally:
             self.preemption.uninstall()
+            segmented_attention.uninstall()  # transformers' own sdpa again (the forward installs ours when needed)
             if self.generator is not None:
                 self.generator.close()
             if self._built_engine and self.engine is not None:
@@ -409,46 +376,7 @@ class RLTrainer(GRPOTrainer):
         if "weight_sync" in self.__dict__:
             self.weight_sync.engine = engine
 
-    # --- HF hooks: checkpoints, data ----------------------------------------------------------------------------
-
-    _checkpoint_root: str | None = None  # set while HF writes a checkpoint (under its partial name)
-
-    def _get_output_dir(self, trial) -> str:
-        return self._checkpoint_root or super()._get_output_dir(trial)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """HF's checkpoint, written atomically with this run's state beside it (``RunCheckpoints.save``)."""
-
-        def write_hf(root: str) -> None:
-            self._checkpoint_root = root
-            try:
-                super(RLTrainer, self)._save_checkpoint(model, trial)
-            finally:
-                self._checkpoint_root = None
-
-        run_dir = super()._get_output_dir(trial)
-        self.checkpoints.save(run_dir, self.state.global_step, write_hf, self.state.best_model_checkpoint)
-
-    # HF reads its files and DeepSpeed's in these three: each as data, a crafted one refused by name (compat.py).
-    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        with compat.checkpoint_loads_as_data(resume_from_checkpoint):
-            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-
-    def _load_rng_state(self, checkpoint) -> None:
-        with compat.checkpoint_loads_as_data(checkpoint):
-            super()._load_rng_state(checkpoint)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        with compat.checkpoint_loads_as_data(resume_from_checkpoint):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-
-    def _issue_warnings_after_load(self, load_result) -> None:
-        # A tied output layer is saved once, under the input embedding's name: its absence is not a missing weight.
-        model = unwrap(self.model)
-        aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        aliases -= {name for name, _ in model.named_parameters()}
-        load_result.missing_keys[:] = [key for key in load_result.missing_keys if key not in aliases]
-        super()._issue_warnings_after_load(load_result)
+    # --- HF hooks: data -------------------------------------------------------------------------------------
 
     def get_train_dataloader(self):
         # One item per optimizer step on every rank; the batch itself comes from the rollout source.
@@ -483,14 +411,15 @@ class RLTrainer(GRPOTrainer):
     # --- one optimizer step -------------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        self.timer.training_started()
         model.train()
-        rank_batch = self.steps.next(lambda batch: self._fill_fixed_logprobs(model, batch))
+        rank_batch = self.steps.next(lambda batch: self.step_loss.fill_fixed_logprobs(model, batch))
         if self.steps.iteration == 1:  # a new batch: TRL counts each generated batch's tokens once
             self.state.num_input_tokens_seen += rank_batch.stats.input_tokens
         # TRL's num_tokens: the running count, set rather than averaged over the logging window.
         compat.step_metrics(self)["num_tokens"] = [float(self.state.num_input_tokens_seen)]
         if self.entropy.masks:  # the quantile of the whole batch's entropies, before the first backward
-            self.entropy.prepare(rank_batch, lambda mb: self._logprobs(model, mb).entropy)
+            self.entropy.prepare(rank_batch, lambda mb: self.step_loss.logprobs(model, mb).entropy)
         world_size = self.accelerator.num_processes
         deepspeed = self.accelerator.distributed_type == DistributedType.DEEPSPEED
         self.metrics.begin_step()
@@ -512,69 +441,7 @@ class RLTrainer(GRPOTrainer):
         return total
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """The partial loss of one micro-batch: its numerator over the global denominator (docs/architecture.md)."""
+        """The partial loss of one micro-batch: its numerator over the global denominator (``StepLoss.partial``)."""
         if return_outputs:
             raise ValueError("RLTrainer.compute_loss does not return outputs.")
-        mb: MicroBatch = inputs
-        output = self._logprobs(model, mb)
-        logps = output.logps
-        proximal = mb.proximal_logps if mb.proximal_logps is not None else logps.detach()
-        args = self.args
-        terms = per_token_loss(
-            logps,
-            mb.advantages.to(logps.dtype),
-            mb.loss_mask,
-            mb.seq_index,
-            proximal_logps=proximal,
-            sampler_logps=mb.sampler_logps,
-            ref_logps=mb.ref_logps,
-            settings=self.loss_settings,
-            keep=self.entropy.keep(mb),
-        )
-        inputs_for_hook = LossInputs(
-            logps=logps,
-            proximal_logps=proximal,
-            sampler_logps=mb.sampler_logps,
-            ref_logps=mb.ref_logps,
-            advantages=mb.advantages,
-            loss_mask=mb.loss_mask,
-            seq_index=mb.seq_index,
-            sequence_loss_tokens=mb.sequence_loss_tokens,
-            global_stats={"loss_mask": mb.counts},
-            loss_type=args.loss_type,
-        )
-        if self.loss_fn is None:
-            partial = inputs_for_hook.aggregate(terms.per_token_loss)
-        else:
-            result = self.loss_fn(inputs_for_hook)
-            partial = result if result.dim() == 0 else inputs_for_hook.aggregate(result)
-        if self.entropy.coef:
-            partial = partial - self.entropy.bonus(mb, output.entropy)
-        # Anchor every parameter in the graph, even for a micro-batch without loss tokens.
-        partial = partial + 0.0 * logps.sum()
-        self.metrics.add_loss_terms(mb, output.entropy, terms)
-        return partial
-
-    # --- the forwards that do not train: fixed and reference log-probs ------------------------------------------
-
-    @torch.no_grad()
-    def _fill_fixed_logprobs(self, model, rank_batch: RankBatch) -> None:
-        """Reference log-probs (beta > 0) and, with several updates per batch, proximal log-probs: once per batch,
-        before the first update, on every rank for the same number of micro-batches."""
-        for mb in rank_batch.micro_batches:
-            if self.args.num_iterations > 1:
-                mb.proximal_logps = self._logprobs(model, mb).logps.detach()
-            if self.beta != 0.0:
-                mb.ref_logps = self._reference_logprobs(model, mb)
-
-    def _reference_logprobs(self, model, mb: MicroBatch) -> torch.Tensor:
-        if self.ref_model is not None:
-            return self._logprobs(self.ref_model, mb).logps
-        if self.adapter_reference is not None:  # PEFT with sync_ref_model: the base and the mixed adapters
-            with self.adapter_reference.swapped():
-                return self._logprobs(model, mb).logps
-        with unwrap(model).disable_adapter():  # PEFT: the base model is the reference
-            return self._logprobs(model, mb).logps
-
-    def _logprobs(self, model, mb: MicroBatch):
-        return micro_batch_logprobs(model, mb, self.args.temperature, self.args.logprob_chunk_size or None)
+        return self.step_loss.partial(model, inputs)
