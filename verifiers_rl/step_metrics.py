@@ -4,11 +4,14 @@ Token metrics are sums over this rank's loss tokens, all-reduced once per step a
 count N (so they are token-weighted over the whole batch, however it was split). The wall time of a step is the time
 between the ends of two consecutive optimizer steps' weight syncs, and its logged parts add up to it:
 
-    step_time = between_steps_time + wait_time + train_time + weight_sync_wait_s + weight_sync_s + weight_sync_probe_s
+    step_time = between_steps_time + wait_time + train_time + weight_sync_time + other_time
+    weight_sync_time = weight_sync_wait_s + weight_sync_s + weight_sync_probe_s
 
 ``between_steps_time``: logging, checkpoints and evaluation after the previous step; ``wait_time``: waiting for the
-rollout source; ``train_time``: planning, forwards, backwards and the optimizer step; the weight sync's three parts:
-waiting for the generator (older batches, the batch in progress), loading into the engine, and the probe.
+rollout source; ``train_time``: planning, forwards, backwards and the optimizer step (from the start of the trainer's
+``training_step`` to the end of the optimizer step, less the wait); the weight sync's three parts: waiting for the
+generator (older batches, the batch in progress), loading into the engine, and the probe. Each is timed on its own;
+``other_time`` is what none of them covers (the scheduler step and HF's bookkeeping around the optimizer step).
 """
 
 from __future__ import annotations
@@ -134,9 +137,18 @@ class StepTimer(TrainerCallback):
         self.step_start = 0.0
         self.between = 0.0
         self.sync = 0.0
+        self.training_from = 0.0  # when training_step began (it waits for the batch first)
+        self.trained = 0.0  # the training window: training_step's start to the optimizer step's end
 
     def add_sync(self, seconds: float) -> None:
         self.sync += seconds
+
+    def training_started(self) -> None:
+        """Called as the trainer's ``training_step`` begins (before it waits for its batch)."""
+        self.training_from = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trained = time.perf_counter() - self.training_from
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.last_end = None
@@ -153,9 +165,11 @@ class StepTimer(TrainerCallback):
         sync = self.sync
         wait = self.wait_s()
         step = now - self.step_start
+        train = self.trained - wait
         sink["between_steps_time"].append(self.between)
         sink["wait_time"].append(wait)
-        sink["train_time"].append(step - self.between - wait - sync)
+        sink["train_time"].append(train)
         sink["weight_sync_time"].append(sync)
+        sink["other_time"].append(step - self.between - wait - train - sync)
         sink["step_time"].append(step)
         self.last_end = now
