@@ -4,6 +4,7 @@ name, and each episode is ONE token sequence whose trained ids are the engine's 
 verifiers_rl's, ``v1_worker/bridge_renderer.py``), the game's turns between them masked, with the game's rewards."""
 
 import asyncio
+import json
 import re
 from pathlib import Path
 
@@ -12,13 +13,18 @@ from transformers import AutoTokenizer
 
 from verifiers_rl.envs import load_environment
 from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
+from verifiers_rl.rollouts import read_rollouts
+
+from .test_episode_worker import Recording
+from .test_v1_training import run
 
 GUESS = Path(__file__).parent / "envs" / "guess_v1.py"
 WEIGHTS = {"solved": 1.0, "closeness": 0.5, "answered": 0.25}
 
 
 def game_rules(replies: list[str], secret: int) -> tuple[list[str], dict[str, float]]:
-    """guess_v1's rules, restated: the game's answer after each reply but the last, and each reward's score."""
+    """guess_v1's rules, restated (game i's secret is ``secret_of(i)``): the game's answer after each reply but the
+    last, and each reward's score."""
     guesses = [int(m.group()) if (m := re.search(r"[1-9]", reply)) else None for reply in replies]
     answers = ["I found no number from 1 to 9 in your reply. Guess again." if g is None else
                "Higher." if g < secret else "Lower." for g in guesses[:-1]]
@@ -29,23 +35,14 @@ def game_rules(replies: list[str], secret: int) -> tuple[list[str], dict[str, fl
     return answers, scores
 
 
+def secret_of(game: int) -> int:
+    return 1 + (game * 4) % 9
+
+
 def runs(mask: list[int]) -> list[tuple[int, int, int]]:
     """(value, start, end) of each run of equal values in ``mask``."""
     edges = [0] + [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]] + [len(mask)]
     return [(mask[a], a, b) for a, b in zip(edges, edges[1:])]
-
-
-class Recording:
-    """The real engine, with each sample it returned kept by its ids (concurrent episodes share batches)."""
-
-    def __init__(self, engine):
-        self.engine, self.samples = engine, {}
-        self.eos_token_ids, self.sampling, self.policy_version = engine.eos_token_ids, engine.sampling, 0
-
-    async def sample(self, prompt_ids, max_new_tokens):
-        sample = await self.engine.sample(prompt_ids, max_new_tokens)
-        self.samples[tuple(sample.token_ids)] = sample
-        return sample
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +56,9 @@ def test_a_v1_environment_whose_seat_is_not_named_agent_loads(tokenizer):
     env = load_environment(str(GUESS), tokenizer=tokenizer, harness="inprocess", taskset={"num_tasks": 2})
     try:
         assert isinstance(env, V1Env) and env.name == "guess_v1" and env.harness.endswith("inprocess_chat")
+        opening = "I am thinking of a number from 1 to 9. Guess it."
         assert [row.prompt for row in env.dataset] == [
-            [{"role": "user", "content": "I am thinking of a number from 1 to 9. Guess it."}]] * 2
+            [{"role": "user", "content": f"Game {i}: {opening}"}] for i in (0, 1)]
     finally:
         env.close()
 
@@ -77,7 +75,7 @@ def test_a_three_turn_game_is_one_sequence_of_the_sampled_ids_with_the_games_tur
         rollouts = asyncio.run(env.rollout_group(recording, env.dataset[0], "g", 4, seed=3))
     finally:
         env.close()
-    secret = 1  # task 0's
+    secret = secret_of(0)
     prompt = tokenizer.apply_chat_template(env.dataset[0].prompt, add_generation_prompt=True, tokenize=True,
                                            return_dict=False)
     replies_seen = 0
@@ -108,3 +106,31 @@ def test_a_three_turn_game_is_one_sequence_of_the_sampled_ids_with_the_games_tur
         replies_seen += len(replies)
     assert replies_seen == len(recording.samples)  # every sample the engine drew is in a rollout
     assert len({r.reward for r in rollouts}) > 1
+
+
+def game_of(rollout, tokenizer) -> tuple[list[str], list[str]]:
+    """A saved rollout's replies (its sampled runs, decoded) and the game's turns between them."""
+    pieces = [(value, rollout.completion_ids[a:b]) for value, a, b in runs(rollout.completion_mask)]
+    replies = [tokenizer.decode(ids, skip_special_tokens=True).strip() for value, ids in pieces if value]
+    return replies, [tokenizer.decode(ids, skip_special_tokens=True) for value, ids in pieces if not value]
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_the_guessing_game_trains_at_temperature_1_and_saves_whole_games(tmp_path, model, request):
+    # The default --max_failed_rollouts_fraction (0): one refused episode would stop the run in its first batch.
+    model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "smollm2_model_dir")
+    lines = run(["--model", model_dir, "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}),
+                 "--temperature", "1", "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
+                 "--max_completion_length", "12", "--max_steps", "2", "--print_samples_every", "0",
+                 "--report_to", "none", "--save_rollouts_path", str(tmp_path / "games.jsonl")], tmp_path)
+    assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rollouts = read_rollouts(tmp_path / "games.jsonl")
+    assert len(rollouts) == 16
+    for rollout in rollouts:
+        replies, turns = game_of(rollout, tokenizer)
+        game = int(re.search(r"Game (\d+):", tokenizer.decode(rollout.prompt_ids)).group(1))
+        answers, scores = game_rules(replies, secret_of(game))
+        assert len(replies) == 3 or scores["solved"] == 1.0  # the whole game: three guesses unless one was right
+        assert [turn.split("user\n")[-1].split("assistant")[0].strip() for turn in turns] == answers
+        assert rollout.reward == pytest.approx(sum(WEIGHTS[k] * v for k, v in scores.items()))

@@ -12,6 +12,10 @@ TURNS = 3
 WEIGHTS = {"solved": 1.0, "closeness": 0.5, "answered": 0.25}
 
 
+def secret_of(game: int) -> int:
+    return 1 + (game * 4) % 9
+
+
 def guess_of(reply: str) -> int | None:
     """The first digit 1-9 in a free-text reply, if any."""
     match = re.search(r"[1-9]", reply)
@@ -73,8 +77,8 @@ class GuessEnv(vf.Env[GuessEnvConfig]):
 class GuessTaskset(vf.Taskset[GuessTask, GuessConfig]):
     def load(self) -> list[GuessTask]:
         return [
-            GuessTask(GuessData(prompt="I am thinking of a number from 1 to 9. Guess it.", secret=1 + (i * 4) % 9),
-                      self.config.task)
+            GuessTask(GuessData(prompt=f"Game {i}: I am thinking of a number from 1 to 9. Guess it.",
+                                secret=secret_of(i)), self.config.task)
             for i in range(self.config.num_tasks)
         ]
 

@@ -163,8 +163,8 @@ class V1Env(Environment):
     its turns are joined by verifiers_rl's exact turn bridge (``v1_worker/bridge_renderer.py``), which keeps the
     sampled ids. An episode of several branches (sub-agents, rewritten history) is refused (``RolloutRefused``:
     not retried, the same seeds would refuse it again). Each rollout carries the sampler's log-probs (the
-    engine's, exactly), the trace's reward (sum of score x weight) and metrics (the taskset's metrics and each reward's score, under
-    ``reward/<name>``). A failed episode is a ``RolloutError`` naming the task.
+    engine's, exactly), the trace's reward (sum of score x weight) and metrics (the taskset's metrics and each
+    reward's score, under ``reward/<name>``). A failed episode is a ``RolloutError`` naming the task.
     """
 
     def __init__(self, env: str, tokenizer: Any, *, harness: str = "null", max_seq_len: int | None = None,
