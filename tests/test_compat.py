@@ -159,3 +159,18 @@ def test_every_private_trainer_method_we_override_still_exists_with_its_paramete
         assert getattr(RLTrainer, name) is getattr(compat.TrainerHooks, name), f"RLTrainer overrides {name} again"
     assert {name for name in vars(compat.TrainerHooks) if name.startswith("_") and callable(
         getattr(compat.TrainerHooks, name)) and not name.startswith("__")} == set(compat.TrainerHooks.OVERRIDDEN)
+
+
+def test_onednn_private_ops_compute_a_linear_and_the_version_counter_counts_in_place_writes():
+    """cpu_matmul's packed linears rest on torch's private oneDNN ops and on Tensor._version (compat)."""
+    if not compat.onednn_available():
+        pytest.skip("this torch has no oneDNN packed linear (cpu_matmul falls back to weight_major)")
+    generator = torch.Generator().manual_seed(0)
+    x, weight, bias = (torch.randn(shape, generator=generator) for shape in ((5, 16), (24, 16), (24,)))
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(compat.onednn_linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compat.onednn_linear(x, compat.onednn_pack(weight, 64), bias), expected,
+                               rtol=1e-5, atol=1e-5)
+    before = compat.tensor_version(weight)
+    weight.copy_(weight * 2)
+    assert compat.tensor_version(weight) > before

@@ -212,6 +212,37 @@ def checkpoint_loads_as_data(checkpoint: str | None):
         torch.load = original
 
 
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's packed fp32 linear (its x86 CPU builds do).
+
+    torch 2.13: ``torch.ops.mkldnn._reorder_linear_weight`` and ``_linear_pointwise`` are private ops (the ones
+    torch's inductor packs CPU linears with); ``cpu_matmul`` falls back to ``weight_major`` without them. Remove
+    these three when torch offers a public packed linear.
+    """
+    import torch
+
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def onednn_pack(weight, rows_hint: int):
+    """``weight`` reordered into oneDNN's blocked layout for about ``rows_hint`` rows (a private op, see above)."""
+    import torch
+
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows_hint)
+
+
+def onednn_linear(x, weight, bias):
+    """oneDNN's fp32 ``x W^T + b``: ``x`` [rows, in] contiguous, ``weight`` plain or packed; no activation."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def tensor_version(tensor) -> int:
+    """torch's in-place version counter of ``tensor`` (``Tensor._version``; no public name): a ``copy_`` counts."""
+    return tensor._version
+
+
 class TrainerHooks:
     """The HF ``Trainer`` private methods ``RLTrainer`` overrides (a mixin before ``GRPOTrainer``), in one place.
 

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from . import compat
 from .compat import replaced_forward
 
 
@@ -50,14 +51,8 @@ def weight_major(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
 Linear = Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]
 
 
-def packs_available() -> bool:
-    """Whether this torch has oneDNN's packed fp32 linear (its x86 CPU builds do)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    # oneDNN's fp32 linear (a private op): ``x`` [rows, in] contiguous, ``weight`` plain or packed; no activation.
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+packs_available = compat.onednn_available
+_onednn_linear = compat.onednn_linear
 
 
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +86,7 @@ class PackedWeights:
 
     def _current(self, layer: torch.nn.Linear) -> bool:
         weight, version, _ = self._packs.get(layer, (None, -1, None))
-        return weight is layer.weight and version == layer.weight._version
+        return weight is layer.weight and version == compat.tensor_version(layer.weight)
 
     @torch.no_grad()
     def refresh(self) -> int:
@@ -101,8 +96,8 @@ class PackedWeights:
         self._packs = {layer: pack for layer, pack in self._packs.items() if layer in admitted}
         stale = [layer for layer in layers if not self._current(layer)]
         for layer in stale:
-            packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight, self.ROWS_HINT)
-            self._packs[layer] = (layer.weight, layer.weight._version, packed)
+            packed = compat.onednn_pack(layer.weight, self.ROWS_HINT)
+            self._packs[layer] = (layer.weight, compat.tensor_version(layer.weight), packed)
         return len(stale)
 
     def linear(self, x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
