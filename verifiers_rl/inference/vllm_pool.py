@@ -251,17 +251,8 @@ class MultiServerEngine:
         """Every live server's log-probs of ``token_ids`` (``VLLMEngine.prompt_logprobs``), by ``Member.name``; a
         server lost meanwhile is marked down and left out. Raises when none answers."""
         check_open(self._closed)
-        results = {}
-        for member in self.live():
-            try:
-                results[member.name] = member.engine._prompt_logprobs(token_ids)
-            except VLLMError as error:
-                if not _is_lost(error):
-                    raise VLLMError(f"{member.name}: {error}") from error
-                self._mark_down(member, error)
-        if not results:
-            raise self._all_down()
-        return results
+        return {member.name: logps for member, logps in
+                self._on_each_live(lambda member: member.engine._prompt_logprobs(token_ids))}
 
     def record_probe(self, gaps: dict[str, float]) -> None:
         """Keep each server's post-sync probe gap (by ``Member.name``) for ``server_metrics``."""
@@ -283,7 +274,7 @@ class MultiServerEngine:
                 kept = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in plain_names(named_tensors)]
                 send = lambda member: member.engine.transfer.load(kept, version)  # noqa: E731
             try:
-                loaded = self._load_into_live(send)
+                loaded = self._on_each_live(send)
             except BaseException:
                 self._drop(kept)
                 raise
@@ -295,11 +286,13 @@ class MultiServerEngine:
             ids = reference_ids(self.vocab_size)
             self._reference = (int(version), ids, self._run(lambda engine: engine._prompt_logprobs(ids)))
 
-    def _load_into_live(self, send: Callable[[Member], dict]) -> list[tuple[Member, dict]]:
+    def _on_each_live(self, call: Callable[[Member], T]) -> list[tuple[Member, T]]:
+        """``call`` on every live server: a server lost meanwhile is marked down and left out, another error is
+        raised naming the server; raises when none answers."""
         loaded = []
         for member in self.live():
             try:
-                loaded.append((member, send(member)))
+                loaded.append((member, call(member)))
             except VLLMError as error:
                 if not _is_lost(error):
                     raise VLLMError(f"{member.name}: {error}") from error
@@ -369,8 +362,9 @@ class MultiServerEngine:
 
     def health(self) -> dict:
         """``ok`` when at least one server answers ``/health``; ``servers``: each one's ``VLLMEngine.health()``
-        with whether the pool uses it, its requests (in all, and since it last rejoined), losses and rejoins."""
-        servers = [{**member.engine.health(), "up": member.up, "requests": member.requests,
+        with whether the pool uses it, its requests (in all, and since it last rejoined), completion tokens, losses and
+        rejoins."""
+        servers = [{**member.engine.health(), "up": member.up, "requests": member.requests, "tokens": member.tokens,
                     "requests_since_rejoin": member.requests_since_rejoin, "losses": member.losses,
                     "rejoins": member.rejoins} for member in self.members]
         return {"engine": "vllm", "urls": [m.engine.base_url for m in self.members], "model": self.model_name,
