@@ -3,7 +3,7 @@
 What it measures: ``RLTrainer`` training live from the ``reverse_text`` environment through the embedded HF
 engine on the main process (as ``examples/train.py`` does), with ``max_off_policy_steps`` k = 0 (generate batch b,
 then train on it) and k = 1 (the generator thread produces batch b + 1 while the trainer trains on batch b). The
-model is a random Llama from ``verifiers_rl.models.build_tiny_model`` (hidden 256, 4 layers, ~400-token
+model is a random Llama from ``verifiers_rl.core.models.build_tiny_model`` (hidden 256, 4 layers, ~400-token
 vocabulary by default), sized so that generating one batch and training on one batch take similar time; the
 script first measures both phases alone and prints them, so the reader can see how balanced they are:
 
@@ -63,12 +63,12 @@ os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
-from verifiers_rl.config import RLConfig  # noqa: E402
+from verifiers_rl.config.rl_config import RLConfig  # noqa: E402
 from verifiers_rl.envs import load_environment  # noqa: E402
-from verifiers_rl.generator import AsyncGenerator  # noqa: E402
+from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
-from verifiers_rl.models import build_tiny_model  # noqa: E402
-from verifiers_rl.trainer import RLTrainer  # noqa: E402
+from verifiers_rl.core.models import build_tiny_model  # noqa: E402
+from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
 
 

@@ -39,7 +39,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
-from verifiers_rl.models import smollm2_dir  # noqa: E402
+from verifiers_rl.core.models import smollm2_dir  # noqa: E402
 
 VARIANTS = {
     "forward": dict(llama_decode=False, cpu_matmuls="linear"),

@@ -152,8 +152,8 @@ def run_trainer(name: str, args, model_dir: str, tokenizer, dataset, out: str):
     from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from verifiers_rl.config import RLConfig
-    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.training.trainer import RLTrainer
     from vs_trl import SplitRecorder, common, watch_trl
 
     device = args.device

@@ -1,6 +1,6 @@
 """Peak memory of chunked vs unchunked per-token log-probs at a 49,152-token vocabulary, forward + backward.
 
-What it measures: ``verifiers_rl.policy.target_logprobs(hidden[N, H], weight[V, H], targets[N])`` with
+What it measures: ``verifiers_rl.training.forward.target_logprobs(hidden[N, H], weight[V, H], targets[N])`` with
 V = 49,152 (SmolLM2's vocabulary), H = 576 (SmolLM2-135M's hidden size), N = 4,096 tokens, fp32 on CPU,
 then ``logps.sum().backward()`` into both ``hidden`` and ``weight``. ``chunk_size=None`` materialises all
 N x V logits through autograd (the reference); a chunk size keeps logits for that many tokens at a time and
@@ -75,7 +75,7 @@ def _check(torch, target_logprobs, chunk_size, n, vocab, hidden_size):
 def child(args) -> None:
     import torch
 
-    from verifiers_rl.policy import target_logprobs
+    from verifiers_rl.training.forward import target_logprobs
 
     torch.set_num_threads(2)
     chunk = args.chunk or None

@@ -2,13 +2,13 @@
 
 What it measures: one optimizer step's rollouts (16 groups x 4 = 64 by default) with a long-tailed completion
 length (lognormal body of 20-100 tokens, a tail up to ~1000; prompts of 20-60 tokens) are planned by
-``verifiers_rl.batching.plan_batch`` either as padded micro-batches (R rows each, sequences sorted by length)
+``verifiers_rl.training.batching.plan_batch`` either as padded micro-batches (R rows each, sequences sorted by length)
 or as packed micro-batches (one row of at most T tokens each, first-fit decreasing), or as ``auto`` chooses
 (without a varlen kernel: the padded or packed layout of lower modelled cost). For every configuration
 the table gives the number of micro-batches, real tokens, computed tokens (rows x width, summed), the
 real-token fraction, and the wall time of one real forward + backward over all micro-batches of a small
-random Llama model (``verifiers_rl.models.build_tiny_model``: hidden 128, 4 layers, ~400-token vocabulary)
-through ``verifiers_rl.policy.micro_batch_logprobs`` (median of a few repetitions after one warm-up), on CPU
+random Llama model (``verifiers_rl.core.models.build_tiny_model``: hidden 128, 4 layers, ~400-token vocabulary)
+through ``verifiers_rl.training.forward.micro_batch_logprobs`` (median of a few repetitions after one warm-up), on CPU
 with 2 threads.
 
 Note on the model: it attends through sdpa, so a packed row attends run by run (``segmented_attention``: each
@@ -38,10 +38,10 @@ if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
 
 import torch  # noqa: E402
 
-from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
-from verifiers_rl.models import build_tiny_model  # noqa: E402
-from verifiers_rl.policy import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
-from verifiers_rl.rollouts import Rollout  # noqa: E402
+from verifiers_rl.training.batching import BatchingConfig, plan_batch  # noqa: E402
+from verifiers_rl.core.models import build_tiny_model  # noqa: E402
+from verifiers_rl.training.forward import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
+from verifiers_rl.core.rollout import Rollout  # noqa: E402
 
 MAX_SEQ_LEN = 1100
 FIRST_TOKEN_ID = 4

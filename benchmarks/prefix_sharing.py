@@ -2,16 +2,16 @@
 one row per sequence (off), over prompt and completion lengths from the quickstart's to long completions.
 
 What it measures: for each workload (G completions per prompt; prompt length P; completion lengths uniform in
-[C/2, 3C/2]), one optimizer step's rollouts are planned by ``verifiers_rl.batching.plan_batch`` as padded
+[C/2, 3C/2]), one optimizer step's rollouts are planned by ``verifiers_rl.training.batching.plan_batch`` as padded
 micro-batches (``--rows`` sequences each) three ways: ``off`` (one row per sequence, the prompt repeated), ``on``
 (one row per group part: the prompt once, then every completion) and ``auto`` (the part size with the lowest
-modelled cost, ``verifiers_rl.prefix.best_part_size``). The table gives the tokens forwarded (padding included),
+modelled cost, ``verifiers_rl.training.prefix.best_part_size``). The table gives the tokens forwarded (padding included),
 the attention cells the forward computes (``policy.attention_cells``: shared rows attend run by run, a
 completion over the prompt and itself; plain padded rows over their width), the
 modelled cost (tokens + attention_cost x cells, a run's overhead counted as ``RUN_OVERHEAD_CELLS`` cells, in token
 units; ``policy.attention_cost`` from the model config),
 and the median wall time of a real forward + backward over all micro-batches through
-``verifiers_rl.policy.micro_batch_logprobs`` (the three modes interleaved, after one warm-up each).
+``verifiers_rl.training.forward.micro_batch_logprobs`` (the three modes interleaved, after one warm-up each).
 
 The model: a random Llama shaped like one SmolLM2-135M layer stack (hidden 576, MLP 1536, 9 heads of 64, 3
 key/value heads) with ``--layers`` layers (default 2) and a 400-token vocabulary (the output layer costs the same in
@@ -41,9 +41,9 @@ if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
 
 import torch  # noqa: E402
 
-from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
-from verifiers_rl.policy import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
-from verifiers_rl.rollouts import Rollout  # noqa: E402
+from verifiers_rl.training.batching import BatchingConfig, plan_batch  # noqa: E402
+from verifiers_rl.training.forward import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
+from verifiers_rl.core.rollout import Rollout  # noqa: E402
 from timing import load, log  # noqa: E402  (benchmarks/timing.py)
 
 # (name, prompt length P, mean completion length C, completions per prompt G, groups)
@@ -86,7 +86,7 @@ def build_model(args):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if args.model == "smollm2":
-        from verifiers_rl.models import smollm2_dir
+        from verifiers_rl.core.models import smollm2_dir
 
         return AutoModelForCausalLM.from_pretrained(str(smollm2_dir()), dtype=torch.float32)
     config = LlamaConfig(vocab_size=400, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,

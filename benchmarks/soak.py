@@ -69,7 +69,7 @@ class Row:
 
 
 def config(work: str, steps: int, **extra):
-    from verifiers_rl.config import RLConfig
+    from verifiers_rl.config.rl_config import RLConfig
 
     values = dict(
         output_dir=os.path.join(work, "out"), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1,
@@ -86,10 +86,10 @@ def run(mode: str, steps: int) -> list[Row]:
 
     from verifiers_rl.envs import load_environment
     from verifiers_rl.inference.factory import build_engine
-    from verifiers_rl.models import resolve_model
-    from verifiers_rl.rollouts import write_rollouts
-    from verifiers_rl.synthetic import random_rollouts
-    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.core.models import resolve_model
+    from verifiers_rl.core.rollout import write_rollouts
+    from verifiers_rl.rollouts.synthetic import random_rollouts
+    from verifiers_rl.training.trainer import RLTrainer
 
     model = resolve_model("tiny")
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -54,7 +54,7 @@ import torch  # noqa: E402
 
 from verifiers_rl.envs import Rubric, SingleTurnEnv, derive_seed, load_environment  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
-from verifiers_rl.models import load_tokenizer, resolve_model  # noqa: E402
+from verifiers_rl.core.models import load_tokenizer, resolve_model  # noqa: E402
 from timing import load, log  # noqa: E402  (benchmarks/timing.py)
 
 V1_ENV = os.path.join(ROOT, "tests", "v1", "envs", "reverse_v1.py")

@@ -1,6 +1,6 @@
 """Training over one and over two vLLM servers on this machine: requests and tokens per server, and the step time.
 
-Each configuration is one ``python -m verifiers_rl.inference.vllm_server --num-servers N --then`` launch (the
+Each configuration is one ``python -m verifiers_rl.inference.vllm.server --num-servers N --then`` launch (the
 launcher starts the N servers on consecutive ports and hands the training run their comma-joined URLs) of the tiny
 test Llama (hidden 64) on reverse_text: 8 steps of 4 prompts x 4 samples, k = 1, ``files`` weight syncs probed every
 step. The table gives, per configuration, each server's requests and completion tokens and the median step and
@@ -34,12 +34,12 @@ RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"  # the training comman
 
 
 def run(model_dir: Path, servers: int, steps: int, out: Path) -> dict:
-    from verifiers_rl.inference.engine import free_port
-    from verifiers_rl.rollouts import read_rollouts
+    from verifiers_rl.core.engine import free_port
+    from verifiers_rl.core.rollout import read_rollouts
 
     port = free_port()  # the launcher takes port, port + 1, ...
     command = [
-        sys.executable, "-m", "verifiers_rl.inference.vllm_server", "--model", str(model_dir), "--port", str(port),
+        sys.executable, "-m", "verifiers_rl.inference.vllm.server", "--model", str(model_dir), "--port", str(port),
         "--num-servers", str(servers), "--max-model-len", "512", "--log", str(out / "server.log"), "--then",
         sys.executable, str(RUNNER), "--model", str(model_dir), "--env", "reverse_text",
         "--env_args", '{"num_examples": 64}', "--max_steps", str(steps), "--rollouts_per_step", "16",
@@ -74,7 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
-    from verifiers_rl.models import build_tiny_model
+    from verifiers_rl.core.models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "tiny", hidden_size=64, seed=0)

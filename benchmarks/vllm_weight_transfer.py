@@ -47,8 +47,8 @@ def bench_model(label: str, folder: str, repeats: int) -> list[str]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from verifiers_rl.inference.vllm_engine import VLLMEngine
-    from verifiers_rl.inference.vllm_server import VLLMServer
+    from verifiers_rl.inference.vllm.engine import VLLMEngine
+    from verifiers_rl.inference.vllm.server import VLLMServer
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     # Perturbed weights, so every load really changes what the server holds.
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="the tiny model only, 3 loads per mode")
     args = parser.parse_args()
-    from verifiers_rl.models import build_tiny_model, smollm2_dir
+    from verifiers_rl.core.models import build_tiny_model, smollm2_dir
 
     repeats = 3 if args.quick else args.repeats
     rows = ["| model | transfer | median per load | vs files |", "|---|---|---|---|"]

@@ -22,13 +22,13 @@ What it measures: these trainers, run one after the other in this one process, o
 Workloads (``--workloads``, several in one run): ``equal16`` / ``equal128``: SmolLM2-135M-Instruct, 4 prompts x 4
 samples, 16 / 128 new tokens, learning rate 0, 2 torch threads, our micro-batching ``auto``; ``tiny`` is described
 below; ``quickstart`` is the README's quickstart run:
-SmolLM2-135M-Instruct (``verifiers_rl.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
+SmolLM2-135M-Instruct (``verifiers_rl.core.models.smollm2_dir()``), 4 prompts x 4 samples, 16 new tokens,
 ``max_seq_len`` 128, learning rate 2e-5, 2 torch threads, and our micro-batching left at its default ``auto``
 (the quickstart's: on CPU it picks, per batch, one packed row holding every group's shared prompt once and its
 completions when the cost model finds that cheaper than padded shared rows, ~1.2x the unique tokens between
 groups of different prompt lengths), the rest as below. Any of its settings can be overridden by the flags.
 
-Same for all of them: the model (``tiny``: a random Llama from ``verifiers_rl.models.build_tiny_model``, hidden
+Same for all of them: the model (``tiny``: a random Llama from ``verifiers_rl.core.models.build_tiny_model``, hidden
 256, 4 layers, loaded from the same folder), the prompts (the ``reverse_text`` dataset, system prompt included, in the order our
 generator draws them; TRL gets them as a dataset of chat prompts with ``shuffle_dataset=False``), the reward
 (``reversal_similarity``, partial credit by edit distance), the batch (4 prompts x 8 generations = 32 rollouts per
@@ -91,15 +91,15 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoTokenizer, PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from verifiers_rl.config import RLConfig  # noqa: E402
+from verifiers_rl.config.rl_config import RLConfig  # noqa: E402
 from verifiers_rl.envs import load_environment  # noqa: E402
 from verifiers_rl.envs.builtin.reverse_text import reversal_similarity  # noqa: E402
 from verifiers_rl.envs.parsers import Parser  # noqa: E402
-from verifiers_rl.generator import AsyncGenerator  # noqa: E402
+from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
-from verifiers_rl.models import build_tiny_model, smollm2_dir  # noqa: E402
-from verifiers_rl.prefix import unique_tokens  # noqa: E402
-from verifiers_rl.trainer import RLTrainer  # noqa: E402
+from verifiers_rl.core.models import build_tiny_model, smollm2_dir  # noqa: E402
+from verifiers_rl.training.prefix import unique_tokens  # noqa: E402
+from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
 
 

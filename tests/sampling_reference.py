@@ -55,7 +55,7 @@ def reference_logprobs(model, prompt: list[int], completion: list[int], temperat
 def spy_on_sampler(monkeypatch) -> list:
     """Every decode step of the embedded engine: (its RowSampler, the raw logits of the batch rows still decoding,
     those rows, the scores whose argmax is the sample)."""
-    from verifiers_rl.inference.hf_engine import RowSampler
+    from verifiers_rl.inference.embedded.engine import RowSampler
 
     steps, distribution = [], RowSampler.distribution
 

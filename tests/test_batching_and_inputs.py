@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from verifiers_rl.batching import (
+from verifiers_rl.training.batching import (
     BatchingConfig,
     SequenceTooLongError,
     assign_to_ranks,
@@ -16,12 +16,12 @@ from verifiers_rl.batching import (
     plan_batch,
     prepare_sequences,
 )
-from verifiers_rl.config import RLConfig
-from verifiers_rl.generator import split_into_batches
-from verifiers_rl.loss import importance_weights
-from verifiers_rl.prefix import ROOT, best_part_size, common_prefix_length
-from verifiers_rl.rollouts import Rollout, RolloutFormatError, read_rollouts, write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.rollouts.generator import split_into_batches
+from verifiers_rl.training.loss import importance_weights
+from verifiers_rl.training.prefix import ROOT, best_part_size, common_prefix_length
+from verifiers_rl.core.rollout import Rollout, RolloutFormatError, read_rollouts, write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 GOOD = {"prompt_ids": [1, 2], "completion_ids": [3, 4, 5], "completion_mask": [1, 0, 1],
         "completion_logprobs": [-0.1, -0.2, -0.3], "reward": 1.0, "group_id": "a"}

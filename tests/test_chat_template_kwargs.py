@@ -1,9 +1,9 @@
 """TRL's ``chat_template_kwargs`` act: the config's variables reach the chat template of a trained rollout's prompt
 (TRL's form and an environment given to RLTrainer), a TRL-form reward model's text (as TRL renders it), evaluation
-inside training and ``python -m verifiers_rl.eval --chat_template_kwargs``; bad values are refused by name.
+inside training and ``python -m verifiers_rl.cli.eval --chat_template_kwargs``; bad values are refused by name.
 
 The tiny model's template is Qwen3-like: ``enable_thinking=False`` writes an empty think block after the generation
-prompt (``verifiers_rl.models.CHAT_TEMPLATE``), so the kwargs' effect is visible in the prompt ids."""
+prompt (``verifiers_rl.core.models.CHAT_TEMPLATE``), so the kwargs' effect is visible in the prompt ids."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from verifiers_rl import RLConfig, RLTrainer
 from verifiers_rl.envs import Rubric, SingleTurnEnv
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.models import CHAT_TEMPLATE
-from verifiers_rl.rollouts import read_rollouts, write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.core.models import CHAT_TEMPLATE
+from verifiers_rl.core.rollout import read_rollouts, write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 NO_THINKING = {"enable_thinking": False}
 THINK = "<think>\n\n</think>\n\n"  # what the tiny template writes after the generation prompt for NO_THINKING
@@ -128,7 +128,7 @@ def test_one_place_decides_and_bad_values_are_refused_by_name(tiny_model_dir, to
 
 
 def test_the_eval_cli_renders_with_its_chat_template_kwargs_flag(tiny_model_dir, tmp_path, capsys):
-    from verifiers_rl.eval import main
+    from verifiers_rl.cli.eval import main
 
     def prompts(flags: list[str]) -> list[str]:
         out = tmp_path / f"eval{len(flags)}.jsonl"

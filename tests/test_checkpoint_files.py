@@ -17,11 +17,11 @@ from transformers.trainer_pt_utils import safe_globals
 from test_distributed_equivalence import accelerate
 from test_resume import run
 from verifiers_rl import compat
-from verifiers_rl.batching import BatchingConfig, plan_batch
-from verifiers_rl.checkpoint import CheckpointError, load_rank_batch, save_rank_batch, verify_manifest, write_manifest
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.training.batching import BatchingConfig, plan_batch
+from verifiers_rl.training.run_state import CheckpointError, load_rank_batch, save_rank_batch, verify_manifest, write_manifest
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 
 def planned(**config):

@@ -19,11 +19,11 @@ from transformers import AutoTokenizer
 from test_distributed_equivalence import accelerate
 from test_checkpoint_files import plant
 from test_resume import run as launch
-from verifiers_rl.checkpoint import CheckpointError, manifest_name, resolve_checkpoint
-from verifiers_rl.config import RLConfig
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
-from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.training.run_state import CheckpointError, manifest_name, resolve_checkpoint
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
+from verifiers_rl.training.trainer import RLTrainer
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_latest_skips_a_damaged_newest_checkpoint_and_an_explicit_one_is_refused
     shutil.copytree(folder, copy)
     name = damage.split()[-1]
     DAMAGE[damage](copy / "checkpoint-3" / name)
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.training.run_state"):
         assert resolve_checkpoint("latest", copy) == copy / "checkpoint-2"
         assert resolve_checkpoint("auto", copy) == copy / "checkpoint-2"
     assert f"Skipping {copy / 'checkpoint-3'}" in caplog.text and name in caplog.text
@@ -94,7 +94,7 @@ def test_a_checkpoint_without_a_manifest_whose_file_is_cut_short_is_damaged(run,
     checkpoint = copy / "checkpoint-3"
     (checkpoint / manifest_name(0)).unlink()
     cut(checkpoint / name)
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.training.run_state"):
         assert resolve_checkpoint("latest", copy) == copy / "checkpoint-2"
         assert resolve_checkpoint("auto", copy) == copy / "checkpoint-2"
     assert re.search(rf"Skipping {checkpoint}: {name} does not parse as \w+ .*: cut short\?", caplog.text), caplog.text
@@ -115,7 +115,7 @@ def test_a_pickle_planted_in_an_hf_file_is_refused_naming_file_and_checkpoint(ru
     resumed = trainer(tiny_model_dir, rollouts, copy, 4, save_every=None)
     with pytest.raises(CheckpointError, match=rf"{name} of checkpoint {checkpoint} was refused: .*GLOBAL io.open"):
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.training.run_state"):
         assert resolve_checkpoint("latest", copy) == copy / "checkpoint-2"
     assert f"Skipping {checkpoint}: {name} of checkpoint {checkpoint} was refused" in caplog.text
     assert not marker.exists()
@@ -208,7 +208,7 @@ def test_a_disk_that_fills_inside_the_model_file_stops_both_ranks_saying_so(tiny
                      expect=1)
         out = re.escape(str(disk / "out"))
         for rank in (0, 1):
-            assert re.search(rf"\[rank{rank}\]: verifiers_rl.checkpoint.CheckpointError: Writing checkpoint-2 to {out} "
+            assert re.search(rf"\[rank{rank}\]: verifiers_rl.training.run_state.CheckpointError: Writing checkpoint-2 to {out} "
                              r"failed \(no space left on the device\); its partial folder is removed", log), log[-6000:]
         assert "SafetensorError" in log  # the cause: the disk filled inside model.safetensors
         assert "died (killed" not in log  # rank 1 learned the error, not a lost peer

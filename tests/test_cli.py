@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from verifiers_rl.cli import sections
 from verifiers_rl.cli.train import ScriptArguments
-from verifiers_rl.config import RLConfig
-from verifiers_rl.grpo_fields import markdown_table
-from verifiers_rl.inference.engine import free_port
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.config.grpo_fields import markdown_table
+from verifiers_rl.core.engine import free_port
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 from trl import GRPOConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoTokenizer
 
 from verifiers_rl import compat
-from verifiers_rl.config import RLConfig
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
-from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
+from verifiers_rl.training.trainer import RLTrainer
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_deepspeeds_checkpoint_engine_would_run_a_pickle_and_the_guard_refuses_i
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     from test_checkpoint_files import PlantedCode
-    from verifiers_rl.checkpoint import CheckpointError
+    from verifiers_rl.training.run_state import CheckpointError
 
     checkpoint, marker = tmp_path / "checkpoint-1", tmp_path / "planted-code-ran"
     (checkpoint / "global_step1").mkdir(parents=True)

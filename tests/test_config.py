@@ -12,8 +12,8 @@ import pytest
 
 import torch.distributed as dist
 
-from verifiers_rl.config import RLConfig
-from verifiers_rl.launch import prepare_process
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.core.launch import prepare_process
 
 LAUNCHED = dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29577",
                 ACCELERATE_USE_CPU="1", ACCELERATE_USE_DEEPSPEED="true")
@@ -25,7 +25,7 @@ def test_building_a_config_in_a_launched_process_has_no_side_effect():
     code = textwrap.dedent("""
         import os
         import torch.distributed as dist
-        from verifiers_rl.config import RLConfig
+        from verifiers_rl.config.rl_config import RLConfig
         before = dict(os.environ)
         config = RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", per_device_train_batch_size=8)
         print(dist.is_initialized(), dict(os.environ) == before, config.rollouts_per_step)
@@ -52,7 +52,7 @@ def test_prepare_process_does_what_a_deepspeed_cpu_launch_needs(monkeypatch):
 
 
 def test_the_first_use_of_the_device_sets_the_process_up(monkeypatch):
-    import verifiers_rl.config as config_module
+    import verifiers_rl.config.rl_config as config_module
 
     prepared = []
     monkeypatch.setattr(config_module, "prepare_process", lambda args: prepared.append(args))

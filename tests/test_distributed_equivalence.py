@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifiers_rl.inference.engine import free_port
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.core.engine import free_port
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = ROOT / "tests" / "distributed" / "equivalence_run.py"

@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from verifiers_rl.envs import Rubric, SingleTurnEnv
-from verifiers_rl.generator import AsyncGenerator, drop_zero_variance_groups, has_signal
+from verifiers_rl.rollouts.generator import AsyncGenerator, drop_zero_variance_groups, has_signal
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.rollouts import Rollout, write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.core.rollout import Rollout, write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 
 def scripted_reward(completion, info) -> float:
@@ -77,7 +77,7 @@ def test_live_batches_keep_exactly_the_informative_groups_and_stay_full(tiny_mod
 def test_a_batch_without_enough_signal_is_trained_as_it_is_with_a_warning(tiny_model_dir, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     gen = generator(tiny_model_dir, environment(tokenizer, informative_rows=[5]), refills=2)
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
         record = gen.batch(0)
     batch = record.rollouts
     groups = groups_of(batch)
@@ -87,15 +87,15 @@ def test_a_batch_without_enough_signal_is_trained_as_it_is_with_a_warning(tiny_m
     assert "groups have reward variance after 2 refill round(s) (--max_refill_batches); training on them" in caplog.text
 
     nothing = generator(tiny_model_dir, environment(tokenizer, informative_rows=[]), refills=1)
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
         record = nothing.batch(0)
     assert len(record.rollouts) == 16 and record.stats["groups_kept"] == 0  # the unfiltered batch
     assert "none has any, so the unfiltered batch is trained" in caplog.text
 
 
 def test_replay_filters_only(tiny_model_dir, tmp_path):
-    from verifiers_rl.config import RLConfig
-    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.training.trainer import RLTrainer
 
     rollouts = random_rollouts(4, 4, vocab_size=390, seed=7)
     for i, rollout in enumerate(rollouts):
@@ -120,7 +120,7 @@ def test_shuffle_dataset_false_draws_prompts_in_the_datasets_order(tiny_model_di
     """TRL's shuffle_dataset reaches live generation (through RLConfig and make_source): False draws the rows in
     order, epoch after epoch; True a seeded shuffle, another each epoch."""
     from verifiers_rl import RLConfig
-    from verifiers_rl.generator import make_source
+    from verifiers_rl.rollouts.generator import make_source
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     env = environment(tokenizer, informative_rows=list(range(12)))

@@ -12,7 +12,7 @@ import yaml
 from verifiers_rl.envs import BUILTINS, SingleTurnEnv, load_environment
 from verifiers_rl.envs.limits import LIMIT_FLAGS, LengthContractError, resolve_limits
 from verifiers_rl.envs.rubric import Rubric
-from verifiers_rl.models import resolve_model
+from verifiers_rl.core.models import resolve_model
 
 from verifiers_rl.cli import train as train_script
 
@@ -156,7 +156,7 @@ def tokenizer_dir(tiny_model_dir):
 def test_reasoning_gym_trains_two_live_steps_through_the_script(tmp_path, capsys):
     """`--env reasoning_gym:<task>` as the README runs it (short turns and few rows, for time): no length flags, the
     run takes the environment's limits; the rollouts are scored by the task (the tiny model never answers, so 0)."""
-    from verifiers_rl.rollouts import read_rollouts
+    from verifiers_rl.core.rollout import read_rollouts
 
     argv = ["--model", "tiny", "--env", "reasoning_gym:leg_counting", "--env_args",
             '{"size": 8, "eval_size": 2, "max_new_tokens": 16}', "--max_steps", "2",

@@ -1,7 +1,7 @@
 """One real run of examples/train.py (tiny model, reverse_text, 4 steps, evaluation every 2, checkpoints every 2,
 --report_to tensorboard,trackio, completion tables every 2 steps, output redirected to a file), then:
 tensorboard's event files and trackio's local store hold exactly the logged values and the tables of the trained
-batches; the log file has no carriage-return bar; ``python -m verifiers_rl.eval`` on checkpoint-2 and on the
+batches; the log file has no carriage-return bar; ``python -m verifiers_rl.cli.eval`` on checkpoint-2 and on the
 output folder reproduces the evaluations the run logged at steps 2 and 4; folders without weights are clear
 errors."""
 
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verifiers_rl import eval as eval_cli
-from verifiers_rl.evaluation import pass_at_k
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.cli import eval as eval_cli
+from verifiers_rl.rollouts.evaluation import pass_at_k
+from verifiers_rl.core.rollout import read_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_ARGS = {"num_examples": 32, "num_eval_examples": 4, "max_new_tokens": 8}
@@ -166,7 +166,7 @@ def test_folders_without_weights_are_clear_errors(run, tmp_path):
 
 
 def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "verifiers_rl.eval", "--model", str(tmp_path / "nothing")],
+    result = subprocess.run([sys.executable, "-m", "verifiers_rl.cli.eval", "--model", str(tmp_path / "nothing")],
                             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
@@ -174,7 +174,7 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
 
 
 def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_ours(tmp_path):
-    from verifiers_rl.config import RLConfig
+    from verifiers_rl.config.rl_config import RLConfig
 
     common = dict(output_dir=str(tmp_path), use_cpu=True, logging_steps=5)
     args = RLConfig(report_to="tensorboard,trackio", log_completions=True, **common)

@@ -1,4 +1,4 @@
-"""Evaluation (verifiers_rl/evaluation.py, RLTrainer.evaluate): the pass@k estimator, the reduction to metrics,
+"""Evaluation (verifiers_rl/rollouts/evaluation.py, RLTrainer.evaluate): the pass@k estimator, the reduction to metrics,
 held-out splits, seeded and batch-independent evaluation rollouts, a run with evaluation ending with the same
 parameters as one without (live at k = 0 and k = 1, and replay), and the bad-input errors."""
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.envs import Rubric, SingleTurnEnv, load_environment
 from verifiers_rl.envs.environment import Row
 from verifiers_rl.envs.splits import hold_out
-from verifiers_rl.evaluation import EvalSample, EvalSettings, evaluate, pass_at_k, summarize
+from verifiers_rl.rollouts.evaluation import EvalSample, EvalSettings, evaluate, pass_at_k, summarize
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.rollouts import Rollout, write_rollouts
-from verifiers_rl.synthetic import random_rollouts
-from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.core.rollout import Rollout, write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
+from verifiers_rl.training.trainer import RLTrainer
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +174,7 @@ def test_evaluation_bad_input_is_a_clear_error_when_training_starts(tiny_model_d
 def test_evaluation_never_changes_which_rows_train(tokenizer):
     """--eval_holdout moves rows whether or not evaluation runs, so both runs train on the same rows; preparing the
     evaluation changes no row."""
-    from verifiers_rl.evaluation import prepare
+    from verifiers_rl.rollouts.evaluation import prepare
 
     rows = {}
     for evaluating in (False, True):

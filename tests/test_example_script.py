@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 from safetensors.torch import load_file
 
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +80,7 @@ def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
     assert sum("sample completions" in line for line in lines) == 1
     assert (tmp_path / "out" / "model.safetensors").is_file()
     # Every trained rollout was saved in the replay format, and replays through the same path.
-    from verifiers_rl.rollouts import read_rollouts
+    from verifiers_rl.core.rollout import read_rollouts
 
     seen = read_rollouts(tmp_path / "seen.jsonl")
     assert len(seen) == 3 * 8 and {r.policy_version for r in seen} <= {0, 1, 2}

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from verifiers_rl.envs import RolloutRefused, Rubric, SingleTurnEnv
-from verifiers_rl.generator import AsyncGenerator, GenerationError
+from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationError
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
 
@@ -67,7 +67,7 @@ def test_a_transient_failure_is_retried_with_the_same_seeds(tiny_model_dir):
 
 def test_a_group_that_keeps_failing_is_dropped_within_the_allowed_fraction(tiny_model_dir, caplog):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
         result = batch(tiny_model_dir, env(tokenizer, broken=(2,)), max_rollout_retries=1,
                        max_failed_rollouts_fraction=0.25)
     assert len(result.rollouts) == 12 and len({r.group_id for r in result.rollouts}) == 3
@@ -81,7 +81,7 @@ def test_more_failures_than_allowed_stop_the_run_with_the_error_and_the_flags(ti
                                               r"more than --max_failed_rollouts_fraction 0 .* row 2 is gone"):
         batch(tiny_model_dir, env(tokenizer, broken=(2,)))
     with pytest.raises(ValueError, match="max_failed_rollouts_fraction must be <= 1"):
-        from verifiers_rl.config import RLConfig
+        from verifiers_rl.config.rl_config import RLConfig
 
         RLConfig(output_dir="/tmp/unused", report_to="none", max_failed_rollouts_fraction=1.5)
 
@@ -107,7 +107,7 @@ def test_a_refusal_is_not_retried_as_if_it_were_flaky(tiny_model_dir, caplog):
     rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(4)]
     refusing = RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64, name="flaky",
                            refused=(2,))
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.generator"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
         result = batch(tiny_model_dir, refusing, max_rollout_retries=2, max_failed_rollouts_fraction=0.25)
     assert result.stats["groups_dropped_on_error"] == 1 and result.stats["rollouts_failed"] == 1  # one attempt
     assert refusing.calls[2] == 4 and refusing.calls[1] == 4  # its 4 rollouts once, as every other group's

@@ -1,4 +1,4 @@
-"""Every GRPOConfig field acts or is refused by name (verifiers_rl/grpo_fields.py), and the table is complete."""
+"""Every GRPOConfig field acts or is refused by name (verifiers_rl/config/grpo_fields.py), and the table is complete."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from verifiers_rl import grpo_fields
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config import grpo_fields
+from verifiers_rl.config.rl_config import RLConfig
 
 # A value other than the default for each refused field whose default gives no obvious one (None, strings, dicts).
 SAMPLE_VALUES = {
@@ -46,7 +46,7 @@ def test_every_grpo_config_field_is_classified():
     inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
     added = [f.name for f in dataclasses.fields(GRPOConfig) if f.name not in inherited]
     missing = [name for name in added if name not in grpo_fields.GRPO_FIELDS]
-    assert not missing, f"GRPOConfig fields not classified in verifiers_rl/grpo_fields.py: {missing}"
+    assert not missing, f"GRPOConfig fields not classified in verifiers_rl/config/grpo_fields.py: {missing}"
     stale = [name for name in grpo_fields.GRPO_FIELDS if name not in added]
     assert not stale, f"grpo_fields.py names fields GRPOConfig no longer has: {stale}"
     unknown = [name for name in grpo_fields.TRAINING_ARGUMENTS_REFUSED if name not in inherited]
@@ -72,7 +72,7 @@ def test_defaults_and_acting_fields_are_accepted():
 def test_the_documented_table_is_the_codes_table():
     documented = (Path(__file__).parents[1] / grpo_fields.TABLE_FILE).read_text()
     assert grpo_fields.markdown_table() in documented, (
-        f"regenerate it: python -m verifiers_rl.grpo_fields --write {grpo_fields.TABLE_FILE}")
+        f"regenerate it: python -m verifiers_rl.config.grpo_fields --write {grpo_fields.TABLE_FILE}")
 
 
 def test_the_package_exports_its_public_names():
@@ -82,7 +82,7 @@ def test_the_package_exports_its_public_names():
         assert getattr(verifiers_rl, name) is not None, name
     from verifiers_rl import RLConfig as Exported, RLTrainer
 
-    assert Exported is RLConfig and RLTrainer.__module__ == "verifiers_rl.trainer"
+    assert Exported is RLConfig and RLTrainer.__module__ == "verifiers_rl.training.trainer"
     with pytest.raises(AttributeError, match="no attribute 'Nothing'"):
         verifiers_rl.Nothing  # noqa: B018
 

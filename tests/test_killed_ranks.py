@@ -24,9 +24,9 @@ import pytest
 
 from test_distributed_equivalence import ROOT, accelerate
 from test_resume import COMMON, LIVE, SCRIPT, assert_equal_parameters, logged_steps, run
-from verifiers_rl.checkpoint import resolve_checkpoint
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.training.run_state import resolve_checkpoint
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 pytestmark = pytest.mark.distributed
 
@@ -181,8 +181,8 @@ def test_elastic_restart_resumes_by_itself_and_equals_the_uninterrupted_run(tiny
 
 SURVIVOR = """
 import os, sys, time
-from verifiers_rl import distributed
-from verifiers_rl.preemption import PreemptionSignal
+from verifiers_rl.training import distributed
+from verifiers_rl.training.preemption import PreemptionSignal
 distributed._peers = [(distributed.socket.gethostname(), os.getpid()), (distributed.socket.gethostname(), int(sys.argv[1]))]
 signals = PreemptionSignal(lambda: distributed.lost_peer_note(0, sys.argv[2]))
 signals.install()

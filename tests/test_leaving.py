@@ -14,12 +14,12 @@ import subprocess
 import sys
 
 from test_distributed_equivalence import ROOT
-from verifiers_rl.distributed import _thread_states
-from verifiers_rl.inference.engine import free_port
+from verifiers_rl.training.distributed import _thread_states
+from verifiers_rl.core.engine import free_port
 
 RANK = """
 import json, os, sys, torch, torch.distributed as dist
-from verifiers_rl.distributed import GLOO_WORKER_THREAD, _thread_states, leave_process_group
+from verifiers_rl.training.distributed import GLOO_WORKER_THREAD, _thread_states, leave_process_group
 dist.init_process_group("gloo")
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # holds the group past its destruction
 for _ in range(20):  # collectives whose outputs Python drops at once: the workers hold their last references

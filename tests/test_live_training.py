@@ -83,9 +83,9 @@ def test_stuck_engine_times_out_with_a_clear_error_and_no_thread_left(tiny_model
     from transformers import AutoTokenizer
 
     from toy_env import load_environment as load_toy
-    from verifiers_rl.config import RLConfig
-    from verifiers_rl.generator import GenerationTimeout
-    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.rollouts.generator import GenerationTimeout
+    from verifiers_rl.training.trainer import RLTrainer
 
     class StuckEngine:
         """Stands in for an inference server that accepted the request and never answers."""

@@ -5,12 +5,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from verifiers_rl.batching import BatchingConfig, collate, plan_batch, prepare_sequences
-from verifiers_rl.loss import GlobalCounts
-from verifiers_rl.policy import micro_batch_logprobs, micro_batch_runs, target_logprobs
-from verifiers_rl.prefix import ROOT, common_prefix_length
-from verifiers_rl.rollouts import Rollout
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.training.batching import BatchingConfig, collate, plan_batch, prepare_sequences
+from verifiers_rl.training.loss import GlobalCounts
+from verifiers_rl.training.forward import micro_batch_logprobs, micro_batch_runs, target_logprobs
+from verifiers_rl.training.prefix import ROOT, common_prefix_length
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
@@ -162,7 +162,7 @@ def test_shared_prefix_rows_equal_single_sequences_in_fp64(fp64_model, mode, ext
     system prompt once) equals, to fp64 rounding, the unshared micro-batches and the single-sequence reference;
     every sequence is covered once; with dense attention over the rows and attending run by run."""
     if run_overhead is not None:
-        monkeypatch.setattr("verifiers_rl.segmented_attention.RUN_OVERHEAD_CELLS", run_overhead)
+        monkeypatch.setattr("verifiers_rl.training.segmented_attention.RUN_OVERHEAD_CELLS", run_overhead)
     model = fp64_model
     rollouts = shared_prefix_rollouts(system)
     results = {}

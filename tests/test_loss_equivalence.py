@@ -16,9 +16,9 @@ import zlib
 import pytest
 import torch
 
-from verifiers_rl.batching import BatchingConfig, compute_advantages, plan_batch, prepare_sequences
-from verifiers_rl.loss import LOSS_TYPES, LossSettings, aggregation_weights, per_token_loss
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.training.batching import BatchingConfig, compute_advantages, plan_batch, prepare_sequences
+from verifiers_rl.training.loss import LOSS_TYPES, LossSettings, aggregation_weights, per_token_loss
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 
 

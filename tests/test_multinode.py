@@ -297,7 +297,7 @@ def test_model_cache_built_by_several_processes_at_once_is_published_whole(tmp_p
     its own folder and renames it into place, so none reads half a model; the first to finish wins."""
     import hashlib
 
-    from verifiers_rl import models
+    from verifiers_rl.core import models
 
     monkeypatch.setenv("VERIFIERS_RL_CACHE", str(tmp_path))
     folder = models.default_tiny_model_dir()

@@ -7,11 +7,11 @@ import torch
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import EmbeddedEngine
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
-from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
+from verifiers_rl.training.trainer import RLTrainer
 
 
 def train_lora(work, tiny_model_dir, share_prompt_training):

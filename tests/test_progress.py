@@ -1,6 +1,6 @@
 """The progress output's pure parts: the per-step line and the choice of sample completions."""
 
-from verifiers_rl.progress import (
+from verifiers_rl.training.progress import (
     SampleLine,
     StepProgressCallback,
     format_eval_line,
@@ -10,7 +10,7 @@ from verifiers_rl.progress import (
     sample_lines,
     show_bar,
 )
-from verifiers_rl.rollouts import Rollout
+from verifiers_rl.core.rollout import Rollout
 
 
 def test_step_line_shows_present_metrics_in_order_and_skips_absent_ones():

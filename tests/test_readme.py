@@ -16,7 +16,7 @@ import pytest
 
 from verifiers_rl.cli import train as train_command
 from verifiers_rl.envs.parsers import Parser
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

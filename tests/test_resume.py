@@ -21,9 +21,9 @@ import torch
 from safetensors.torch import load_file
 
 from test_distributed_equivalence import ROOT, accelerate, launch
-from verifiers_rl.checkpoint import CheckpointError, check_fits, load_run_state, publish, resolve_checkpoint
-from verifiers_rl.rollouts import read_rollouts, write_rollouts
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.training.run_state import CheckpointError, check_fits, load_run_state, publish, resolve_checkpoint
+from verifiers_rl.core.rollout import read_rollouts, write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 SCRIPT = str(ROOT / "examples" / "train.py")
 COMMON = ["--learning_rate", "1e-3", "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1",
@@ -257,8 +257,8 @@ def test_a_checkpoint_is_published_whole_and_latest_never_picks_a_partial_one(tm
 def trainer_for(model_dir: str, rollouts: Path, out: Path):
     from transformers import AutoTokenizer
 
-    from verifiers_rl.config import RLConfig
-    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.training.trainer import RLTrainer
 
     args = RLConfig(output_dir=str(out), use_cpu=True, report_to="none", rollouts_path=str(rollouts),
                     rollouts_per_step=8, max_steps=2, save_strategy="steps", save_steps=2, disable_tqdm=True,
@@ -267,7 +267,7 @@ def trainer_for(model_dir: str, rollouts: Path, out: Path):
 
 
 def test_bad_resumes_are_clear_errors(tiny_model_dir, rollouts_file, tmp_path):
-    from verifiers_rl.models import build_tiny_model
+    from verifiers_rl.core.models import build_tiny_model
 
     trainer_for(tiny_model_dir, rollouts_file, tmp_path / "run").train()
     checkpoint = tmp_path / "run" / "checkpoint-2"

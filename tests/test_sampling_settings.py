@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from verifiers_rl import eval as eval_cli
-from verifiers_rl.config import RLConfig
+from verifiers_rl.cli import eval as eval_cli
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig, VLLMEngine
 from verifiers_rl.inference.factory import build_engine, sampling_settings
 

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from verifiers_rl import segmented_attention
-from verifiers_rl.batching import BatchingConfig, layout, plan_batch, prepare_sequences
-from verifiers_rl.policy import attention_cells, micro_batch_logprobs, micro_batch_runs, tree_attention_mask
-from verifiers_rl.prefix import PADDING, ROOT, best_part_size
-from verifiers_rl.rollouts import Rollout
-from verifiers_rl.segmented_attention import row_runs, run_attention
-from verifiers_rl.synthetic import random_rollouts
+from verifiers_rl.training import segmented_attention
+from verifiers_rl.training.batching import BatchingConfig, layout, plan_batch, prepare_sequences
+from verifiers_rl.training.forward import attention_cells, micro_batch_logprobs, micro_batch_runs, tree_attention_mask
+from verifiers_rl.training.prefix import PADDING, ROOT, best_part_size
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.training.segmented_attention import row_runs, run_attention
+from verifiers_rl.rollouts.synthetic import random_rollouts
 
 
 def tree_rows():
@@ -90,7 +90,7 @@ def test_trainer_forward_attends_run_by_run_with_and_without_activation_checkpoi
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
 
     def update(runs: bool, checkpointing: bool):
-        monkeypatch.setattr("verifiers_rl.policy.runs_apply", lambda config: runs)
+        monkeypatch.setattr("verifiers_rl.training.forward.runs_apply", lambda config: runs)
         model.zero_grad(set_to_none=True)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -191,8 +191,8 @@ def test_auto_keeps_a_group_of_long_completions_in_one_shared_row_when_rows_atte
 def test_a_runs_batching_config_only_for_models_that_attend_through_sdpa(tiny_model_dir, tmp_path):
     """The trainer's cost model knows which attention its forward runs: run by run for an sdpa model, dense for an
     eager one (whose attention function is not the one ``install`` extends)."""
-    from verifiers_rl.config import RLConfig
-    from verifiers_rl.steps import batching_config
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.training.step_batches import batching_config
 
     args = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
     for implementation, expected in (("sdpa", True), ("eager", False)):
@@ -208,8 +208,8 @@ def test_importing_the_package_leaves_transformers_attention_alone():
     import subprocess
     import sys
 
-    code = ("import verifiers_rl, verifiers_rl.trainer, verifiers_rl.policy\n"
-            "from verifiers_rl import segmented_attention\n"
+    code = ("import verifiers_rl, verifiers_rl.training.trainer, verifiers_rl.training.forward\n"
+            "from verifiers_rl.training import segmented_attention\n"
             "print(segmented_attention.installed())")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

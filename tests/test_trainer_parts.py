@@ -14,10 +14,10 @@ from transformers import AutoTokenizer, TrainerCallback
 sys.path.insert(0, str(Path(__file__).parent / "live"))
 
 from toy_env import load_environment as load_toy  # noqa: E402
-from verifiers_rl import segmented_attention  # noqa: E402
-from verifiers_rl.config import RLConfig  # noqa: E402
-from verifiers_rl.inference.hf_engine import EmbeddedEngine  # noqa: E402
-from verifiers_rl.trainer import RLTrainer  # noqa: E402
+from verifiers_rl.training import segmented_attention  # noqa: E402
+from verifiers_rl.config.rl_config import RLConfig  # noqa: E402
+from verifiers_rl.inference.embedded.engine import EmbeddedEngine  # noqa: E402
+from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 
 LOAD_DELAY_S = 0.4
 PARTS = ("between_steps_time", "wait_time", "train_time", "weight_sync_time")

@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from verifiers_rl import RLConfig, RLTrainer
 from verifiers_rl.envs.adapters.trl_dataset import RewardFunctionsEnv
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 CALLS: list[dict] = []
 
@@ -89,7 +89,7 @@ def test_a_trl_script_trains_with_only_the_import_changed(tiny_model_dir, tmp_pa
 
 
 def test_normalize_then_sum_trains_the_standardised_objectives(tiny_model_dir, tmp_path):
-    from verifiers_rl.batching import normalize_then_sum_advantages
+    from verifiers_rl.training.batching import normalize_then_sum_advantages
 
     trainer = RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target, only_math],
                         args=config(tmp_path, max_steps=1, reward_weights=[1.0, 0.5],
@@ -146,7 +146,7 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
 
 
 def test_a_group_without_any_applicable_reward_stops_with_the_row(tiny_model_dir, tmp_path):
-    from verifiers_rl.generator import GenerationError
+    from verifiers_rl.rollouts.generator import GenerationError
 
     def never(completions, **_):
         return [None] * len(completions)

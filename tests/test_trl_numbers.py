@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from verifiers_rl import RLConfig, RLTrainer
-from verifiers_rl.rollouts import Rollout, write_rollouts
+from verifiers_rl.core.rollout import Rollout, write_rollouts
 
 COMPLETION_TOKENS = 8
 # Prompts of one token length: TRL left-pads shorter prompts and forwards them without position ids (positions
@@ -227,7 +227,7 @@ def shorter_for_ten(prompts, completions, **kwargs):
 
 
 def test_normalize_then_sum_advantages_equal_trls(tiny_model_dir, tiny_model, tmp_path):
-    from verifiers_rl.batching import compute_advantages, normalize_then_sum_advantages
+    from verifiers_rl.training.batching import compute_advantages, normalize_then_sum_advantages
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     weights = [1.0, 0.5]

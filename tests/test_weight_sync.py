@@ -17,13 +17,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import EmbeddedEngine
-from verifiers_rl.models import build_tiny_model
-from verifiers_rl.rollouts import write_rollouts
-from verifiers_rl.synthetic import random_rollouts
-from verifiers_rl.trainer import RLTrainer
-from verifiers_rl.weights import (
+from verifiers_rl.core.models import build_tiny_model
+from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.rollouts.synthetic import random_rollouts
+from verifiers_rl.training.trainer import RLTrainer
+from verifiers_rl.training.weight_stream import (
     GatherStats,
     WeightSyncError,
     WeightSyncWarning,
@@ -175,8 +175,8 @@ def test_lora_modules_to_save_send_the_trained_copy(tiny_model_dir):
 def test_16bit_probe_tolerance_covers_bf16_rounding_but_not_an_unloaded_tensor(smollm2_model_dir):
     # The default tolerance when either side runs in bf16/fp16 must pass bf16 rounding on a real model (else every
     # sync warns) and still flag a tensor the engine failed to load (left at zeros).
-    from verifiers_rl.modeling import sequence_logprobs
-    from verifiers_rl.modeling import PROBE_TOLERANCE_16BIT, default_probe_tolerance
+    from verifiers_rl.core.modeling import sequence_logprobs
+    from verifiers_rl.core.modeling import PROBE_TOLERANCE_16BIT, default_probe_tolerance
 
     ids = probe_token_ids(AutoTokenizer.from_pretrained(smollm2_model_dir), 32)
     fp32 = AutoModelForCausalLM.from_pretrained(smollm2_model_dir, dtype=torch.float32).eval()
@@ -350,7 +350,7 @@ def test_a_bf16_engine_gets_the_16bit_tolerance_under_a_float32_trainer(trainer,
 def test_probe_warns_loudly_when_the_engine_skipped_a_layer(trainer, tiny_model_dir, caplog):
     trainer.engine = SkippingEngine(tiny_model_dir)
     trainer._metrics["train"].clear()
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.weight_sync"):
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.training.weight_sync"):
         with pytest.warns(WeightSyncWarning) as caught:
             trainer.sync_weights()
     message = str(caught[0].message)
@@ -365,7 +365,7 @@ def test_probe_runs_under_the_batch_lock_so_k1_generation_overlaps_training(trai
     # If the lock were released between the load and the probe, the generator would start the next batch at once
     # and the probe would queue behind that whole generate: every step would become generate-then-train.
     from verifiers_rl.envs import load_environment
-    from verifiers_rl.generator import AsyncGenerator
+    from verifiers_rl.rollouts.generator import AsyncGenerator
 
     class RecordingEngine(EmbeddedEngine):
         lock_held_at_probe: list[bool] = []
@@ -413,7 +413,7 @@ def test_engines_without_prompt_logprobs_skip_the_probe(tiny_model_dir, trainer,
     trainer.engine = NoProbeEngine()
     trainer.weight_sync.probe_checked, trainer.weight_sync.probe_ids = False, None  # a fresh trainer would decide at its first sync
     trainer._metrics["train"].clear()
-    with caplog.at_level(logging.INFO, logger="verifiers_rl.weight_sync"):
+    with caplog.at_level(logging.INFO, logger="verifiers_rl.training.weight_sync"):
         trainer.sync_weights()
     assert "no prompt_logprobs: no post-sync probe" in caplog.text
     assert "weight_sync_probe_gap" not in trainer._metrics["train"]

@@ -164,7 +164,7 @@ def load_as_data(file, checkpoint: str, map_location=None, load=None, **kwargs) 
     import torch
     from transformers.trainer_pt_utils import safe_globals as hf_numpy_globals
 
-    from .checkpoint import CheckpointError
+    from verifiers_rl.core.errors import CheckpointError
 
     load = load or torch.load
     kwargs.pop("weights_only", None)
@@ -288,7 +288,7 @@ class TrainerHooks:
 
     def _issue_warnings_after_load(self, load_result) -> None:
         # A tied output layer is saved once, under the input embedding's name: its absence is not a missing weight.
-        from .modeling import unwrap
+        from verifiers_rl.core.modeling import unwrap
 
         model = unwrap(self.model)
         aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}

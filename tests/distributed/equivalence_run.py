@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-from verifiers_rl import segmented_attention
-from verifiers_rl.config import RLConfig
-from verifiers_rl.step_metrics import TOKEN_METRICS
-from verifiers_rl.trainer import RLTrainer
-from verifiers_rl.distributed import leave_process_group
+from verifiers_rl.training import segmented_attention
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.training.step_metrics import TOKEN_METRICS
+from verifiers_rl.training.trainer import RLTrainer
+from verifiers_rl.training.distributed import leave_process_group
 
 # name -> RLConfig overrides. Batches mix ragged lengths, environment tokens and fully masked sequences.
 CONFIGS = {

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.envs import load_environment
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.trainer import RLTrainer
-from verifiers_rl.distributed import leave_process_group
+from verifiers_rl.training.trainer import RLTrainer
+from verifiers_rl.training.distributed import leave_process_group
 
 ENV_ARGS = {"num_examples": 16, "num_eval_examples": 4, "max_new_tokens": 8}
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import EmbeddedEngine
-from verifiers_rl.modeling import unwrap
-from verifiers_rl.trainer import RLTrainer
-from verifiers_rl.weights import GatherStats
-from verifiers_rl.distributed import leave_process_group
+from verifiers_rl.core.modeling import unwrap
+from verifiers_rl.training.trainer import RLTrainer
+from verifiers_rl.training.weight_stream import GatherStats
+from verifiers_rl.training.distributed import leave_process_group
 
 BUCKET_SIZES = [0, 4096, 65536, 1 << 30]
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)

@@ -10,7 +10,7 @@ def tokenizer(tmp_path_factory):
     """The tiny test tokenizer: byte-level BPE trained locally, ChatML chat template (no tool support), eos <|im_end|>."""
     from transformers import AutoTokenizer
 
-    from verifiers_rl.models import build_tiny_model
+    from verifiers_rl.core.models import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("envs-tiny")))
 

@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from verifiers_rl.envs import Rubric, SingleTurnEnv, ToolEnv, load_environment
-from verifiers_rl.models import CHAT_TEMPLATE
+from verifiers_rl.core.models import CHAT_TEMPLATE
 
 from .scripted import ScriptedSampler
 from .templates import TOOL_TEMPLATE

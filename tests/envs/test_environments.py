@@ -57,7 +57,7 @@ def test_single_turn_rollout_record(tokenizer):
 
 
 def test_failing_reward_function_message_is_kept_in_the_rollout_record(tokenizer, tmp_path):
-    from verifiers_rl.rollouts import read_rollouts, write_rollouts
+    from verifiers_rl.core.rollout import read_rollouts, write_rollouts
 
     def broken(completion):
         raise ZeroDivisionError("no answer to divide by")

@@ -210,7 +210,7 @@ def test_verifiers_reasoning_gym_env_rows(tokenizer):
 
 
 def live_config(tmp_path, env, **overrides):
-    from verifiers_rl.config import RLConfig
+    from verifiers_rl.config.rl_config import RLConfig
 
     return RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
                     max_steps=2, learning_rate=1e-3, rollouts_per_step=8, num_generations=4,
@@ -224,8 +224,8 @@ def test_two_live_steps_with_the_tiny_model(tiny_model_dir, tmp_path, kind):
     trained tokens equal the sampler's (IS ratio 1), which holds only if the ids, masks and log-probs line up."""
     from transformers import AutoTokenizer
 
-    from verifiers_rl.rollouts import read_rollouts
-    from verifiers_rl.trainer import RLTrainer
+    from verifiers_rl.core.rollout import read_rollouts
+    from verifiers_rl.training.trainer import RLTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     vf_env = vf_envs.load_environment(kind=kind, max_turns=2)

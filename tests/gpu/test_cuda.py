@@ -38,9 +38,9 @@ from test_distributed_equivalence import LAUNCH_TIMEOUT_S, launch_env, load, run
 from test_live_training import MIN_REWARD_GAIN  # noqa: E402
 from test_logprobs import shared_prefix_rollouts, single_sequence_logprobs  # noqa: E402
 
-from verifiers_rl.batching import BatchingConfig, plan_batch  # noqa: E402
-from verifiers_rl.inference.engine import free_port  # noqa: E402
-from verifiers_rl.policy import micro_batch_logprobs  # noqa: E402
+from verifiers_rl.training.batching import BatchingConfig, plan_batch  # noqa: E402
+from verifiers_rl.core.engine import free_port  # noqa: E402
+from verifiers_rl.training.forward import micro_batch_logprobs  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_checks.sh)")]
@@ -262,7 +262,7 @@ def test_live_training_on_the_gpu(gpu_runs, run, k):
 def test_the_engine_draws_its_noise_on_the_gpu_and_samples_the_softmax():
     """The sampler's Gumbel noise is drawn on the logits' device (a CPU draw of [rows, vocab] and its copy cost more
     than a GPU decode step); the draws follow softmax(l) and a seed repeats its tokens."""
-    from verifiers_rl.inference.hf_engine import RowSampler
+    from verifiers_rl.inference.embedded.engine import RowSampler
 
     rows, device = 4000, torch.device("cuda")
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5], device=device).repeat(rows, 1)
@@ -284,7 +284,7 @@ def test_captured_decode_steps_equal_transformers_forward_on_the_gpu(build):
     """graph_decode on the GPU: the first step eager, the second captured, the rest replayed; logits equal
     transformers' forward (fp32) with rows leaving the batch twice."""
     import test_llama_decode as lean
-    from verifiers_rl.inference.graph_decode import GraphDecoder, supports
+    from verifiers_rl.inference.kernels.graph_decode import GraphDecoder, supports
 
     model = getattr(lean, build)().cuda()
     assert supports(model)
@@ -302,7 +302,7 @@ def test_the_engine_on_the_gpu_samples_through_captured_steps(tiny_model_dir, mo
     """With and without CUDA graphs the engine draws the same seeded tokens (fp32), log-probs within 1e-4."""
     from test_hf_engine import load, prompts_of, sample_seeded
     from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-    from verifiers_rl.inference.graph_decode import GraphDecoder
+    from verifiers_rl.inference.kernels.graph_decode import GraphDecoder
 
     replays = []
     step = GraphDecoder.step

@@ -5,7 +5,7 @@ of their weights; and sampling with either draws the same tokens as with F.linea
 import pytest
 import torch
 
-from verifiers_rl.cpu_matmul import PackedWeights, applies, cpu_linears, packs_available, plain_linear, weight_major
+from verifiers_rl.inference.kernels.cpu_matmul import PackedWeights, applies, cpu_linears, packs_available, plain_linear, weight_major
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
 from test_hf_engine import assert_parity, load, prompts_of, sample_seeded

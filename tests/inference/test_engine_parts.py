@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from verifiers_rl import compat
-from verifiers_rl.inference.request_batcher import RequestBatcher
-from verifiers_rl.inference.staged_weights import StagedWeights
+from verifiers_rl.inference.embedded.request_batcher import RequestBatcher
+from verifiers_rl.inference.embedded.staged_weights import StagedWeights
 
 
 def test_concurrent_requests_of_a_loop_run_as_batches_of_at_most_max_batch_size():

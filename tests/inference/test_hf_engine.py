@@ -10,15 +10,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from verifiers_rl.batching import collate, global_counts, prepare_sequences
+from verifiers_rl.training.batching import collate, global_counts, prepare_sequences
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, EngineClosedError, InferenceEngine, Sample, SamplingConfig
-from verifiers_rl.inference import batch_decode
-from verifiers_rl.inference.hf_engine import RowSampler
-from verifiers_rl.inference.llama_decode import LlamaDecoder
-from verifiers_rl.models import build_tiny_model
-from verifiers_rl.policy import micro_batch_logprobs
-from verifiers_rl.rollouts import Rollout
+from verifiers_rl.inference.embedded import batch_decode
+from verifiers_rl.inference.embedded.engine import RowSampler
+from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder
+from verifiers_rl.core.models import build_tiny_model
+from verifiers_rl.training.forward import micro_batch_logprobs
+from verifiers_rl.core.rollout import Rollout
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from sampling_reference import spy_on_sampler  # noqa: E402

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from verifiers_rl.cpu_matmul import PackedWeights, padded_rows, weight_major
+from verifiers_rl.inference.kernels.cpu_matmul import PackedWeights, padded_rows, weight_major
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.inference.graph_decode import GraphDecoder
-from verifiers_rl.inference.graph_decode import supports as graph_decode_supports
-from verifiers_rl.inference.llama_decode import LlamaDecoder, supports
+from verifiers_rl.inference.kernels.graph_decode import GraphDecoder
+from verifiers_rl.inference.kernels.graph_decode import supports as graph_decode_supports
+from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder, supports
 
 from test_hf_engine import assert_parity, load, prompts_of, sample_seeded
 
@@ -105,7 +105,7 @@ def test_the_engine_takes_the_graph_step_only_when_it_decodes_on_the_callers_thr
     seeded tokens as with transformers' forward. No GPU here: graph_decode's support check (a GPU model) is stubbed
     to admit the CPU model and its step runs eagerly (capture=False); tests/gpu captures it on a GPU."""
     from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
-    from verifiers_rl.inference import batch_decode
+    from verifiers_rl.inference.embedded import batch_decode
 
     made = []
 

@@ -1,4 +1,4 @@
-"""The launcher's ``--then`` supervision (``verifiers_rl.inference.processes.run_preemptible``) on real processes
+"""The launcher's ``--then`` supervision (``verifiers_rl.inference.vllm.processes.run_preemptible``) on real processes
 and real signals, without a vLLM server (``tests/vllm_backend/test_vllm_training.py`` runs it with one).
 
 The signals go to this test process itself, from a helper thread, while ``run_preemptible`` holds SIGTERM and SIGINT
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from verifiers_rl.inference.processes import run_preemptible
+from verifiers_rl.inference.vllm.processes import run_preemptible
 
 CMD = [sys.executable, str(Path(__file__).parent / "preemptible_cmd.py")]
 

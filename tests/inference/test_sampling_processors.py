@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.inference.hf_engine import RowSampler
+from verifiers_rl.inference.embedded.engine import RowSampler
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from sampling_reference import penalised, reference_logprobs, spy_on_sampler, step_logits  # noqa: E402

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from verifiers_rl.inference.vllm_http import VLLMError, VLLMRequestError, VLLMTransport, VLLMUnavailableError
+from verifiers_rl.inference.vllm.http import VLLMError, VLLMRequestError, VLLMTransport, VLLMUnavailableError
 
 
 class FlakyServer:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, TrainerCallback
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.envs import load_environment
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.trainer import RLTrainer
-from verifiers_rl.distributed import leave_process_group
+from verifiers_rl.training.trainer import RLTrainer
+from verifiers_rl.training.distributed import leave_process_group
 from tests.distributed.equivalence_run import process_topology, rank_loss_tokens  # the repo root is on PYTHONPATH
 
 TOY_ENV = str(Path(__file__).with_name("toy_env.py"))

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.envs.adapters.verifiers_v1 import EpisodeWorker, EpisodeWorkerError
-from verifiers_rl.inference.generate_endpoint import GenerateEndpoint
+from verifiers_rl.envs.adapters.generate_endpoint import GenerateEndpoint
 
 ENV = Path(__file__).parent / "envs" / "reverse_v1.py"
 WORDS = ["hello", "world", "stone"]

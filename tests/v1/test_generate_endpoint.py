@@ -7,7 +7,7 @@ import pytest
 
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.inference.generate_endpoint import GenerateEndpoint
+from verifiers_rl.envs.adapters.generate_endpoint import GenerateEndpoint
 
 PROMPT = [5, 17, 42, 8, 99, 3]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from verifiers_rl.envs import RolloutSampling
 from verifiers_rl.envs.adapters.verifiers_v1 import EpisodeWorker, EpisodeWorkerError
-from verifiers_rl.inference.generate_endpoint import GenerateEndpoint
+from verifiers_rl.envs.adapters.generate_endpoint import GenerateEndpoint
 
 ENV = Path(__file__).parent / "envs" / "reverse_v1.py"
 

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from verifiers_rl.envs import load_environment
 from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 from .test_episode_worker import Recording
 from .test_v1_training import run

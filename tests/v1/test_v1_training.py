@@ -1,6 +1,6 @@
 """A verifiers 0.4 environment trained by examples/train.py as a user runs it: the template environment with the
 tiny model and with SmolLM2 (no other flags), a live run at the default k = 1 resumed exactly (same batches, same
-parameters), a replay of its saved rollouts, and `python -m verifiers_rl.eval` with pass@k."""
+parameters), a replay of its saved rollouts, and `python -m verifiers_rl.cli.eval` with pass@k."""
 
 import json
 import os
@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from verifiers_rl.evaluation import pass_at_k
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.rollouts.evaluation import pass_at_k
+from verifiers_rl.core.rollout import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVS = Path(__file__).parent / "envs"
@@ -119,7 +119,7 @@ def test_a_v1_run_resumes_exactly_replays_and_evaluates_with_pass_at_k(tmp_path,
     lines = run(["--model", str(tmp_path / "full"), "--env", GRADED, "--env_args",
                  json.dumps({"harness": "inprocess", "max_new_tokens": 8, "max_seq_len": 64}), "--holdout", "4",
                  "-k", "3", "--pass_threshold", "0.1", "--output", str(tmp_path / "eval.jsonl")], tmp_path,
-                module="verifiers_rl.eval")
+                module="verifiers_rl.cli.eval")
     records = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert len(records) == 12 and sorted({r["row"] for r in records}).__len__() == 4
     passed = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifiers_rl.inference.vllm_server import VLLMServer, default_venv
+from verifiers_rl.inference.vllm.server import VLLMServer, default_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
@@ -110,7 +110,7 @@ def vllm_servers(tmp_path_factory):
     """``{"untied": Served, "tied": Served}``, both servers up."""
     if os.environ.get("VERIFIERS_RL_SKIP_VLLM"):
         pytest.skip("VERIFIERS_RL_SKIP_VLLM is set")
-    from verifiers_rl.models import build_tiny_model
+    from verifiers_rl.core.models import build_tiny_model
 
     _install_vllm_venv()
     saved_key = os.environ.get("VLLM_API_KEY")

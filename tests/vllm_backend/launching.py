@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from verifiers_rl.inference.engine import free_port
+from verifiers_rl.core.engine import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"

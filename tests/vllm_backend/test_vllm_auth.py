@@ -15,8 +15,8 @@ import httpx2 as httpx
 import pytest
 
 from verifiers_rl.inference import VLLMEngine
-from verifiers_rl.inference.vllm_http import VLLMRequestError
-from verifiers_rl.inference.vllm_server import VLLMServer, VLLMServerError, main
+from verifiers_rl.inference.vllm.http import VLLMRequestError
+from verifiers_rl.inference.vllm.server import VLLMServer, VLLMServerError, main
 
 # Every route VLLMEngine calls, with its method.
 CLIENT_ROUTES = [

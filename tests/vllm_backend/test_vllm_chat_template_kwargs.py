@@ -8,7 +8,7 @@ import asyncio
 
 from transformers import AutoTokenizer
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.inference.factory import build_engine
 

@@ -16,8 +16,8 @@ import torch
 
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import EngineClosedError, SamplingConfig, VLLMEngine
-from verifiers_rl.inference.vllm_engine import VLLMError, VLLMRequestError, VLLMUnavailableError
-from verifiers_rl.inference.engine import free_port
+from verifiers_rl.inference.vllm.engine import VLLMError, VLLMRequestError, VLLMUnavailableError
+from verifiers_rl.core.engine import free_port
 
 ATOL = 1e-4
 PROMPT = [5, 6, 7, 8, 9, 10]
@@ -276,7 +276,7 @@ def test_streamed_weights_are_checked_before_they_are_sent(untied, monkeypatch):
     second.close()
     engine.close()
     # A server without the backend a transfer needs is refused when the client connects.
-    from verifiers_rl.inference import weight_transfer
+    from verifiers_rl.inference.vllm import weight_transfer
 
     monkeypatch.setitem(weight_transfer.SERVER_BACKENDS, "gloo", "some_other_backend")
     with pytest.raises(VLLMError, match="needs a server started with the 'some_other_backend' weight-transfer backend; "
@@ -298,7 +298,7 @@ def test_no_server_is_a_clear_and_fast_error():
     with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {url}") as error:
         VLLMEngine(url, model="whatever")
     assert time.monotonic() - started < 5
-    assert "python -m verifiers_rl.inference.vllm_server --model" in str(error.value)
+    assert "python -m verifiers_rl.inference.vllm.server --model" in str(error.value)
     # A client made without the check fails its requests with the URL, after its (bounded) retries.
     engine = VLLMEngine(url, check=False, max_retries=2, retry_backoff_s=0.05)
     with pytest.raises(VLLMUnavailableError, match=f"{url} failed POST /v1/completions 3 time"):

@@ -1,4 +1,4 @@
-"""``python -m verifiers_rl.eval --vllm_server_url``: evaluation through a real vLLM server (CPU) gives the rollouts
+"""``python -m verifiers_rl.cli.eval --vllm_server_url``: evaluation through a real vLLM server (CPU) gives the rollouts
 the embedded engine gives (greedy, so both must pick HF's argmax; tests/vllm_backend/test_vllm_engine.py checks the
 server's log-probs against HF's)."""
 
@@ -8,9 +8,9 @@ import json
 
 from transformers import AutoTokenizer
 
-from verifiers_rl import eval as eval_cli
+from verifiers_rl.cli import eval as eval_cli
 from verifiers_rl.envs import load_environment
-from verifiers_rl.evaluation import EvalSettings, evaluate
+from verifiers_rl.rollouts.evaluation import EvalSettings, evaluate
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
 ENV_ARGS = {"num_examples": 16, "num_eval_examples": 3, "max_new_tokens": 8}

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 COMMON = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
           "--num_generations", "4", "--max_seq_len", "128",

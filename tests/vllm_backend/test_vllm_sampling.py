@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.factory import build_engine

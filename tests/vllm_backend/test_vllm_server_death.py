@@ -17,8 +17,8 @@ import pytest
 
 from launching import ROOT, ddp_command, launch_env, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
-from verifiers_rl.inference.vllm_engine import VLLMError, VLLMUnavailableError
-from verifiers_rl.inference.engine import free_port
+from verifiers_rl.inference.vllm.engine import VLLMError, VLLMUnavailableError
+from verifiers_rl.core.engine import free_port
 
 DDP_DEADLINE_S = 120
 RECONNECT_S = 5  # the DDP run waits this long for the killed server, which never comes back
@@ -127,5 +127,5 @@ def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):
         pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s:\n{(error.stdout or b'')[-6000:]!r}")
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-6000:]
-    assert f"No vLLM server at {url}" in output and "python -m verifiers_rl.inference.vllm_server" in output
+    assert f"No vLLM server at {url}" in output and "python -m verifiers_rl.inference.vllm.server" in output
     print(f"the DDP run without a server stopped after {time.monotonic() - started:.1f} s")

@@ -14,7 +14,7 @@ import torch
 
 from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.inference import VLLMEngine
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 STEPS, ROLLOUTS_PER_STEP, RECONNECT_S = 4, 8, 300
 

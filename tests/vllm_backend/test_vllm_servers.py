@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
-from verifiers_rl.config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import VLLMEngine
-from verifiers_rl.inference.vllm_server import _server_log
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.inference.vllm.server import _server_log
+from verifiers_rl.core.rollout import read_rollouts
 
 STEPS, ROLLOUTS_PER_STEP, RECONNECT_S = 6, 8, 300
 

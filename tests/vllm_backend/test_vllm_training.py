@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from verifiers_rl.inference import VLLMEngine
-from verifiers_rl.inference.engine import free_port
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.engine import free_port
+from verifiers_rl.core.rollout import read_rollouts
 
 from launching import PREEMPTIBLE, PROBE, ROOT, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
 
@@ -72,7 +72,7 @@ def _parameter_names(folder) -> list[str]:
 def test_launcher_starts_the_server_runs_training_against_it_and_stops_it(untied, tmp_path):
     # One command for both: the server comes up, the trainer gets --vllm_server_url, the server stops at the end.
     port = free_port()
-    command = [sys.executable, "-m", "verifiers_rl.inference.vllm_server", "--model", untied.model_dir,
+    command = [sys.executable, "-m", "verifiers_rl.inference.vllm.server", "--model", untied.model_dir,
                "--port", str(port), "--max-model-len", "512", "--log", str(tmp_path / "server.log"),
                "--weight-transfer", "gloo", "--then",
                sys.executable, "examples/train.py", "--model", untied.model_dir, "--env", "reverse_text",
@@ -94,7 +94,7 @@ def test_launcher_passes_a_preemption_on_then_stops_the_server_and_leaves_nothin
     # loopback default (the server runs without our guard).
     port = free_port()
     env = {k: v for k, v in launch_env().items() if k != "VLLM_API_KEY"}
-    command = [sys.executable, "-m", "verifiers_rl.inference.vllm_server", "--model", vllm_servers["untied"].model_dir,
+    command = [sys.executable, "-m", "verifiers_rl.inference.vllm.server", "--model", vllm_servers["untied"].model_dir,
                "--port", str(port), "--max-model-len", "512", "--log", str(tmp_path / "server.log"), "--then",
                sys.executable, str(PREEMPTIBLE), str(tmp_path), "--delay", "2", "--exit", "0"]
     launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from verifiers_rl.envs.adapters.verifiers_v1 import v1_python
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 TEMPLATE = ROOT / "tests" / "v1" / "envs" / "reverse_v1.py"
 

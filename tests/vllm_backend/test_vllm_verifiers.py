@@ -15,7 +15,7 @@ import torch
 
 from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from tests.envs.test_verifiers_env import model_turns, rubric_reward
-from verifiers_rl.rollouts import read_rollouts
+from verifiers_rl.core.rollout import read_rollouts
 
 ENV_ARGS = {"kind": "multi", "max_turns": 2, "max_seq_len": 128, "sampling_args": {"max_tokens": 8}}
 

@@ -15,15 +15,15 @@ import sys
 # subcommand -> (module, its entry point); imported only when chosen, so `verifiers-rl --help` answers at once.
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("verifiers_rl.cli.train", "main"),
-    "eval": ("verifiers_rl.eval", "cli"),
-    "vllm-serve": ("verifiers_rl.inference.vllm_server", "main"),
+    "eval": ("verifiers_rl.cli.eval", "cli"),
+    "vllm-serve": ("verifiers_rl.inference.vllm.server", "main"),
     "fields": ("verifiers_rl.cli.main", "print_fields"),
     "config": ("verifiers_rl.cli.sections", "main"),
 }
 
 
 def print_fields(argv: list[str]) -> int:
-    from verifiers_rl.grpo_fields import markdown_table
+    from verifiers_rl.config.grpo_fields import markdown_table
 
     if argv:
         print(f"verifiers-rl fields takes no arguments, got {' '.join(argv)}", file=sys.stderr)

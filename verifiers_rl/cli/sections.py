@@ -72,7 +72,7 @@ def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[ar
 
 
 def _range_text(name: str, choices: dict[str, tuple]) -> str:
-    from ..config import RANGES
+    from verifiers_rl.config.rl_config import RANGES
 
     if name in choices:
         return ", ".join(f"`{choice}`" for choice in choices[name])
@@ -91,8 +91,8 @@ def _default_text(value) -> str:
 def markdown() -> str:
     """``docs/config.md``: every sectioned field with its default, the command's own default where it differs,
     its choices or range, and its help; then the names of the other inherited fields."""
-    from ..config import RLConfig, _choices
-    from .train import QUICKSTART, ScriptArguments
+    from verifiers_rl.config.rl_config import RLConfig, _choices
+    from verifiers_rl.cli.train import QUICKSTART, ScriptArguments
 
     all_fields = {f.name: f for cls in (ScriptArguments, RLConfig) for f in fields(cls) if f.init}
     choices = {**_choices(ScriptArguments), **_choices(RLConfig)}

@@ -28,18 +28,18 @@ from dataclasses import dataclass, field
 import torch
 from trl import TrlParser
 
-from verifiers_rl import progress
+from verifiers_rl.training import progress
 from verifiers_rl.cli.sections import SectionedParser
-from verifiers_rl.config import RLConfig
-from verifiers_rl.distributed import leave_process_group
+from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.training.distributed import leave_process_group
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
 from verifiers_rl.envs.limits import LIMIT_FLAGS
 from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
-from verifiers_rl.models import load_tokenizer, resolve_model
-from verifiers_rl.preemption import TrainingPreempted
-from verifiers_rl.trainer import RLTrainer
+from verifiers_rl.core.models import load_tokenizer, resolve_model
+from verifiers_rl.training.preemption import TrainingPreempted
+from verifiers_rl.training.trainer import RLTrainer
 
 
 # Defaults of this script (not of RLConfig), tuned for the CPU quickstart: 4 prompts x 4 samples per step, a

@@ -1,15 +1,15 @@
 """Environments: datasets of tasks, rollout procedures and rubrics. They know nothing about training; they call a
-``Sampler`` (an inference engine) and produce ``verifiers_rl.rollouts.Rollout`` records."""
+``Sampler`` (an inference engine) and produce ``verifiers_rl.core.rollout.Rollout`` records."""
 
-from .environment import Environment, RolloutError, RolloutRefused, Row, Trajectory
-from .loading import BUILTINS, DEFAULT_ENVIRONMENT, load_environment
-from .math_check import MathChecker, correct_answer
-from .multiturn import MultiTurnEnv, TemplateError
-from .parsers import Parser, ThinkParser, XMLParser, extract_boxed_answer
-from .rubric import Rubric, Score
-from .sampler import RolloutSampling, Sample, Sampler, derive_seed, rollout_sampling, sampling_for_rollout
-from .singleturn import SingleTurnEnv
-from .tools import ToolEnv, parse_tool_calls
+from verifiers_rl.envs.environment import Environment, RolloutError, RolloutRefused, Row, Trajectory
+from verifiers_rl.envs.loading import BUILTINS, DEFAULT_ENVIRONMENT, load_environment
+from verifiers_rl.envs.math_check import MathChecker, correct_answer
+from verifiers_rl.envs.multiturn import MultiTurnEnv, TemplateError
+from verifiers_rl.envs.parsers import Parser, ThinkParser, XMLParser, extract_boxed_answer
+from verifiers_rl.envs.rubric import Rubric, Score
+from verifiers_rl.core.sampling import RolloutSampling, Sample, Sampler, derive_seed, rollout_sampling, sampling_for_rollout
+from verifiers_rl.envs.singleturn import SingleTurnEnv
+from verifiers_rl.envs.tools import ToolEnv, parse_tool_calls
 
 __all__ = [
     "BUILTINS",

@@ -9,33 +9,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rollouts import Rollout
-from .messages import Messages, check_messages
-from .rubric import Rubric
-from .sampler import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.core.choices import RESERVED_TEMPLATE_KWARGS, check_chat_template_kwargs  # noqa: F401
+from verifiers_rl.envs.messages import Messages, check_messages
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.core.sampling import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
 
 logger = logging.getLogger(__name__)
 
 
 # apply_chat_template arguments the renderers set themselves: chat_template_kwargs cannot carry them.
-RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "tokenize",
-                            "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
-                            "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
-def check_chat_template_kwargs(kwargs: Any, flag: str = "chat_template_kwargs") -> dict[str, Any]:
-    """``kwargs`` as the dict every chat template is rendered with (None: none); raises ValueError naming ``flag``
-    for anything but a dict of string keys, or a key the renderers set themselves (``RESERVED_TEMPLATE_KWARGS``)."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
-        raise ValueError(f"{flag} must be a dict of template variables (a JSON object on the command line), "
-                         f"got {kwargs!r}.")
-    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
-    if reserved:
-        raise ValueError(f"{flag}: {reserved} are set by the environment's rendering itself, not template variables "
-                         "it can pass on; give only the variables the chat template reads (e.g. enable_thinking).")
-    return dict(kwargs)
 
 
 class RolloutError(RuntimeError):
@@ -82,7 +67,7 @@ class Environment(ABC):
     prompt leaves no room for a completion token within ``max_seq_len`` are dropped here, with a warning giving
     their count (an error if no row remains). ``eval_dataset`` (same row format, optional) is the held-out split
     evaluation uses: rows the training run never trains on. ``chat_template_kwargs`` are passed to every rendering
-    of the chat template (``use_chat_template_kwargs``, which the trainer and ``python -m verifiers_rl.eval`` call
+    of the chat template (``use_chat_template_kwargs``, which the trainer and ``python -m verifiers_rl.cli.eval`` call
     with the run's ``--chat_template_kwargs``).
     """
 

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .environment import Environment
-from .tools import default_tool_mode
+from verifiers_rl.envs.environment import Environment
+from verifiers_rl.envs.tools import default_tool_mode
 
 BUILTINS = {
     "reverse_text": "verifiers_rl.envs.builtin.reverse_text:load_environment",
@@ -118,7 +118,7 @@ def _module_file(spec: str) -> Path | None:
         found = None
     if found is not None:
         return Path(found.origin) if found.origin and found.origin.endswith(".py") else None
-    from .adapters.verifiers_v1 import v1_python
+    from verifiers_rl.envs.adapters.verifiers_v1 import v1_python
 
     python = v1_python()
     if not python.exists():
@@ -170,15 +170,15 @@ def _load(spec: str, tokenizer: Any, tool_mode: str, kwargs: dict[str, Any]) -> 
     """What ``spec``'s loader returns (a classic verifiers environment wrapped in ``VerifiersEnv``)."""
     with default_tool_mode(tool_mode):
         if spec.startswith(VERIFIERS_PREFIX):
-            from .adapters.verifiers_env import import_verifiers
+            from verifiers_rl.envs.adapters.verifiers_env import import_verifiers
 
             environment = import_verifiers().load_environment(spec[len(VERIFIERS_PREFIX) :], **kwargs)
         elif spec.startswith(REASONING_GYM_PREFIX):
-            from .adapters.reasoning_gym import load_environment as load_reasoning_gym
+            from verifiers_rl.envs.adapters.reasoning_gym import load_environment as load_reasoning_gym
 
             environment = load_reasoning_gym(tasks=spec[len(REASONING_GYM_PREFIX) :], tokenizer=tokenizer, **kwargs)
         elif is_v1_environment(spec):
-            from .adapters.verifiers_v1 import V1Env
+            from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
 
             if tokenizer is None:
                 raise ValueError(f"Environment {spec!r} is a verifiers v1 environment: pass the policy's tokenizer.")
@@ -191,7 +191,7 @@ def _load(spec: str, tokenizer: Any, tool_mode: str, kwargs: dict[str, Any]) -> 
             given = {"tokenizer": tokenizer} if tokenizer is not None and _takes_tokenizer(loader) else {}
             environment = loader(**given, **kwargs)
         if _is_verifiers_environment(environment):
-            from .adapters.verifiers_env import VerifiersEnv
+            from verifiers_rl.envs.adapters.verifiers_env import VerifiersEnv
 
             if tokenizer is None:
                 raise ValueError(f"Environment {spec!r} is a verifiers environment: pass the policy's tokenizer.")

@@ -18,8 +18,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .messages import Messages
-from .parsers import Parser
+from verifiers_rl.envs.messages import Messages
+from verifiers_rl.envs.parsers import Parser
 
 _STARTUP_TIMEOUT_S = 120.0
 _WORKER = Path(__file__).with_name("math_worker.py")

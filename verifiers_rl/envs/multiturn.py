@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .awaitable import maybe_await
-from .environment import Environment, Trajectory
-from .messages import Messages, check_messages
-from .sampler import Sampler
-from .turns import TemplateError, bridge_ids  # noqa: F401  (TemplateError: re-exported by envs)
+from verifiers_rl.envs.awaitable import maybe_await
+from verifiers_rl.envs.environment import Environment, Trajectory
+from verifiers_rl.envs.messages import Messages, check_messages
+from verifiers_rl.core.sampling import Sampler
+from verifiers_rl.envs.turns import TemplateError, bridge_ids  # noqa: F401  (TemplateError: re-exported by envs)
 
 class MultiTurnEnv(Environment):
     """Alternates model turns and ``env_response`` until ``is_completed``, ``max_turns`` model turns, a truncated

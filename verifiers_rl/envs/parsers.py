@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from .messages import Messages, last_assistant_text
+from verifiers_rl.envs.messages import Messages, last_assistant_text
 
 
 def extract_boxed_answer(text: str) -> str | None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .limits import LIMIT_FLAGS, resolve_limits
-from .splits import hold_out
+from verifiers_rl.envs.limits import LIMIT_FLAGS, resolve_limits
+from verifiers_rl.envs.splits import hold_out
 
 
 def prepare_environment(

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .awaitable import maybe_await
-from .messages import Messages
-from .parsers import Parser
+from verifiers_rl.envs.awaitable import maybe_await
+from verifiers_rl.envs.messages import Messages
+from verifiers_rl.envs.parsers import Parser
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .multiturn import MultiTurnEnv
+from verifiers_rl.envs.multiturn import MultiTurnEnv
 
 
 class SingleTurnEnv(MultiTurnEnv):

@@ -11,8 +11,8 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .environment import Environment
-from .sampler import derive_seed
+from verifiers_rl.envs.environment import Environment
+from verifiers_rl.core.sampling import derive_seed
 
 # Candidates are drawn in rounds of this many rows (from a stream that does not depend on how many are asked for, so
 # a smaller split is a prefix of a larger one); a round that adds no new row means the task space is used up.

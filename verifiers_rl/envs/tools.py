@@ -11,10 +11,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .awaitable import maybe_await
-from .environment import check_chat_template_kwargs
-from .messages import Message, Messages
-from .multiturn import MultiTurnEnv
+from verifiers_rl.envs.awaitable import maybe_await
+from verifiers_rl.core.choices import check_chat_template_kwargs
+from verifiers_rl.envs.messages import Message, Messages
+from verifiers_rl.envs.multiturn import MultiTurnEnv
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Inference engines: one small interface, an embedded HF engine, and a vLLM server client."""
 
-from .engine import EngineClosedError, InferenceEngine, Sample, SamplingConfig
-from .hf_engine import EmbeddedEngine
-from .vllm_engine import ChatSample, VLLMEngine, VLLMError  # HTTP only: never imports vllm
+from verifiers_rl.core.engine import EngineClosedError, InferenceEngine, Sample, SamplingConfig
+from verifiers_rl.inference.embedded.engine import EmbeddedEngine
+from verifiers_rl.inference.vllm.engine import ChatSample, VLLMEngine, VLLMError  # HTTP only: never imports vllm
 
 __all__ = [
     "ChatSample",

@@ -1,5 +1,5 @@
 """Pick the inference engine a run generates with: training (``build_engine``, from its config) and evaluation
-(``python -m verifiers_rl.eval``) both go through ``make_engine``."""
+(``python -m verifiers_rl.cli.eval``) both go through ``make_engine``."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .engine import SamplingConfig
-from .vllm_http import server_urls
+from verifiers_rl.core.engine import SamplingConfig
+from verifiers_rl.inference.vllm.http import server_urls
 
 
 def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: str | None = None,
@@ -19,16 +19,16 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     weights, on the GPU when there is one (``generate`` follows the embedding's device)."""
     urls = server_urls(vllm_server_url)
     if len(urls) > 1:
-        from .vllm_pool import MultiServerEngine
+        from verifiers_rl.inference.vllm.pool import MultiServerEngine
 
         return MultiServerEngine(urls, model=model, sampling=sampling, require_weight_sync=require_weight_sync,
                                  wait_s=30.0, **(vllm or {}))
     if vllm_server_url:
-        from .vllm_engine import VLLMEngine
+        from verifiers_rl.inference.vllm.engine import VLLMEngine
 
         return VLLMEngine(urls[0], model=model, sampling=sampling, require_weight_sync=require_weight_sync,
                           wait_s=30.0, **(vllm or {}))
-    from .hf_engine import EmbeddedEngine
+    from verifiers_rl.inference.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=max_batch_size, dtype=dtype,
                             generate_in_loop_thread=generate_in_loop_thread)

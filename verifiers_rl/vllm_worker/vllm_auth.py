@@ -3,7 +3,7 @@
 vLLM's own ``--api-key`` / ``VLLM_API_KEY`` guards only the paths under ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere``; the routes that change the served weights (``/collective_rpc``, ``/init_weight_transfer_engine``,
 ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) and the other dev-mode routes
-(``/reset_prefix_cache``, ``/sleep``, ...) answer anyone. ``verifiers_rl.inference.vllm_server`` adds this class
+(``/reset_prefix_cache``, ``/sleep``, ...) answer anyone. ``verifiers_rl.inference.vllm.server`` adds this class
 with ``--middleware vllm_auth.RequireAPIKey`` whenever the server has a key, so the key guards them all. ``/health``
 stays open (readiness probes; it says nothing but "up").
 

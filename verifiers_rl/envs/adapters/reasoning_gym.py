@@ -17,10 +17,10 @@ import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..messages import Messages
-from ..parsers import XMLParser
-from ..rubric import Rubric
-from ..singleturn import SingleTurnEnv
+from verifiers_rl.envs.messages import Messages
+from verifiers_rl.envs.parsers import XMLParser
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.envs.singleturn import SingleTurnEnv
 
 INSTALL = 'pip install -e ".[reasoning-gym]"  (or: pip install reasoning-gym==0.1.25)'
 

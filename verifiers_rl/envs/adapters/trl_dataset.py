@@ -32,10 +32,10 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ...rollouts import Rollout
-from ..environment import Environment, RolloutError, Row, Trajectory
-from ..messages import Messages, check_messages, last_assistant_text
-from ..sampler import Sampler
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.envs.environment import Environment, RolloutError, Row, Trajectory
+from verifiers_rl.envs.messages import Messages, check_messages, last_assistant_text
+from verifiers_rl.core.sampling import Sampler
 
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric")
 
@@ -179,7 +179,7 @@ class RewardFunctionsEnv(Environment):
     async def rollout_group(self, sampler: Sampler, row: Row, group_id, n: int, *, seed: int | None = None,
                             temperature: float | None = None) -> list[Rollout]:
         """``n`` rollouts of ``row``, generated concurrently and scored together (one call per reward function)."""
-        from ..sampler import sampling_for_rollout
+        from verifiers_rl.core.sampling import sampling_for_rollout
 
         async def one(sampling):
             with sampling_for_rollout(sampling):

@@ -21,9 +21,9 @@ from typing import Any
 import verifiers as vf
 from verifiers.types import Response, ResponseMessage, ResponseTokens, ToolCall, Usage
 
-from ..turns import TemplateError, bridge_ids
-from ..sampler import Sample, Sampler, rollout_sampling
-from ..tools import ToolRenderer, parse_tool_calls
+from verifiers_rl.envs.turns import TemplateError, bridge_ids
+from verifiers_rl.core.sampling import Sample, Sampler, rollout_sampling
+from verifiers_rl.envs.tools import ToolRenderer, parse_tool_calls
 
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 

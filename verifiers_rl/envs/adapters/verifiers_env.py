@@ -21,11 +21,11 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...rollouts import Rollout
-from ..environment import Environment, RolloutError, Row
-from ..rubric import Rubric
-from ..sampler import RolloutSampling, Sampler, sampling_for_rollout
-from ..tools import current_tool_mode
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.envs.environment import Environment, RolloutError, Row
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.core.sampling import RolloutSampling, Sampler, sampling_for_rollout
+from verifiers_rl.envs.tools import current_tool_mode
 
 logger = logging.getLogger(__name__)
 
@@ -128,19 +128,19 @@ class VerifiersEnv(Environment):
 
     @staticmethod
     def _schema(tool: Any) -> dict[str, Any]:
-        from .verifiers_client import tool_schema
+        from verifiers_rl.envs.adapters.verifiers_client import tool_schema
 
         return tool_schema(tool)
 
     def client(self, sampler: Sampler):
         """A ``vf.Client`` sampling from ``sampler`` within this environment's limits."""
-        from .verifiers_client import EngineClient
+        from verifiers_rl.envs.adapters.verifiers_client import EngineClient
 
         return EngineClient(sampler, max_seq_len=self.max_seq_len, max_new_tokens=self.max_new_tokens,
                             **self._client_args)
 
     def _row(self, index: int, record: Any, system_prompt: str | None) -> VerifiersRow:
-        from .verifiers_client import plain_messages
+        from verifiers_rl.envs.adapters.verifiers_client import plain_messages
 
         record = dict(record)
         info = record.get("info") or {}
@@ -209,7 +209,7 @@ class VerifiersEnv(Environment):
 
     def _to_rollout(self, state: Any, row: Row, group_id: str | int) -> Rollout:
         """One trajectory as one token sequence: turn k's prompt must extend turn k-1's prompt and sample."""
-        from .verifiers_client import plain_messages
+        from verifiers_rl.envs.adapters.verifiers_client import plain_messages
 
         steps = state["trajectory"]
         where = f"{self.name} on dataset row {row.index}"

@@ -21,10 +21,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ...rollouts import Rollout
-from ..environment import Environment, RolloutError, RolloutRefused, Row
-from ..rubric import Rubric
-from ..sampler import RolloutSampling, Sampler
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.envs.environment import Environment, RolloutError, RolloutRefused, Row
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.core.sampling import RolloutSampling, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class V1Env(Environment):
         self._thread.start()
         self._closed = False
         atexit.register(self.close)
-        from ...inference.generate_endpoint import GenerateEndpoint
+        from verifiers_rl.envs.adapters.generate_endpoint import GenerateEndpoint
 
         self.endpoint = GenerateEndpoint(max_model_len=max_seq_len or DEFAULT_MAX_SEQ_LEN,
                                          max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS,

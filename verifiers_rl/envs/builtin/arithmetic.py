@@ -6,11 +6,11 @@ import random
 from fractions import Fraction
 from typing import Any
 
-from ..math_check import correct_answer
-from ..parsers import Parser, extract_boxed_answer
-from ..rubric import Rubric
-from ..singleturn import SingleTurnEnv
-from ..splits import disjoint_rows
+from verifiers_rl.envs.math_check import correct_answer
+from verifiers_rl.envs.parsers import Parser, extract_boxed_answer
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.envs.singleturn import SingleTurnEnv
+from verifiers_rl.envs.splits import disjoint_rows
 
 SYSTEM_PROMPT = "Solve the problem. Put the final answer in \\boxed{}."
 _OPERATIONS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b}

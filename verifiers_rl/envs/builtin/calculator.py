@@ -9,11 +9,11 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from ..math_check import correct_answer
-from ..parsers import Parser, extract_boxed_answer
-from ..rubric import Rubric
-from ..splits import disjoint_rows
-from ..tools import ToolEnv
+from verifiers_rl.envs.math_check import correct_answer
+from verifiers_rl.envs.parsers import Parser, extract_boxed_answer
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.envs.splits import disjoint_rows
+from verifiers_rl.envs.tools import ToolEnv
 
 SYSTEM_PROMPT = "Use the calculate tool for arithmetic. Put the final answer in \\boxed{}."
 MAX_EXPRESSION_CHARS = 200

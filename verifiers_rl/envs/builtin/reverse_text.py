@@ -6,11 +6,11 @@ import random
 import string
 from typing import Any
 
-from ..messages import Messages
-from ..parsers import Parser
-from ..rubric import Rubric
-from ..singleturn import SingleTurnEnv
-from ..splits import disjoint_rows
+from verifiers_rl.envs.messages import Messages
+from verifiers_rl.envs.parsers import Parser
+from verifiers_rl.envs.rubric import Rubric
+from verifiers_rl.envs.singleturn import SingleTurnEnv
+from verifiers_rl.envs.splits import disjoint_rows
 
 SYSTEM_PROMPT = "Reverse the text character by character. Reply with the reversed text only."
 

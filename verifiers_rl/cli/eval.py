@@ -1,0 +1,182 @@
+"""Evaluate a model on an environment's held-out split: ``python -m verifiers_rl.cli.eval``.
+
+    python -m verifiers_rl.cli.eval --model outputs/train --env reverse_text -n 100 -k 4 --output results.jsonl
+    python -m verifiers_rl.cli.eval --model outputs/train/checkpoint-20 --env arithmetic --temperature 0
+    python -m verifiers_rl.cli.eval --model DIR --env my_env.py --holdout 50 --seed 42      # no eval split: hold rows out
+    python -m verifiers_rl.cli.eval --model DIR --env reverse_text --vllm_server_url http://127.0.0.1:8000
+
+Generates with the embedded engine (or a vLLM server serving ``--model``), prints a summary table (reward, pass@1,
+pass@k, each reward function's mean, tokens, time) and writes one JSON line per rollout. The rows, seeds and
+metrics are those of the trainer's evaluation (``verifiers_rl.rollouts.evaluation``): with the same ``--seed`` (the training
+run's, 42 unless set), ``-n``, ``-k``, ``--temperature`` and the run's sampling flags (``--top_p``, ``--top_k``,
+``--min_p``, ``--repetition_penalty``, ``--chat_template_kwargs``), a checkpoint evaluates to what the run logged
+at its step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from verifiers_rl.core.engine import SamplingConfig
+from verifiers_rl.inference.vllm.http import check_server_url
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
+
+
+class ModelFolderError(ValueError):
+    """A model folder that cannot be evaluated; the message says why and what to pass instead."""
+
+
+def check_model_folder(path: Path, tokenizer: bool = True) -> None:
+    """Raise ``ModelFolderError`` unless ``path`` holds a config, weights and (with ``tokenizer``) a tokenizer.
+
+    A ``--output_dir`` holds them after training, and so does every ``checkpoint-N`` inside it; under DeepSpeed
+    ZeRO-3 a checkpoint holds whole weights only when the DeepSpeed config sets
+    ``stage3_gather_16bit_weights_on_model_save`` (ours does), otherwise just the ranks' shards.
+    """
+    if not path.is_dir():
+        raise ModelFolderError(f"--model {str(path)!r}: no such folder.")
+    if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
+        checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1)
+        if any(path.glob("global_step*")):
+            hint = ("it holds DeepSpeed ZeRO-3 shards only (global_step*/). Save whole weights with "
+                    "\"stage3_gather_16bit_weights_on_model_save\": true in the DeepSpeed config (accelerate_configs/"
+                    "ds_zero3*.json has it), or consolidate the shards with the zero_to_fp32.py script DeepSpeed saves "
+                    "in the folder.")
+        elif checkpoints:
+            hint = f"it holds checkpoints; evaluate one of them, e.g. --model {checkpoints[-1]}."
+        else:
+            hint = f"no weight files ({', '.join(WEIGHT_FILES)})."
+        raise ModelFolderError(f"--model {str(path)!r} has no model weights to evaluate: {hint}")
+    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
+        raise ModelFolderError(f"--model {str(path)!r} has weights but no config.json.")
+    if tokenizer and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ModelFolderError(f"--model {str(path)!r} has no tokenizer; pass --tokenizer (e.g. the base model).")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m verifiers_rl.cli.eval", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default="smollm2",
+                        help="A folder (a trained --output_dir or any checkpoint-N in it), 'smollm2', 'tiny', or a hub id.")
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer folder or id; default: the model's.")
+    parser.add_argument("--env", default="reverse_text", help="A built-in name, 'pkg.module:function', a .py file, or a verifiers 0.4 (v1) "
+                        "environment module (as --env of examples/train.py).")
+    parser.add_argument("--env_args", default="{}", help="JSON keyword arguments for the environment's loader.")
+    parser.add_argument("--chat_template_kwargs", default="{}",
+                        help="JSON variables for the chat template, as training's --chat_template_kwargs "
+                             "(e.g. '{\"enable_thinking\": false}' for Qwen3).")
+    parser.add_argument("-n", "--num_examples", type=int, default=None,
+                        help="Prompts: the held-out split's first N rows (default: all of it).")
+    parser.add_argument("-k", "--samples_per_prompt", type=int, default=1, help="Samples per prompt (pass@k).")
+    parser.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature; 0 = greedy.")
+    parser.add_argument("--top_p", type=float, default=1.0, help="Nucleus sampling (1 = off), as training's --top_p.")
+    parser.add_argument("--top_k", type=int, default=0, help="Top-k sampling (0 = off), as training's --top_k.")
+    parser.add_argument("--min_p", type=float, default=0.0, help="Min-p sampling (0 = off), as training's --min_p.")
+    parser.add_argument("--repetition_penalty", type=float, default=1.0,
+                        help="Repetition penalty (1 = off), as training's --repetition_penalty.")
+    parser.add_argument("--pass_threshold", type=float, default=1.0, help="A sample passes when its reward is >= this.")
+    parser.add_argument("--holdout", type=int, default=0,
+                        help="Evaluate N training rows held out by a --seed shuffle (what --eval_holdout N holds out).")
+    parser.add_argument("--seed", type=int, default=42, help="Seeds the samples (and --holdout); 42 is the trainer's default.")
+    parser.add_argument("--output", default=None, help="Write one JSON line per rollout here.")
+    parser.add_argument("--max_batch_size", type=int, default=64, help="Most rollouts per generate call (embedded engine).")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--vllm_server_url", default=None, help="Generate through this vLLM server (serving --model).")
+    args = parser.parse_args(argv)
+    try:
+        args.env_kwargs = json.loads(args.env_args)
+    except json.JSONDecodeError as error:
+        parser.error(f"--env_args is not valid JSON: {error}")
+    args.chat_template_kwargs = template_kwargs(parser, args.chat_template_kwargs)
+    for name in ("num_examples", "samples_per_prompt", "max_batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be >= 1, got {value}.")
+    if args.temperature < 0 or args.holdout < 0:
+        parser.error("--temperature and --holdout must be >= 0.")
+    try:  # the engine's settings, as training builds them (inference.factory.build_engine)
+        args.sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
+                                       repetition_penalty=args.repetition_penalty)
+    except ValueError as error:
+        parser.error(f"--{error}")
+    try:
+        check_server_url(args.vllm_server_url, "--vllm_server_url")
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def template_kwargs(parser: argparse.ArgumentParser, text: str) -> dict:
+    """``--chat_template_kwargs``' JSON as the dict every template is rendered with; a usage error names the flag."""
+    from verifiers_rl.core.choices import check_chat_template_kwargs
+
+    try:
+        return check_chat_template_kwargs(json.loads(text), "--chat_template_kwargs")
+    except json.JSONDecodeError as error:
+        parser.error(f"--chat_template_kwargs is not valid JSON: {error}")
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from verifiers_rl.core.models import load_tokenizer, resolve_model
+
+    model = resolve_model(args.model)
+    if Path(model).exists() or args.model.startswith((".", "/", "~")):
+        check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)  # before the slow imports: a wrong path fails at once
+    from verifiers_rl.envs import load_environment
+    from verifiers_rl.envs.prepare import prepare_environment
+    from verifiers_rl.rollouts.evaluation import EvalSettings, eval_rows, evaluate
+    import torch
+
+    from verifiers_rl.inference.factory import make_engine
+    from verifiers_rl.training.progress import RolloutProgress, plain_output_when_redirected
+
+    plain_output_when_redirected()
+    tokenizer = load_tokenizer(args.tokenizer or model)
+    environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
+    # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
+    prepare_environment(environment, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout,
+                        seed=args.seed)
+    settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
+    rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
+    engine = make_engine(model, tokenizer, args.sampling,
+                         vllm_server_url=args.vllm_server_url, require_weight_sync=False,
+                         vllm={"chat_template_kwargs": args.chat_template_kwargs},
+                         max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
+    progress = RolloutProgress(len(rows) * settings.samples_per_prompt)
+    try:
+        result = evaluate(environment, engine, settings, on_group=progress)
+    finally:
+        progress.close()
+        engine.close()
+    if args.output:
+        with open(args.output, "w") as handle:
+            for sample in result.samples:
+                handle.write(json.dumps(sample.record()) + "\n")
+    split = f"held out by --holdout {args.holdout}" if args.holdout else "eval split"
+    print(f"model  {model}\nenv    {environment.name} ({split}), seed {args.seed}, temperature {args.temperature:g}")
+    print(result.table())
+    if args.output:
+        print(f"wrote {len(result.samples)} rollouts to {args.output}")
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` as a command: bad input is one clear line on stderr and exit status 2, no traceback."""
+    try:
+        return main(argv)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

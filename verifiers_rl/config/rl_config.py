@@ -1,0 +1,503 @@
+"""RLConfig: every knob of the trainer, validated once in ``__post_init__``."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field, fields
+from typing import Literal, get_args, get_origin, get_type_hints
+
+import torch
+from transformers import TrainingArguments
+from trl import GRPOConfig
+
+from verifiers_rl import compat
+from verifiers_rl.core.choices import check_chat_template_kwargs
+from verifiers_rl.core.choices import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
+from verifiers_rl.config.grpo_fields import apply_trl_names, check_fields
+from verifiers_rl.inference.vllm.http import check_server_url
+from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
+from verifiers_rl.core.launch import launched_world_size, prepare_process
+from verifiers_rl.core.choices import CorrectionMode, ImportanceSamplingLevel, LossType, SequenceLogRatio, check_choice
+
+
+@dataclass(frozen=True)
+class Range:
+    """A field's allowed values: ``>= low`` (``> low`` when ``strict``), or one of ``also``. ``None`` passes (an
+    optional field left unset)."""
+
+    low: float
+    strict: bool = False
+    also: tuple = ()
+
+    def check(self, name: str, value) -> None:
+        if value is None or value in self.also or value > self.low or (value == self.low and not self.strict):
+            return
+        allowed = [str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"]
+        raise ValueError(f"{name} must be {' or '.join(allowed)}, got {value}.")
+
+
+# TRL's loss_type names for ours (grpo_fields.TRL_LOSS_TYPES), accepted by the parser and mapped in __post_init__.
+LossTypeOrTRL = Literal[(*get_args(LossType), "dapo", "bnpo")]
+
+AT_LEAST_ONE, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, strict=True)
+
+# Every numeric field's range, checked by RLConfig.validate (a choice is a Literal type instead: HfArgumentParser
+# lists it in --help and refuses other values; validate checks it for configs built in Python).
+RANGES: dict[str, Range] = {
+    "importance_cap": POSITIVE,
+    "importance_cap_min": NON_NEGATIVE,
+    "max_seq_len": AT_LEAST_ONE,
+    "max_completion_length": AT_LEAST_ONE,
+    "dr_grpo_horizon": AT_LEAST_ONE,
+    "max_tokens_per_microbatch": AT_LEAST_ONE,
+    "rollouts_per_step": AT_LEAST_ONE,
+    "logprob_chunk_size": NON_NEGATIVE,
+    "max_off_policy_steps": NON_NEGATIVE,
+    "generation_timeout_s": POSITIVE,
+    "print_samples_every": NON_NEGATIVE,
+    "weight_sync_bucket_mb": NON_NEGATIVE,
+    "weight_sync_probe_tokens": Range(2, also=(0,)),
+    "weight_sync_probe_tolerance": POSITIVE,
+    "weight_sync_probe_every": AT_LEAST_ONE,
+    "vllm_max_concurrency": AT_LEAST_ONE,
+    "vllm_request_timeout_s": POSITIVE,
+    "vllm_max_retries": NON_NEGATIVE,
+    "vllm_reconnect_timeout_s": NON_NEGATIVE,
+    "max_refill_batches": NON_NEGATIVE,
+    "max_rollout_retries": NON_NEGATIVE,
+    "max_failed_rollouts_fraction": NON_NEGATIVE,
+    "eval_holdout": NON_NEGATIVE,
+    "log_completions_steps": NON_NEGATIVE,
+    # GRPOConfig's fields that the trainer relies on
+    "per_device_train_batch_size": AT_LEAST_ONE,
+    "temperature": POSITIVE,
+    "num_iterations": AT_LEAST_ONE,
+    "epsilon": NON_NEGATIVE,
+    "epsilon_high": NON_NEGATIVE,
+    "delta": POSITIVE,
+    "off_policy_mask_threshold": NON_NEGATIVE,
+    "top_entropy_quantile": POSITIVE,
+}
+
+
+# generation_kwargs keys both engines honour exactly; as in TRL they override the field of the same name (here by
+# setting it, so the engines and the trainer's log-prob temperature read one value).
+GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_LENGTH_KWARG = ("the completion length is --max_completion_length (checked against the environment's limits); "
+                 "set it instead")
+_GENERATION_KWARGS_REFUSED = {
+    "max_tokens": _LENGTH_KWARG,
+    "max_new_tokens": _LENGTH_KWARG,
+    "presence_penalty": "not implemented in the embedded engine",
+    "frequency_penalty": "not implemented in the embedded engine",
+    "seed": "each rollout's seed derives from --seed",
+    "n": "--num_generations sets the samples per prompt",
+    "num_return_sequences": "--num_generations sets the samples per prompt",
+    "do_sample": "the engines sample at --temperature > 0; greedy decoding (temperature 0) is for evaluation only",
+}
+
+
+def apply_generation_kwargs(config) -> None:
+    """Write ``config.generation_kwargs`` into the sampling fields it names; raise ValueError naming a key that
+    both engines cannot honour exactly (a sampler that differs from what the log-probs say biases training)."""
+    kwargs = config.generation_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"generation_kwargs must be a dict (a JSON object on the command line), got {kwargs!r}.")
+    for key, value in kwargs.items():
+        if key not in GENERATION_KWARGS:
+            why = _GENERATION_KWARGS_REFUSED.get(key, "not implemented in both engines (embedded and vLLM)")
+            raise ValueError(f"generation_kwargs[{key!r}] is refused: {why}. Accepted keys: "
+                             f"{', '.join(GENERATION_KWARGS)}.")
+        if isinstance(value, bool) or not isinstance(value, int if key == "top_k" else (int, float)):
+            raise ValueError(f"generation_kwargs[{key!r}] must be {'an int' if key == 'top_k' else 'a number'}, "
+                             f"got {value!r}.")
+        setattr(config, key, value)
+
+
+@dataclass
+class RLConfig(GRPOConfig):
+    """GRPOConfig plus the fields of the exact, asynchronous trainer.
+
+    One optimizer step consumes ``rollouts_per_step`` rollouts, spread over ranks and micro-batches however
+    ``micro_batching`` says; the update equals the single-device full-batch update. ``gradient_accumulation_steps``
+    is read once, to size the default batch, and then set to 1: the trainer runs every micro-batch of a step
+    inside one ``training_step``.
+
+    Over 300 lines: its body is the field declarations (each one a flag with its help); the checks are ``validate``
+    and the module's functions.
+    """
+
+    loss_type: LossTypeOrTRL = field(
+        default="grpo",
+        metadata={
+            "help": "Aggregation over the global batch: grpo (sequence mean of token means), dr_grpo (token sum / "
+            "(valid sequences * horizon)), token_mean (DAPO; TRL's names dapo and bnpo mean it too), "
+            "seq_mean_token_sum.",
+        },
+    )
+    importance_sampling_level: ImportanceSamplingLevel = field(
+        default="token", metadata={"help": "PPO ratio per token, or per sequence (GSPO, length-normalised)."}
+    )
+    importance_correction: CorrectionMode = field(
+        default="token_truncate",
+        metadata={
+            "help": "Correction between the proximal and the sampler policy, when rollouts carry sampler log-probs: "
+            "token_truncate (w = min(exp(p - q), cap)), token_mask, sequence_truncate, sequence_mask, none.",
+        },
+    )
+    importance_cap: float = field(default=2.0, metadata={"help": "Upper bound C of the importance weight."})
+    importance_sequence_log_ratio: SequenceLogRatio = field(
+        default="mean",
+        metadata={"help": "The sequence modes' log-ratio: mean over the sequence's tokens (length-normalised) or "
+                  "sum (TRL's vllm_importance_sampling sequence modes)."},
+    )
+    importance_cap_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance weight (mask modes: the lower edge)."}
+    )
+    max_seq_len: int = field(default=1024, metadata={"help": "Longest prompt + completion trained on, in tokens."})
+    overlong: OverlongPolicy = field(
+        default="error",
+        metadata={
+            "help": "A rollout longer than max_seq_len: 'error' refuses the batch, 'truncate' cuts the completion's "
+            "tail and marks it truncated (before any count is taken).",
+        },
+    )
+    dr_grpo_horizon: int | None = field(
+        default=None, metadata={"help": "Horizon H of dr_grpo; defaults to max_seq_len."}
+    )
+    micro_batching: Literal[MicroBatchingMode, "auto"] = field(
+        default="auto",
+        metadata={
+            "help": "padded: per_device_train_batch_size rows per micro-batch (length-sorted); packed: padding-free "
+            "rows of at most max_tokens_per_microbatch tokens; auto: packed with a flash-attention (varlen) kernel; "
+            "otherwise whichever of the two the cost model (tokens + the attention cells computed: run by run in a "
+            "packed row with sdpa, over the whole row with eager) finds cheaper for each batch. All three are exact.",
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None, metadata={"help": "Token budget of a packed micro-batch; defaults to 4 * max_seq_len."}
+    )
+    rollouts_per_step: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rollouts per optimizer step over all ranks (B). Defaults to per_device_train_batch_size * "
+            "gradient_accumulation_steps * world size."
+        },
+    )
+    logprob_chunk_size: int = field(
+        default=1024, metadata={"help": "Tokens per chunk of the log-prob computation; 0 computes all logits at once."}
+    )
+    rollouts_path: str | None = field(
+        default=None, metadata={"help": "A JSON Lines file of rollouts to train on (replay)."}
+    )
+    scale_rewards: ScaleRewards = field(
+        default="group", metadata={"help": "Advantage scaling: group std, batch std, or none."}
+    )
+    max_off_policy_steps: int = field(
+        default=1,
+        metadata={"help": "k: generation runs up to k optimizer steps ahead of training (0 = synchronous)."},
+    )
+    generation_timeout_s: float = field(
+        default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error."}
+    )
+    save_rollouts_path: str | None = field(
+        default=None, metadata={"help": "Append every trained rollout to this JSON Lines file (the replay format)."}
+    )
+    num_generations: int | None = field(
+        default=8, metadata={"help": "Rollouts per prompt when generating (a group)."}
+    )
+    print_samples_every: int = field(
+        default=10,
+        metadata={"help": "Print num_completions_to_print sample completions (with rewards) every N steps; 0 = never."},
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision (and the embedded engine's weights in bf16); defaults "
+                                         "to True on a GPU, False on CPU (and with use_cpu)."}
+    )
+    weight_sync_bucket_mb: float = field(
+        default=256.0,
+        metadata={
+            "help": "Weight sync to the engine gathers ZeRO-3 shards in buckets of about this many MiB (one collective "
+            "per bucket; also the extra memory each rank holds while a bucket is out). 0 = one parameter at a time."
+        },
+    )
+    weight_sync_probe_tokens: int = field(
+        default=32,
+        metadata={
+            "help": "After each weight sync, compare the engine's and the trainer's log-probs of this many fixed "
+            "tokens and warn if they differ (stale layers, e.g. a tied output layer). 0 turns the probe off."
+        },
+    )
+    weight_sync_probe_every: int = field(
+        default=10,
+        metadata={
+            "help": "Probe after the first weight sync and then after every N-th (1: after every sync). The probe is "
+            "two forwards that generation waits for; a broken sync shows at the first."
+        },
+    )
+    weight_sync_probe_tolerance: float | None = field(
+        default=None,
+        metadata={
+            "help": "Largest |engine - trainer| log-prob gap on the probe before the warning. Default: 1e-3 when "
+            "the trainer and the engine both compute in float32, 0.5 when either uses bf16/fp16 (bf16 rounding alone "
+            "moves a log-prob by up to ~0.2; a tensor left unloaded moves one by more)."
+        },
+    )
+
+    vllm_server_url: str | None = field(
+        default=None,
+        metadata={
+            "help": "Generate through this vLLM server (e.g. http://127.0.0.1:8000) instead of the embedded engine; "
+            "start one with `python -m verifiers_rl.inference.vllm.server --model MODEL --port 8000`. Several "
+            "servers of the same model: a comma-separated list (a list in YAML); requests go to the least busy one, "
+            "a group's samples to one server (its prefix cache), every weight sync and probe reaches each, and a "
+            "server that stops answering is left out until it answers again at the same address (it then gets the "
+            "current weights); with all of them down the run waits vllm_reconnect_timeout_s."
+        },
+    )
+    vllm_max_concurrency: int = field(
+        default=64, metadata={"help": "Most requests in flight to the vLLM server (it batches them)."}
+    )
+    vllm_request_timeout_s: float = field(
+        default=600.0, metadata={"help": "Longest wait for one request to the vLLM server."}
+    )
+    vllm_max_retries: int = field(
+        default=3,
+        metadata={
+            "help": "Further attempts after a connection error or HTTP 5xx from the vLLM server (backoff 0.5 s, "
+            "doubled each time)."
+        },
+    )
+    vllm_reconnect_timeout_s: float = field(
+        default=300.0,
+        metadata={
+            "help": "When the vLLM server stops answering (killed, restarted), wait this long for it to come back at "
+            "the same address, then reload the current weights into it and re-send what was in flight; not back in "
+            "time: the run stops with the error. 0 = stop at once. Must be below generation_timeout_s. Keeps the "
+            "last weights (files: the last snapshot on disk; nccl/gloo: a copy in host memory)."
+        },
+    )
+    vllm_weights_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where weight syncs write their snapshot for the vLLM server to read (the same path on both "
+            "machines). Default: a temporary folder (a server on this machine)."
+        },
+    )
+    vllm_weight_transfer: WeightTransfer = field(
+        default="files",
+        metadata={
+            "help": "How weights reach the vLLM server: files (safetensors snapshots in vllm_weights_dir), nccl "
+            "(GPUs; vllm must be importable here) or gloo (CPUs): broadcast through vLLM's weight-transfer engine, in "
+            "rounds of weight_sync_bucket_mb. Start the server with the same --weight-transfer."
+        },
+    )
+    vllm_weight_transfer_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "Address the vLLM server's workers reach this trainer at for nccl/gloo (default: the interface "
+            "that routes to the server)."
+        },
+    )
+
+    filter_groups: Literal["none", "zero_variance"] = field(
+        default="none",
+        metadata={
+            "help": "Dynamic sampling (DAPO): 'zero_variance' drops every group whose rewards are all equal (no "
+            "advantage, only cost) before batching; live generation then generates more groups until the batch is "
+            "full (at most max_refill_batches more rounds), replay only filters. 'none' keeps every group.",
+        },
+    )
+    max_refill_batches: int = field(
+        default=3,
+        metadata={
+            "help": "With filter_groups: at most this many extra rounds of generation (each as many prompts as a "
+            "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
+        },
+    )
+    max_rollout_retries: int = field(
+        default=2,
+        metadata={
+            "help": "Live generation: a group whose environment raised is generated again (same seeds) up to this many "
+            "times, then dropped and counted (rollouts_failed, groups_dropped_on_error)."
+        },
+    )
+    max_failed_rollouts_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "Largest fraction of a batch's groups that may be dropped after max_rollout_retries before the run "
+            "stops with the error (0: any group that keeps failing stops it; a batch with no group left always does)."
+        },
+    )
+    eval_num_examples: int | None = field(
+        default=None,
+        metadata={"help": "Prompts of the held-out split each evaluation rolls out (the split's first N rows, the same "
+                  "every time); default: the whole split."},
+    )
+    eval_samples_per_prompt: int = field(
+        default=1, metadata={"help": "Samples per evaluation prompt (k of pass@k)."}
+    )
+    eval_temperature: float | None = field(
+        default=None, metadata={"help": "Sampling temperature of evaluation (0 = greedy); default: --temperature."}
+    )
+    eval_pass_threshold: float = field(
+        default=1.0, metadata={"help": "An evaluation sample passes (pass@k) when its reward is >= this."}
+    )
+    eval_holdout: int = field(
+        default=0,
+        metadata={
+            "help": "Move N rows of the training environment's dataset (a shuffle seeded by --seed) into its held-out "
+            "split, whether or not evaluation runs: for environments without an eval split. 0 = off."
+        },
+    )
+    log_completions_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Every N steps, send a table of the batch's prompts, completions and rewards to every --report_to "
+            "backend (tensorboard: text; wandb, trackio: a table). 0 = never; --log_completions means every "
+            "--logging_steps."
+        },
+    )
+    share_prompt_training: SharePromptTraining = field(
+        default="auto",
+        metadata={
+            "help": "Training forward (not generation; see share_prompt_prefill for the engine): forward each group's "
+            "common token prefix (its prompt) once per micro-batch row, shared by its completions (exact: same "
+            "log-probs and update); a packed row also holds its groups' common first tokens (a system prompt) once. "
+            "on: whole groups per row as far as per_device_train_batch_size (padded) and "
+            "max_tokens_per_microbatch allow; auto: rows sized by a cost model (with sdpa a shared row attends run by "
+            "run and whole groups share; with eager its attention is dense and long completions share less), off "
+            "with a flash/varlen attention kernel (it cannot take the tree "
+            "mask); off: one row per sequence, the prompt forwarded with every completion."
+        },
+    )
+
+    def __post_init__(self):
+        if isinstance(self.vllm_server_url, (list, tuple)):  # a YAML list of servers: the flag's comma-joined form
+            self.vllm_server_url = ",".join(str(url).strip() for url in self.vllm_server_url)
+        check_fields(self)  # before anything below derives a field from another
+        apply_trl_names(self)
+        if self.bf16 is None:  # use_cpu trains on the CPU even where a GPU is (a GPU machine's CPU reference run)
+            self.bf16 = torch.cuda.is_available() and not self.use_cpu and not self.fp16
+        for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
+                                    ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
+            # TRL defaults the old name (gradient_checkpointing=True), which transformers 5 then reports as a
+            # deprecated setting on every run; carry it over to the new name, as transformers itself would.
+            if getattr(self, current, "absent") is None and getattr(self, deprecated, None) is not None:
+                setattr(self, current, getattr(self, deprecated))
+        if isinstance(self.report_to, str) and "," in self.report_to:
+            self.report_to = [name.strip() for name in self.report_to.split(",")]  # the command line's one string
+        if self.eval_steps and self.eval_strategy == "no":
+            self.eval_strategy = "steps"  # --eval_steps N alone asks for evaluation every N steps
+        if self.log_completions:
+            # TRL's completion logging reads buffers only its own generation fills; ours logs the batch instead.
+            self.log_completions_steps = self.log_completions_steps or max(int(self.logging_steps), 1)
+            self.log_completions = False
+        self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
+        requested_num_generations = self.num_generations
+        requested_num_generations_eval = self.num_generations_eval
+        # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
+        # not ours, so give it values that pass, then restore.
+        self.gradient_accumulation_steps = 1
+        self.steps_per_generation = 2
+        self.generation_batch_size = None
+        self.num_generations = 2
+        self.num_generations_eval = 1  # nor is its evaluation batch (evaluation.py samples per prompt itself)
+        with compat.deferred_device_setup(self):  # a config is a value: no process group, no device yet
+            super().__post_init__()
+        self.num_generations = requested_num_generations
+        self.num_generations_eval = requested_num_generations_eval
+        self.steps_per_generation = 1
+        apply_generation_kwargs(self)  # after TrainingArguments parsed a JSON string into a dict
+        if self.chat_template_kwargs is not None:  # likewise parsed: every environment and engine renders with them
+            self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs, "--chat_template_kwargs")
+        if self.rollouts_per_step is None:
+            self.rollouts_per_step = (
+                self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * launched_world_size()
+            )
+        self.generation_batch_size = self.rollouts_per_step
+        if self.max_tokens_per_microbatch is None:
+            self.max_tokens_per_microbatch = 4 * self.max_seq_len
+        self.validate()
+
+    @functools.cached_property
+    def _setup_devices(self):
+        """transformers' device and process set-up, after ours (``launch.prepare_process``): the first time anything
+        asks for the device, the world size or the process index, not when the config is built."""
+        prepare_process(self)
+        return TrainingArguments._setup_devices.func(self)
+
+    @property
+    def distributed_state(self):
+        """transformers' ``PartialState``, set up on first use (``_setup_devices``)."""
+        if "_distributed_state" not in self.__dict__:
+            if compat.device_setup_deferred(self):
+                return None  # inside __post_init__: TRL reads the world size; the launch's is used instead
+            _ = self._setup_devices
+        return self.__dict__["_distributed_state"]
+
+    @distributed_state.setter
+    def distributed_state(self, value) -> None:
+        self.__dict__["_distributed_state"] = value
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad knob: a choice outside its ``Literal`` type, a number outside
+        its ``RANGES`` rule, then the rules that tie fields together."""
+        for name, choices in _choices(type(self)).items():
+            check_choice(name, getattr(self, name), choices)
+        for name, allowed in RANGES.items():
+            allowed.check(name, getattr(self, name))
+        if self.micro_batching != "padded":
+            check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
+        if self.top_entropy_quantile > 1:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}.")
+        if self.max_failed_rollouts_fraction > 1:
+            raise ValueError(f"max_failed_rollouts_fraction must be <= 1, got {self.max_failed_rollouts_fraction}.")
+        if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:
+            raise ValueError("importance_cap_min must satisfy 0 <= importance_cap_min < importance_cap.")
+        if self.ddp_timeout <= self.generation_timeout_s:
+            # The other ranks wait for the main process's batch inside a collective, which gives up at ddp_timeout.
+            raise ValueError(
+                f"ddp_timeout ({self.ddp_timeout} s) must exceed generation_timeout_s ({self.generation_timeout_s:g} s): "
+                "the other processes wait for each batch in a collective that fails after ddp_timeout."
+            )
+        if self.use_vllm or self.vllm_server_base_url:
+            # TRL's own vLLM path would start its client and an NCCL weight-transfer group (CUDA only) beside ours.
+            raise ValueError(
+                "use_vllm / vllm_server_base_url select TRL's vLLM client, which verifiers_rl does not use. Pass "
+                "--vllm_server_url http://HOST:PORT instead (start the server with "
+                "`python -m verifiers_rl.inference.vllm.server --model MODEL --port PORT`)."
+            )
+        check_server_url(self.vllm_server_url, "vllm_server_url")
+        if self.vllm_server_url and self.vllm_reconnect_timeout_s >= self.generation_timeout_s:
+            # The trainer waits for a batch at most generation_timeout_s: a wait for the server must fit in it.
+            raise ValueError(
+                f"vllm_reconnect_timeout_s ({self.vllm_reconnect_timeout_s:g} s) must be below generation_timeout_s "
+                f"({self.generation_timeout_s:g} s): the wait for a restarted vLLM server happens inside a batch's "
+                "generation."
+            )
+        from verifiers_rl.inference import SamplingConfig
+        from verifiers_rl.inference.factory import sampling_settings
+
+        SamplingConfig(**sampling_settings(self))  # the sampling knobs' ranges (raises naming the knob)
+        if not self.rollouts_path and (self.num_generations is None or self.num_generations < 2):
+            # TRL refuses it too: without it a live run trains on zero advantages and learns nothing from rewards.
+            raise ValueError(f"num_generations must be >= 2 when generating from an environment (--env), got "
+                             f"{self.num_generations}: a rollout's advantage is its reward minus its group's mean, so "
+                             "a group of one rollout always has advantage 0.")
+        if not self.rollouts_path and self.rollouts_per_step % self.num_generations:
+            # Live generation samples whole groups (replay takes its groups from the file, of any size).
+            raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of num_generations "
+                             f"({self.num_generations}) when generating from an environment (--env).")
+        from verifiers_rl.rollouts.evaluation import EvalSettings
+
+        EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)
+
+
+@functools.cache
+def _choices(cls: type) -> dict[str, tuple]:
+    """The allowed values of every ``Literal``-typed field of ``cls``."""
+    hints = get_type_hints(cls)
+    return {f.name: get_args(hints[f.name]) for f in fields(cls) if get_origin(hints[f.name]) is Literal}

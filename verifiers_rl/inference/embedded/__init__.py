@@ -1,0 +1,1 @@
+"""The embedded engine: a transformers model decoding on its own copy of the weights."""

@@ -1,0 +1,1 @@
+"""A vLLM server: its client engine, HTTP, recovery, weight loads and its launcher."""

@@ -1,0 +1,253 @@
+"""Evaluation: roll out an environment's held-out rows through an engine and reduce them to metrics.
+
+The trainer runs it every ``--eval_steps`` (``RLTrainer.evaluate``); ``python -m verifiers_rl.cli.eval`` runs it on a
+saved model. Each prompt gets ``samples_per_prompt`` (k) samples; sample i of row r draws its tokens with the seed
+``derive_seed(derive_seed(seed, "eval", r), i)``, a namespace training never uses, so evaluation neither consumes nor
+perturbs any random state of training, and the same weights always give the same evaluation (at any step, and in the
+standalone evaluation of a saved checkpoint).
+
+A sample *passes* when its reward is >= ``pass_threshold`` (default 1.0: a fully correct answer for the 0/1 rewards
+of arithmetic and calculator, an exact reversal for reverse_text's partial credit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from verifiers_rl.envs.environment import Environment, Row
+from verifiers_rl.envs.rubric import ERRORS_METRIC
+from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.core.rollout import Rollout, metric_values
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimator from ``n`` samples of which ``c`` pass (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code"): the probability that k samples drawn without replacement from the n hold a
+    pass,
+
+        pass@k = 1 - C(n - c, k) / C(n, k).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}.")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class EvalSettings:
+    """``num_examples`` prompts of the held-out split (None: all of it) x ``samples_per_prompt`` samples each, at
+    ``temperature`` (None: the engine's; 0: greedy)."""
+
+    num_examples: int | None = None
+    samples_per_prompt: int = 1
+    temperature: float | None = None
+    pass_threshold: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_examples is not None and self.num_examples < 1:
+            raise ValueError(f"eval_num_examples must be >= 1, got {self.num_examples}.")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"eval_samples_per_prompt must be >= 1, got {self.samples_per_prompt}.")
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"eval_temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+
+    @classmethod
+    def from_config(cls, args) -> "EvalSettings":
+        return cls(args.eval_num_examples, args.eval_samples_per_prompt, args.eval_temperature,
+                   args.eval_pass_threshold, args.seed)
+
+
+def eval_rows(environment: Environment, num_examples: int | None, flag: str = "--eval_num_examples") -> list[Row]:
+    """The first ``num_examples`` rows of the held-out split (all of them for None), the same rows at every
+    evaluation."""
+    rows = environment.eval_dataset
+    if not rows:
+        raise ValueError(
+            f"{environment.name} has no held-out split to evaluate on. Evaluate another environment with --eval_env "
+            "(one built with eval_dataset=...), or hold out training rows with --eval_holdout N."
+        )
+    if num_examples is not None and num_examples > len(rows):
+        raise ValueError(
+            f"{flag} {num_examples} is larger than the held-out split of {environment.name} ({len(rows)} "
+            "rows). Lower it, or give the environment a larger split (the built-ins take "
+            "--env_args '{\"num_eval_examples\": N}'; --eval_holdout N holds out N training rows)."
+        )
+    return rows if num_examples is None else rows[:num_examples]
+
+
+@dataclass
+class EvalSample:
+    """One evaluation rollout: sample ``sample`` of held-out row ``row``."""
+
+    row: Row
+    sample: int
+    rollout: Rollout
+    passed: bool
+
+    def record(self) -> dict:
+        """The rollout record (the replay format's fields) plus ``row``, ``sample``, ``answer`` and ``passed``."""
+        return {"row": self.row.index, "sample": self.sample, **json.loads(self.rollout.to_json()),
+                "answer": self.row.answer, "passed": self.passed}
+
+
+@dataclass
+class EvalResult:
+    """The reduced evaluation: means over every rollout, pass@k averaged over prompts."""
+
+    samples: list[EvalSample]
+    num_prompts: int
+    samples_per_prompt: int
+    pass_threshold: float
+    reward: float
+    reward_std: float
+    pass_at: dict[int, float]
+    reward_functions: dict[str, float]
+    reward_errors: float
+    completion_tokens: float
+    truncated_fraction: float
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+    logged_metrics: dict[str, float] = field(default_factory=dict)  # reward functions' log_metric means
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        """Flat metrics named ``{prefix}_...``: every ``report_to`` backend shows them as ``{prefix}/...``
+        (``eval/reward``, ``eval/pass@1``, ``eval/pass@4``, ``eval/rewards/<function>``)."""
+        values = {"reward": self.reward, "reward_std": self.reward_std}
+        values.update({f"pass@{k}": v for k, v in self.pass_at.items()})
+        values.update({f"rewards/{name}": v for name, v in self.reward_functions.items()})
+        values.update(self.logged_metrics)  # under their own names, as TRL logs them
+        values.update(reward_errors=self.reward_errors, completion_tokens=self.completion_tokens,
+                      truncated_fraction=self.truncated_fraction, num_prompts=float(self.num_prompts),
+                      samples_per_prompt=float(self.samples_per_prompt), runtime=self.seconds)
+        return {f"{prefix}_{name}": float(v) for name, v in values.items()}
+
+    def table(self) -> str:
+        """A two-column summary for a terminal."""
+        n, k = self.num_prompts, self.samples_per_prompt
+        rows = [("prompts x samples", f"{n} x {k} = {len(self.samples)} rollouts"),
+                ("reward", f"{self.reward:.4f} ± {self.reward_std:.4f}")]
+        rows += [(f"pass@{j}", f"{v:.4f}") for j, v in self.pass_at.items()]
+        rows += [(f"  {name}", f"{v:.4f}") for name, v in self.reward_functions.items()]
+        if self.reward_errors:
+            rows.append(("reward errors", f"{self.reward_errors:.0f}"))
+        total = sum(s.rollout.completion_mask.count(1) for s in self.samples)
+        rows.append(("completion tokens", f"{self.completion_tokens:.1f} per rollout ({total} in all), "
+                                          f"{self.truncated_fraction:.0%} truncated"))
+        rate = len(self.samples) / self.seconds if self.seconds > 0 else float("inf")
+        rows.append(("time", f"{self.seconds:.1f} s ({rate:.1f} rollouts/s)"))
+        rows.append(("pass", f"reward >= {self.pass_threshold:g}"))
+        width = max(len(label) for label, _ in rows)
+        return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold: float, seconds: float) -> EvalResult:
+    """Reduce ``samples`` (``samples_per_prompt`` per row) to an ``EvalResult``."""
+    if not samples:
+        raise ValueError("Nothing was evaluated.")
+    by_row: dict[int, list[EvalSample]] = {}
+    for sample in samples:
+        by_row.setdefault(sample.row.index, []).append(sample)
+    rewards = [s.rollout.reward for s in samples]
+    ks = sorted({1, samples_per_prompt})
+    pass_at = {
+        k: statistics.fmean(pass_at_k(len(group), sum(s.passed for s in group), k) for group in by_row.values())
+        for k in ks
+    }
+    names = [name for name in samples[0].rollout.metrics if name != ERRORS_METRIC]
+    functions = {name: statistics.fmean(s.rollout.metrics.get(name, 0.0) for s in samples) for name in names}
+    return EvalResult(
+        samples=samples,
+        num_prompts=len(by_row),
+        samples_per_prompt=samples_per_prompt,
+        pass_threshold=pass_threshold,
+        reward=statistics.fmean(rewards),
+        reward_std=statistics.pstdev(rewards),
+        pass_at=pass_at,
+        reward_functions=functions,
+        reward_errors=float(sum(s.rollout.metrics.get(ERRORS_METRIC, 0.0) for s in samples)),
+        completion_tokens=statistics.fmean(s.rollout.completion_mask.count(1) for s in samples),
+        truncated_fraction=statistics.fmean(float(s.rollout.truncated) for s in samples),
+        seconds=seconds,
+        logged_metrics={name: statistics.fmean(values) for name, values in metric_values([s.rollout for s in samples], "logged_metrics").items()},
+    )
+
+
+async def _rollouts(environment: Environment, engine, rows: list[Row], settings: EvalSettings,
+                    on_group: Callable[[int], None] | None) -> list[EvalSample]:
+    async def group(row: Row) -> list[EvalSample]:
+        rollouts = await environment.rollout_group(
+            engine, row, f"eval-{row.index}", settings.samples_per_prompt,
+            seed=derive_seed(settings.seed, "eval", row.index), temperature=settings.temperature,
+        )
+        if on_group is not None:
+            on_group(len(rollouts))
+        return [EvalSample(row, i, r, r.reward >= settings.pass_threshold) for i, r in enumerate(rollouts)]
+
+    groups = await asyncio.gather(*(group(row) for row in rows))
+    return [sample for samples in groups for sample in samples]
+
+
+def evaluate(environment: Environment, engine, settings: EvalSettings,
+             on_group: Callable[[int], None] | None = None) -> EvalResult:
+    """Roll out the held-out rows ``settings`` selects through ``engine`` (all at once; the engine batches them) in
+    an event loop of its own, and reduce them. ``on_group(n)`` is called as each prompt's n samples finish."""
+    rows = eval_rows(environment, settings.num_examples)
+    start = time.perf_counter()
+    samples = asyncio.run(_rollouts(environment, engine, rows, settings, on_group))
+    return summarize(samples, settings.samples_per_prompt, settings.pass_threshold, time.perf_counter() - start)
+
+
+@dataclass
+class TrainingEvaluation:
+    """What ``RLTrainer.evaluate`` runs on the main process: the environment, its rows (checked when training
+    starts, not at the first evaluation) and the settings."""
+
+    environment: Environment
+    settings: EvalSettings
+
+    def check_engine(self, engine) -> None:
+        if engine is None:
+            raise ValueError(
+                "Evaluation needs an inference engine on the main process (examples/train.py builds one; with "
+                "RLTrainer pass engine=...)."
+            )
+
+    def run(self, engine) -> EvalResult:
+        self.check_engine(engine)
+        return evaluate(self.environment, engine, self.settings)
+
+
+def prepare(args, environment: Environment | None, eval_environment: Environment | None) -> TrainingEvaluation | None:
+    """Check that ``--eval_holdout`` was applied where the environment was loaded (``envs.splits.hold_out``, whether
+    or not evaluation runs, so the rows a run trains on never depend on evaluation) and, when ``--eval_strategy`` is
+    not "no", the rows evaluation will use. The eval environment defaults to the training environment. Nothing here
+    changes an environment."""
+    eval_environment = eval_environment or environment
+    if args.eval_holdout:
+        target = environment or eval_environment
+        if target is None:
+            raise ValueError("--eval_holdout needs an environment to hold rows out of (--env or --eval_env).")
+        if getattr(target, "_verifiers_rl_holdout", None) != (args.eval_holdout, args.seed):
+            raise ValueError(
+                f"--eval_holdout {args.eval_holdout}: hold the rows out where the environment is loaded, before the "
+                f"trainer: verifiers_rl.envs.splits.hold_out(environment, {args.eval_holdout}, seed={args.seed}) "
+                "(examples/train.py and python -m verifiers_rl.cli.eval do)."
+            )
+    if args.eval_strategy == "no":
+        return None
+    if eval_environment is None:
+        raise ValueError(
+            "Evaluation (--eval_steps / --eval_strategy) needs an environment: pass --eval_env NAME (a replay run has "
+            "no training environment to default to)."
+        )
+    settings = EvalSettings.from_config(args)
+    eval_rows(eval_environment, settings.num_examples)
+    return TrainingEvaluation(eval_environment, settings)

@@ -1,0 +1,390 @@
+"""Where the trainer's batches of rollouts come from.
+
+A source runs on the main process and hands out one optimizer step's rollouts at a time. ``ReplaySource``
+replays a JSON Lines file; live generation (an environment through an inference engine, k steps ahead)
+implements the same two methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.core.rollout import Rollout, RolloutFormatError, group_by_id, read_rollouts
+from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, has_signal
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """What a rollout source hands the trainer for one batch: its rollouts (whole groups), the source's counts
+    (``stats``: groups kept / dropped by the filter, refill rounds, reward errors; logged per step) and how long the
+    batch took to generate (None when replayed)."""
+
+    index: int
+    rollouts: list[Rollout]
+    stats: dict[str, float] = field(default_factory=dict)
+    generation_s: float | None = None
+
+
+class RolloutSource(Protocol):
+    def __len__(self) -> int:
+        """Batches in one pass over the source."""
+
+    def batch(self, index: int) -> Batch | list[Rollout]:
+        """Batch ``index`` (whole groups); a plain list of rollouts is taken as a ``Batch`` without stats."""
+
+
+def as_batch(index: int, result: Batch | list[Rollout]) -> Batch:
+    """A source's answer as a ``Batch`` with its reward-error count (sources of the user's may return a list)."""
+    batch = result if isinstance(result, Batch) else Batch(index, list(result))
+    batch.stats.setdefault("reward_errors", float(sum(r.metrics.get("reward_errors", 0.0) for r in batch.rollouts)))
+    return batch
+
+
+def split_into_batches(rollouts: list[Rollout], rollouts_per_step: int) -> list[list[Rollout]]:
+    """Consecutive whole groups (in order of first appearance) of ``rollouts_per_step`` rollouts each.
+
+    Advantages are computed within a group, so a group is never split between two batches. The last batch
+    may be smaller; it is kept, not dropped.
+    """
+    batches: list[list[Rollout]] = []
+    current: list[Rollout] = []
+    for members in group_by_id(rollouts):
+        group_id = members[0].group_id
+        if len(members) > rollouts_per_step:
+            raise RolloutFormatError(
+                f"Group {group_id!r} has {len(members)} rollouts, more than rollouts_per_step={rollouts_per_step}."
+            )
+        if len(current) + len(members) > rollouts_per_step:
+            raise RolloutFormatError(
+                f"Group {group_id!r} ({len(members)} rollouts) does not fit the {rollouts_per_step - len(current)} "
+                f"rollouts left in batch {len(batches)}: rollouts_per_step ({rollouts_per_step}) must be a sum of "
+                "whole groups."
+            )
+        current.extend(members)
+        if len(current) == rollouts_per_step:
+            batches.append(current)
+            current = []
+    if current:
+        logger.warning(
+            "The last batch holds %d rollouts instead of %d; it is trained on as a smaller batch.",
+            len(current),
+            rollouts_per_step,
+        )
+        batches.append(current)
+    return batches
+
+
+def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
+    """The rollouts of the groups with signal (``has_signal``), in order, and how many groups were dropped."""
+    groups = group_by_id(rollouts)
+    kept = [group for group in groups if has_signal(group)]
+    return [rollout for group in kept for rollout in group], len(groups) - len(kept)
+
+
+class ReplaySource:
+    """Replays a rollouts file (the rollout line format) through the same batching and loss as live generation.
+
+    With ``filter_groups`` (DAPO's dynamic sampling) each batch keeps only its groups with reward variance; there is
+    nothing to refill from, so a batch loses them (and one without any is trained unfiltered, with a warning).
+    """
+
+    def __init__(self, path: str | Path, rollouts_per_step: int, filter_groups: bool = False):
+        self.path = Path(path)
+        self.batches = split_into_batches(read_rollouts(self.path), rollouts_per_step)
+        self.sha256 = hashlib.sha256(self.path.read_bytes()).hexdigest()  # a resumed run checks it is the same file
+        self.filter_groups = filter_groups
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def batch(self, index: int) -> Batch:
+        rollouts = self.batches[index % len(self.batches)]
+        if not self.filter_groups:
+            return Batch(index, rollouts)
+        kept, dropped = drop_zero_variance_groups(rollouts)
+        if not kept:
+            logger.warning("Batch %d: no group has reward variance; training on it unfiltered.", index)
+        stats = {"groups_kept": float(len({r.group_id for r in kept})), "groups_dropped": float(dropped)}
+        return Batch(index, kept or rollouts, stats)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Close ``loop`` after ending the tasks engines may leave behind (a batching queue's drain)."""
+    leftovers = asyncio.all_tasks(loop)
+    for task in leftovers:
+        task.cancel()
+    if leftovers:
+        loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
+    loop.close()
+
+
+class GenerationTimeout(GenerationError):
+    """No batch arrived in time: the engine or an environment is stuck."""
+
+
+class AsyncGenerator:
+    """Produces batches of rollouts ``max_off_policy_steps`` (k) batches ahead, on a thread of the main process.
+
+    The schedule is exact: batch b is generated by policy version ``required_version(b) = max(0, b - k) * m``
+    (m = ``steps_per_batch``, the optimizer steps each batch trains), no newer and no older. The generator waits
+    for that version before it starts batch b, and a weight load to version v waits until every batch that needs
+    an older version is generated. Each group samples with a seed derived from the run's
+    seed and its position in the run (``RolloutSampling``), so a batch is a function of the seed and the weights
+    alone: a resumed run regenerates exactly what the uninterrupted run generated. k = 0 is synchronous, on the
+    caller's thread. A batch is generated under one lock, which ``hold_weights`` takes too, so a weight load never
+    lands in the middle of a batch. (``wait_for_older_batches(v)`` is the trainer's wait before a load.)
+    """
+
+    def __init__(
+        self,
+        environment,
+        engine,
+        rollouts_per_step: int,
+        num_generations: int,
+        max_off_policy_steps: int = 1,
+        timeout_s: float = 600.0,
+        seed: int = 0,
+        steps_per_batch: int = 1,
+        filter_groups: bool = False,
+        max_refill_batches: int = 3,
+        max_rollout_retries: int = 2,
+        max_failed_rollouts_fraction: float = 0.0,
+        shuffle: bool = True,
+    ):
+        # rollouts_per_step % num_generations == 0 and max_off_policy_steps >= 0 are RLConfig's rules.
+        rows = list(environment.dataset)
+        if not rows:
+            raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")
+        self.environment = environment
+        self.engine = engine
+        self.rows = rows
+        self.prompts_per_batch = rollouts_per_step // num_generations
+        self.num_generations = num_generations
+        self.max_off_policy_steps = max_off_policy_steps
+        self.steps_per_batch = steps_per_batch
+        self.filter_groups = filter_groups
+        self.max_refill_batches = max_refill_batches
+        self.max_rollout_retries = max_rollout_retries
+        self.max_failed_rollouts_fraction = max_failed_rollouts_fraction
+        # batch index -> its counts: groups kept / dropped by the filter, refill rounds, failed rollouts
+        self._stats: dict[int, dict[str, float]] = {}
+        self.groups = GroupRollouts(environment, engine, rows, num_generations, self.prompts_per_batch, seed,
+                                    max_refill_batches, max_rollout_retries, max_failed_rollouts_fraction)
+        self.timeout_s = timeout_s
+        self.seed = seed
+        self.shuffle = shuffle  # False: the dataset's order, epoch after epoch (TRL's shuffle_dataset)
+        self.total_batches: int | None = None  # batches the run will train on; none is generated beyond them
+        self._ready: dict[int, list[Rollout]] = {}
+        self._next_index = 0  # the next batch to generate; every batch before it is generated
+        self._generation_s: dict[int, float] = {}  # batch index -> seconds its generation took
+        self._error: BaseException | None = None
+        self._condition = threading.Condition()
+        self._batch_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._order: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return max(len(self.rows) // self.prompts_per_batch, 1)
+
+    def required_version(self, index: int) -> int:
+        """The policy version that generates batch ``index``."""
+        return max(0, index - self.max_off_policy_steps) * self.steps_per_batch
+
+    # --- the trainer's side -------------------------------------------------------------------------------------
+
+    def batch(self, index: int) -> Batch:
+        """Batch ``index``; waits at most ``timeout_s``; re-raises what went wrong in generation.
+
+        With k = 0 there is nothing to run ahead: the batch is generated here, on the caller's thread.
+        """
+        if self.max_off_policy_steps == 0 and index not in self._ready:
+            rollouts = self._generate_here(index)
+        else:
+            self.start()
+            with self._condition:
+                self._wait(lambda: index in self._ready, index)
+                rollouts = self._ready.pop(index)
+        return Batch(index, rollouts, self._stats.pop(index, {}), self._generation_s.pop(index, None))
+
+    def _wait(self, done, index: int) -> None:
+        """Wait (holding the condition) until ``done()``, the generator's error, or ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while not done():
+            if self._error is not None:
+                raise GenerationError(f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._timeout(index)
+            self._condition.wait(timeout=min(remaining, 1.0))
+
+    def _generate_here(self, index: int) -> list[Rollout]:
+        loop = asyncio.new_event_loop()
+        started = time.perf_counter()
+        try:
+            with self._batch_lock:
+                task = loop.create_task(asyncio.wait_for(self._generate(index), self.timeout_s))
+                rollouts = loop.run_until_complete(task)
+        except asyncio.TimeoutError:
+            raise self._timeout(index) from None
+        except Exception as error:
+            raise GenerationError(f"Generation failed: {type(error).__name__}: {error}") from error
+        finally:
+            _close_loop(loop)
+        self._generation_s[index] = time.perf_counter() - started
+        self._next_index = max(self._next_index, index + 1)
+        return rollouts
+
+    def _timeout(self, index: int) -> GenerationTimeout:
+        return GenerationTimeout(
+            f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
+            f"{self.engine.policy_version}); the engine or an environment is stuck."
+        )
+
+    def wait_for_older_batches(self, version: int) -> None:
+        """Before a weight load to ``version``: wait until every batch that an older version generates is done (the
+        exact schedule). Raises what went wrong in generation, or ``GenerationTimeout``."""
+        last = self.max_off_policy_steps + math.ceil(version / self.steps_per_batch) - 1
+        if self.total_batches is not None:
+            last = min(last, self.total_batches - 1)
+        if self.max_off_policy_steps == 0 or last < self._next_index:
+            return
+        self.start()
+        with self._condition:
+            self._wait(lambda: self._next_index > last or self._stop.is_set(), last)
+
+    def hold_weights(self):
+        """Context manager for a weight load: waits for the batch in progress, blocks the next one."""
+        return self._batch_lock
+
+    def weights_updated(self) -> None:
+        with self._condition:
+            self._condition.notify_all()
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+
+    def pending(self) -> dict[int, list[Rollout]]:
+        """The batches generated and not yet handed out, by index (a checkpoint keeps them: they were sampled by
+        weights older than the checkpoint's)."""
+        with self._condition:
+            return {index: list(rollouts) for index, rollouts in sorted(self._ready.items())}
+
+    def restore(self, next_batch: int, pending: dict[int, list[Rollout]]) -> None:
+        """Continue a run whose next batch to train is ``next_batch`` with the ``pending`` batches it had generated
+        ahead (before ``start``)."""
+        if self._thread is not None:
+            raise RuntimeError("restore() must come before the generator starts.")
+        expected = list(range(next_batch, next_batch + len(pending)))
+        if sorted(pending) != expected:
+            raise ValueError(f"Pending batches {sorted(pending)} do not follow batch {next_batch} without gaps.")
+        self._ready = dict(pending)
+        self._next_index = next_batch + len(pending)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="verifiers_rl-generator", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop generating: cancel the batch in progress and join the thread."""
+        self._stop.set()
+        with self._condition:
+            self._condition.notify_all()
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                logger.warning("The generator thread did not stop within %.0f s (a generate call is still running).", timeout_s)
+            self._thread = None
+
+    # --- the generator thread -----------------------------------------------------------------------------------
+
+    def _rows_of(self, index: int) -> list[tuple[int, dict]]:
+        picked = []
+        for k in range(self.prompts_per_batch):
+            position = index * self.prompts_per_batch + k
+            epoch, offset = divmod(position, len(self.rows))
+            while len(self._order) <= epoch * len(self.rows) + offset:
+                order = list(range(len(self.rows)))
+                if self.shuffle:
+                    random.Random(self.seed + len(self._order) // len(self.rows)).shuffle(order)
+                self._order.extend(order)
+            row_index = self._order[epoch * len(self.rows) + offset]
+            picked.append((position, row_index))
+        return picked
+
+    def _wait_for_version(self, index: int) -> bool:
+        needed = self.required_version(index)
+        with self._condition:
+            while not self._stop.is_set() and (
+                self.engine.policy_version < needed or (self.total_batches is not None and index >= self.total_batches)
+            ):
+                self._condition.wait(timeout=0.5)
+        return not self._stop.is_set()
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            while self._wait_for_version(self._next_index):
+                index = self._next_index
+                with self._batch_lock:
+                    started = time.perf_counter()
+                    self._task = self._loop.create_task(self._generate(index))
+                    rollouts = self._loop.run_until_complete(self._task)
+                with self._condition:
+                    self._ready[index] = rollouts
+                    self._generation_s[index] = time.perf_counter() - started
+                    self._next_index = index + 1
+                    self._condition.notify_all()
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank
+            with self._condition:
+                self._error = error
+                self._condition.notify_all()
+        finally:
+            self._task = None
+            _close_loop(self._loop)
+
+    async def _generate(self, index: int) -> list[Rollout]:
+        version = self.engine.policy_version
+        picks = [(f"b{index}-p{position}", self.rows[row], derive_seed(self.seed, "train", position))
+                 for position, row in self._rows_of(index)]
+        groups = await self.groups.of(picks, self._stats.setdefault(index, {}), index)
+        if self.filter_groups:
+            groups = await self.groups.keep_with_signal(index, groups, self._stats.setdefault(index, {}))
+        rollouts = [rollout for group in groups for rollout in group]
+        for rollout in rollouts:
+            rollout.policy_version = version
+        return rollouts
+
+
+def make_source(args, given: RolloutSource | None, environment, engine) -> RolloutSource:
+    """The run's rollout source (main process): live generation from ``environment`` through ``engine`` as ``args``
+    (an ``RLConfig``) says, ``given``, or a replay of ``args.rollouts_path``."""
+    filter_groups = args.filter_groups == "zero_variance"
+    if environment is None:
+        return given or ReplaySource(args.rollouts_path, args.rollouts_per_step, filter_groups=filter_groups)
+    if engine is None:
+        raise ValueError("Generating from an environment needs an inference engine on the main process.")
+    return AsyncGenerator(
+        environment, engine, rollouts_per_step=args.rollouts_per_step, num_generations=args.num_generations,
+        max_off_policy_steps=args.max_off_policy_steps, timeout_s=args.generation_timeout_s, seed=args.seed,
+        steps_per_batch=args.num_iterations, filter_groups=filter_groups, max_refill_batches=args.max_refill_batches,
+        max_rollout_retries=args.max_rollout_retries, max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
+        shuffle=args.shuffle_dataset,
+    )

@@ -1,0 +1,130 @@
+"""One batch's groups: a group per picked row, failed groups retried under the same seeds, refusals dropped at once,
+and DAPO's dynamic sampling (groups without reward variance replaced by more, drawn by a seeded shuffle)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.envs.environment import RolloutError, RolloutRefused
+
+logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as before the split
+
+
+class GenerationError(RuntimeError):
+    """Generation, an environment or a reward function failed; raised where the trainer waits for a batch."""
+
+
+def has_signal(group: list[Rollout]) -> bool:
+    """Whether a group's rewards differ: a group of equal rewards has advantage 0 under every reward scaling, so it
+    adds nothing to the gradient (only compute)."""
+    return len({rollout.reward for rollout in group}) > 1
+
+
+def _server_lost(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it) says the inference server is gone for good (``VLLMEngine`` waited
+    ``reconnect_timeout_s`` for it): retrying the rollout would only wait again."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, "server_lost", False):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class GroupRollouts:
+    """Rolls out the groups of a batch on ``engine``: ``num_generations`` samples of each picked row.
+
+    Counts (in the ``stats`` dict it is given): ``rollouts_failed`` (failed attempts), ``groups_dropped_on_error``,
+    and with dynamic sampling ``groups_kept``, ``groups_dropped``, ``refill_generations``.
+    """
+
+    def __init__(self, environment, engine, rows: list, num_generations: int, prompts_per_batch: int, seed: int,
+                 max_refill_batches: int, max_rollout_retries: int, max_failed_rollouts_fraction: float):
+        self.environment = environment
+        self.engine = engine
+        self.rows = rows
+        self.num_generations = num_generations
+        self.prompts_per_batch = prompts_per_batch
+        self.seed = seed
+        self.max_refill_batches = max_refill_batches
+        self.max_rollout_retries = max_rollout_retries
+        self.max_failed_rollouts_fraction = max_failed_rollouts_fraction
+
+    async def of(self, picks: list[tuple[str, object, int]], stats: dict[str, float], index: int) -> list[list[Rollout]]:
+        """The groups of ``picks``; a group whose rollout raised is generated again (same seeds) up to
+        ``max_rollout_retries`` times, then dropped (a ``RolloutRefused`` at once: the same seeds refuse again). Counted in the batch's ``rollouts_failed`` (failed attempts) and
+        ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
+        them) fails the batch with the last error."""
+        results = await asyncio.gather(*(self._group(row, group_id, seed) for group_id, row, seed in picks))
+        groups = [group for group, _, _ in results if group is not None]
+        failures = sum(failed for _, failed, _ in results)
+        dropped = len(results) - len(groups)
+        stats["rollouts_failed"] = stats.get("rollouts_failed", 0.0) + failures
+        stats["groups_dropped_on_error"] = stats.get("groups_dropped_on_error", 0.0) + dropped
+        if dropped and (not groups or dropped > self.max_failed_rollouts_fraction * len(results)):
+            errors = [error for group, _, error in results if group is None]
+            refused = sum(isinstance(error, RolloutRefused) for error in errors)
+            retried = (f"{self.max_rollout_retries + 1} time(s) each (--max_rollout_retries "
+                       f"{self.max_rollout_retries})")
+            how = (f"failed {retried}" if not refused else
+                   "were refused (not retried: the same seeds would refuse them again)" if refused == dropped else
+                   f"were refused ({refused}, not retried: the same seeds would refuse them again) or failed {retried}")
+            raise GenerationError(
+                f"Batch {index}: {dropped} of {len(results)} groups {how}, more than --max_failed_rollouts_fraction "
+                f"{self.max_failed_rollouts_fraction:g} of the batch. Last error: {errors[0]}"
+            ) from errors[0]
+        if dropped:
+            logger.warning("Batch %d: dropped %d of %d groups whose rollouts kept failing (%d failed attempts).",
+                           index, dropped, len(results), failures)
+        return groups
+
+    async def _group(self, row, group_id: str, seed: int) -> tuple[list[Rollout] | None, int, Exception | None]:
+        """(the group or None, failed attempts, the last error)."""
+        error = None
+        for attempt in range(self.max_rollout_retries + 1):
+            try:
+                group = await self.environment.rollout_group(self.engine, row, group_id, self.num_generations, seed=seed)
+                return group, attempt, None
+            except RolloutRefused as refused:  # a function of the seeds, which a retry reuses: it would refuse again
+                logger.warning("Group %s refused (not retried: the same seeds would refuse it again): %s", group_id,
+                               refused)
+                return None, attempt + 1, refused
+            except RolloutError as failed:
+                if _server_lost(failed):  # not a flaky environment: the engine already waited for its server
+                    raise
+                error = failed
+                logger.warning("Group %s, attempt %d of %d: %s", group_id, attempt + 1, self.max_rollout_retries + 1,
+                               failed)
+        return None, self.max_rollout_retries + 1, error
+
+    async def keep_with_signal(self, index: int, groups: list[list[Rollout]], stats: dict[str, float]) -> list[list[Rollout]]:
+        """DAPO's dynamic sampling: drop the groups whose rewards are all equal and generate more (rounds of a batch's
+        worth of prompts, drawn by a seeded shuffle of the rows, so a resumed run draws the same) until the batch
+        holds ``prompts_per_batch`` groups with signal, or ``max_refill_batches`` rounds are spent. Runs under the
+        batch lock with the batch's weights: refills are as fresh as the batch."""
+        kept = [group for group in groups if has_signal(group)]
+        dropped, rounds = len(groups) - len(kept), 0
+        while len(kept) < self.prompts_per_batch and rounds < self.max_refill_batches:
+            rounds += 1
+            order = random.Random(derive_seed(self.seed, "refill", index, rounds)).sample(
+                range(len(self.rows)), min(self.prompts_per_batch, len(self.rows))
+            )
+            more = await self.of([(f"b{index}-r{rounds}-{j}", self.rows[row], derive_seed(self.seed, "refill", index, rounds, j))
+                                       for j, row in enumerate(order)], stats, index)
+            useful = [group for group in more if has_signal(group)]
+            dropped += len(more) - len(useful)
+            kept += useful[: self.prompts_per_batch - len(kept)]
+        stats.update(
+            groups_kept=float(len(kept)), groups_dropped=float(dropped), refill_generations=float(rounds))
+        if len(kept) < self.prompts_per_batch:
+            logger.warning(
+                "Batch %d: %d of %d groups have reward variance after %d refill round(s) (--max_refill_batches); %s.",
+                index, len(kept), self.prompts_per_batch, rounds,
+                "training on them" if kept else "none has any, so the unfiltered batch is trained (zero advantages)",
+            )
+        return kept or groups
