@@ -104,7 +104,8 @@ def test_torch_gloo_options_take_a_timeout_and_a_device():
 
 
 def test_transformers_sets_up_the_device_in_a_cached_property_that_post_init_reads():
-    # RLConfig defers it (compat.deferred_device_setup) and runs launch.prepare_process first (RLConfig._setup_devices).
+    # RLConfig defers it (compat.deferred_device_setup) and runs launch.prepare_process first
+    # (compat.DeviceSetupHooks._setup_devices, which RLConfig takes before GRPOConfig's).
     from functools import cached_property
 
     from transformers import TrainingArguments
@@ -112,6 +113,7 @@ def test_transformers_sets_up_the_device_in_a_cached_property_that_post_init_rea
     assert isinstance(TrainingArguments.__dict__["_setup_devices"], cached_property)
     assert "self.device" in inspect.getsource(TrainingArguments.__post_init__)
     assert "self.distributed_state = PartialState(" in inspect.getsource(TrainingArguments._setup_devices.func)
+    assert RLConfig._setup_devices is compat.DeviceSetupHooks.__dict__["_setup_devices"]
 
 
 def test_deepspeeds_checkpoint_engine_would_run_a_pickle_and_the_guard_refuses_it_naming_file_and_checkpoint(tmp_path):

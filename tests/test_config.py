@@ -52,10 +52,10 @@ def test_prepare_process_does_what_a_deepspeed_cpu_launch_needs(monkeypatch):
 
 
 def test_the_first_use_of_the_device_sets_the_process_up(monkeypatch):
-    import verifiers_rl.config.rl_config as config_module
+    import verifiers_rl.core.launch as launch  # compat.DeviceSetupHooks looks it up there at the first use
 
     prepared = []
-    monkeypatch.setattr(config_module, "prepare_process", lambda args: prepared.append(args))
+    monkeypatch.setattr(launch, "prepare_process", lambda args: prepared.append(args))
     config = RLConfig(output_dir="/tmp/unused", report_to="none")
     assert prepared == []  # built: nothing happened yet
     assert config.world_size == 1 and config.process_index == 0

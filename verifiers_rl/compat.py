@@ -9,6 +9,7 @@ Imports stay inside the functions: the vLLM worker (another venv, without TRL) i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 from typing import Any
@@ -241,6 +242,39 @@ def onednn_linear(x, weight, bias):
 def tensor_version(tensor) -> int:
     """torch's in-place version counter of ``tensor`` (``Tensor._version``; no public name): a ``copy_`` counts."""
     return tensor._version
+
+
+class DeviceSetupHooks:
+    """transformers' private device set-up, deferred (a mixin before ``GRPOConfig`` in ``RLConfig``).
+
+    transformers 5.23: ``TrainingArguments._setup_devices`` (a private ``cached_property``) sets up the device and the
+    process group and stores ``self.distributed_state``. Ours runs ``launch.prepare_process`` first and only the
+    first time anything asks for the device, the world size or the process index, not when the config is built
+    (``tests/test_compat.py`` checks both assumptions). Remove when transformers lets a config be built without
+    setting up its process.
+    """
+
+    @functools.cached_property
+    def _setup_devices(self):
+        from transformers import TrainingArguments
+
+        from verifiers_rl.core.launch import prepare_process
+
+        prepare_process(self)
+        return TrainingArguments._setup_devices.func(self)
+
+    @property
+    def distributed_state(self):
+        """transformers' ``PartialState``, set up on first use (``_setup_devices``)."""
+        if "_distributed_state" not in self.__dict__:
+            if device_setup_deferred(self):
+                return None  # inside __post_init__: TRL reads the world size; the launch's is used instead
+            _ = self._setup_devices
+        return self.__dict__["_distributed_state"]
+
+    @distributed_state.setter
+    def distributed_state(self, value) -> None:
+        self.__dict__["_distributed_state"] = value
 
 
 class TrainerHooks:

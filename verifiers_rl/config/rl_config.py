@@ -7,17 +7,26 @@ from dataclasses import dataclass, field, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
 import torch
-from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from verifiers_rl import compat
-from verifiers_rl.core.choices import check_chat_template_kwargs
-from verifiers_rl.core.choices import MicroBatchingMode, OverlongPolicy, ScaleRewards, SharePromptTraining, check_packed_row_fits
 from verifiers_rl.config.grpo_fields import apply_trl_names, check_fields
+from verifiers_rl.core.choices import (
+    CorrectionMode,
+    ImportanceSamplingLevel,
+    LossType,
+    MicroBatchingMode,
+    OverlongPolicy,
+    ScaleRewards,
+    SequenceLogRatio,
+    SharePromptTraining,
+    check_chat_template_kwargs,
+    check_choice,
+    check_packed_row_fits,
+)
+from verifiers_rl.core.launch import launched_world_size
 from verifiers_rl.inference.vllm.http import check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
-from verifiers_rl.core.launch import launched_world_size, prepare_process
-from verifiers_rl.core.choices import CorrectionMode, ImportanceSamplingLevel, LossType, SequenceLogRatio, check_choice
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,7 @@ def apply_generation_kwargs(config) -> None:
 
 
 @dataclass
-class RLConfig(GRPOConfig):
+class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     """GRPOConfig plus the fields of the exact, asynchronous trainer.
 
     One optimizer step consumes ``rollouts_per_step`` rollouts, spread over ranks and micro-batches however
@@ -421,26 +430,6 @@ class RLConfig(GRPOConfig):
         if self.max_tokens_per_microbatch is None:
             self.max_tokens_per_microbatch = 4 * self.max_seq_len
         self.validate()
-
-    @functools.cached_property
-    def _setup_devices(self):
-        """transformers' device and process set-up, after ours (``launch.prepare_process``): the first time anything
-        asks for the device, the world size or the process index, not when the config is built."""
-        prepare_process(self)
-        return TrainingArguments._setup_devices.func(self)
-
-    @property
-    def distributed_state(self):
-        """transformers' ``PartialState``, set up on first use (``_setup_devices``)."""
-        if "_distributed_state" not in self.__dict__:
-            if compat.device_setup_deferred(self):
-                return None  # inside __post_init__: TRL reads the world size; the launch's is used instead
-            _ = self._setup_devices
-        return self.__dict__["_distributed_state"]
-
-    @distributed_state.setter
-    def distributed_state(self, value) -> None:
-        self.__dict__["_distributed_state"] = value
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad knob: a choice outside its ``Literal`` type, a number outside
