@@ -1,4 +1,4 @@
-"""``verifiers-rl``: one command with a subcommand per job.
+"""verifiers-rl: one command with a subcommand per job.
 
     verifiers-rl train [FLAGS]        train (verifiers_rl.cli.train; `accelerate launch -m verifiers_rl.cli.train`)
     verifiers-rl eval [FLAGS]         evaluate a model or checkpoint on an environment's held-out split
