@@ -97,3 +97,30 @@ def test_server_url_lists():
     # The launcher's --num-servers: one log per server beside the one asked for.
     assert [_server_log("/x/vllm.log", i, 2) for i in range(2)] == ["/x/vllm.0.log", "/x/vllm.1.log"]
     assert _server_log("-", 1, 2) == "-" and _server_log("/x/vllm.log", 0, 1) == "/x/vllm.log"
+
+
+@pytest.mark.parametrize("transfer", ["files", "gloo"])
+def test_a_weight_load_reaches_every_server(untied, doomed, tmp_path, transfer):
+    """Both transfers reach each server of a pool (gloo: one weight-transfer group per server, broadcast to each in
+    turn; nccl takes the same path on GPUs): afterwards every server's log-probs are HF's on the loaded weights."""
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    pool = MultiServerEngine([untied.url, doomed.url], model=untied.model_dir, weight_transfer=transfer,
+                             weights_dir=str(tmp_path / "snapshots"), weight_transfer_bucket_mb=4 / 1024)
+    try:
+        other = untied.hf_model("other")
+        untied.dirty = doomed.dirty = True
+        pool.load_weights(other.named_parameters(), version=1)
+        expected = hf_prompt_logprobs(untied.other_dir, PROBE)
+        by_server = pool.prompt_logprobs_by_server(PROBE)
+        assert len(by_server) == 2
+        for name, logps in by_server.items():
+            torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=0, msg=name)
+        assert all(member.engine.policy_version == 1 for member in pool.members)
+        pool.load_weights(untied.hf_model().named_parameters(), version=2)
+        original = hf_prompt_logprobs(untied.model_dir, PROBE)
+        for name, logps in pool.prompt_logprobs_by_server(PROBE).items():
+            torch.testing.assert_close(torch.tensor(logps), original, atol=1e-4, rtol=0, msg=name)
+        untied.dirty = doomed.dirty = False
+    finally:
+        pool.close()
