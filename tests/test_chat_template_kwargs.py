@@ -1,6 +1,6 @@
 """TRL's ``chat_template_kwargs`` act: the config's variables reach the chat template of a trained rollout's prompt
 (TRL's form and an environment given to RLTrainer), a TRL-form reward model's text (as TRL renders it), evaluation
-inside training and ``python -m verifiers_rl.cli.eval --chat_template_kwargs``; bad values are refused by name.
+inside training and ``verifiers-rl eval --chat_template_kwargs``; bad values are refused by name.
 
 The tiny model's template is Qwen3-like: ``enable_thinking=False`` writes an empty think block after the generation
 prompt (``verifiers_rl.core.models.CHAT_TEMPLATE``), so the kwargs' effect is visible in the prompt ids."""

@@ -1,7 +1,7 @@
 """One real run of examples/train.py (tiny model, reverse_text, 4 steps, evaluation every 2, checkpoints every 2,
 --report_to tensorboard,trackio, completion tables every 2 steps, output redirected to a file), then:
 tensorboard's event files and trackio's local store hold exactly the logged values and the tables of the trained
-batches; the log file has no carriage-return bar; ``python -m verifiers_rl.cli.eval`` on checkpoint-2 and on the
+batches; the log file has no carriage-return bar; ``verifiers-rl eval`` on checkpoint-2 and on the
 output folder reproduces the evaluations the run logged at steps 2 and 4; folders without weights are clear
 errors."""
 

@@ -1,6 +1,6 @@
 """A verifiers 0.4 environment trained by examples/train.py as a user runs it: the template environment with the
 tiny model and with SmolLM2 (no other flags), a live run at the default k = 1 resumed exactly (same batches, same
-parameters), a replay of its saved rollouts, and `python -m verifiers_rl.cli.eval` with pass@k."""
+parameters), a replay of its saved rollouts, and `verifiers-rl eval` with pass@k."""
 
 import json
 import os

@@ -298,7 +298,7 @@ def test_no_server_is_a_clear_and_fast_error():
     with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {url}") as error:
         VLLMEngine(url, model="whatever")
     assert time.monotonic() - started < 5
-    assert "python -m verifiers_rl.inference.vllm.server --model" in str(error.value)
+    assert "verifiers-rl vllm-serve --model" in str(error.value)
     # A client made without the check fails its requests with the URL, after its (bounded) retries.
     engine = VLLMEngine(url, check=False, max_retries=2, retry_backoff_s=0.05)
     with pytest.raises(VLLMUnavailableError, match=f"{url} failed POST /v1/completions 3 time"):

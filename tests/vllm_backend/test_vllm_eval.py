@@ -1,4 +1,4 @@
-"""``python -m verifiers_rl.cli.eval --vllm_server_url``: evaluation through a real vLLM server (CPU) gives the rollouts
+"""``verifiers-rl eval --vllm_server_url``: evaluation through a real vLLM server (CPU) gives the rollouts
 the embedded engine gives (greedy, so both must pick HF's argmax; tests/vllm_backend/test_vllm_engine.py checks the
 server's log-probs against HF's)."""
 

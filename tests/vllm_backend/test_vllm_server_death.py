@@ -127,5 +127,5 @@ def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):
         pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s:\n{(error.stdout or b'')[-6000:]!r}")
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-6000:]
-    assert f"No vLLM server at {url}" in output and "python -m verifiers_rl.inference.vllm.server" in output
+    assert f"No vLLM server at {url}" in output and "verifiers-rl vllm-serve" in output
     print(f"the DDP run without a server stopped after {time.monotonic() - started:.1f} s")

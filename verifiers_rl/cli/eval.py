@@ -1,9 +1,9 @@
-"""Evaluate a model on an environment's held-out split: ``python -m verifiers_rl.cli.eval``.
+"""Evaluate a model on an environment's held-out split: ``verifiers-rl eval``.
 
-    python -m verifiers_rl.cli.eval --model outputs/train --env reverse_text -n 100 -k 4 --output results.jsonl
-    python -m verifiers_rl.cli.eval --model outputs/train/checkpoint-20 --env arithmetic --temperature 0
-    python -m verifiers_rl.cli.eval --model DIR --env my_env.py --holdout 50 --seed 42      # no eval split: hold rows out
-    python -m verifiers_rl.cli.eval --model DIR --env reverse_text --vllm_server_url http://127.0.0.1:8000
+    verifiers-rl eval --model outputs/train --env reverse_text -n 100 -k 4 --output results.jsonl
+    verifiers-rl eval --model outputs/train/checkpoint-20 --env arithmetic --temperature 0
+    verifiers-rl eval --model DIR --env my_env.py --holdout 50 --seed 42      # no eval split: hold rows out
+    verifiers-rl eval --model DIR --env reverse_text --vllm_server_url http://127.0.0.1:8000
 
 Generates with the embedded engine (or a vLLM server serving ``--model``), prints a summary table (reward, pass@1,
 pass@k, each reward function's mean, tokens, time) and writes one JSON line per rollout. The rows, seeds and
@@ -59,7 +59,7 @@ def check_model_folder(path: Path, tokenizer: bool = True) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m verifiers_rl.cli.eval", description=__doc__.split("\n\n")[0],
+        prog="verifiers-rl eval", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2",

@@ -32,7 +32,7 @@ def _refused(note: str) -> Field:
     return Field("refused", note)
 
 
-_TRL_VLLM = _refused("TRL's own vLLM client; start ours (`python -m verifiers_rl.inference.vllm.server --model "
+_TRL_VLLM = _refused("TRL's own vLLM client; start ours (`verifiers-rl vllm-serve --model "
                      "MODEL --port PORT`) and pass --vllm_server_url http://HOST:PORT")
 _ADAPTIVE = _refused("the adaptive entropy controller is not implemented; a fixed --entropy_coef acts")
 _IS = _acts("when any vllm_importance_sampling_* field is set, TRL's correction (its defaults fill the rest) "
@@ -69,7 +69,7 @@ GRPO_FIELDS: dict[str, Field] = {
                                "(the trainer's log-prob temperature too); any other key is refused by name"),
     "chat_template_kwargs": _acts("variables of every chat template the run applies: environments' prompts, tool "
                                   "turns and the tokens between turns (Environment.use_chat_template_kwargs, called "
-                                  "from the config by the trainer, examples/train.py and `python -m verifiers_rl.cli.eval "
+                                  "from the config by the trainer, examples/train.py and `verifiers-rl eval "
                                   "--chat_template_kwargs`; the rows are length-filtered again), classic verifiers "
                                   "environments, TRL-form reward models' templates (as TRL) and the vLLM engine's "
                                   "chat(); keys the rendering sets itself (tools, add_generation_prompt, ...) and "

@@ -259,7 +259,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=None,
         metadata={
             "help": "Generate through this vLLM server (e.g. http://127.0.0.1:8000) instead of the embedded engine; "
-            "start one with `python -m verifiers_rl.inference.vllm.server --model MODEL --port 8000`. Several "
+            "start one with `verifiers-rl vllm-serve --model MODEL --port 8000`. Several "
             "servers of the same model: a comma-separated list (a list in YAML); requests go to the least busy one, "
             "a group's samples to one server (its prefix cache), every weight sync and probe reaches each, and a "
             "server that stops answering is left out until it answers again at the same address (it then gets the "
@@ -457,7 +457,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             raise ValueError(
                 "use_vllm / vllm_server_base_url select TRL's vLLM client, which verifiers_rl does not use. Pass "
                 "--vllm_server_url http://HOST:PORT instead (start the server with "
-                "`python -m verifiers_rl.inference.vllm.server --model MODEL --port PORT`)."
+                "`verifiers-rl vllm-serve --model MODEL --port PORT`)."
             )
         check_server_url(self.vllm_server_url, "vllm_server_url")
         if self.vllm_server_url and self.vllm_reconnect_timeout_s >= self.generation_timeout_s:

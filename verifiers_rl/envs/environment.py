@@ -67,7 +67,7 @@ class Environment(ABC):
     prompt leaves no room for a completion token within ``max_seq_len`` are dropped here, with a warning giving
     their count (an error if no row remains). ``eval_dataset`` (same row format, optional) is the held-out split
     evaluation uses: rows the training run never trains on. ``chat_template_kwargs`` are passed to every rendering
-    of the chat template (``use_chat_template_kwargs``, which the trainer and ``python -m verifiers_rl.cli.eval`` call
+    of the chat template (``use_chat_template_kwargs``, which the trainer and ``verifiers-rl eval`` call
     with the run's ``--chat_template_kwargs``).
     """
 

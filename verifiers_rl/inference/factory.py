@@ -1,5 +1,5 @@
 """Pick the inference engine a run generates with: training (``build_engine``, from its config) and evaluation
-(``python -m verifiers_rl.cli.eval``) both go through ``make_engine``."""
+(``verifiers-rl eval``) both go through ``make_engine``."""
 
 from __future__ import annotations
 

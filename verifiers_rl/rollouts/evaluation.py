@@ -1,6 +1,6 @@
 """Evaluation: roll out an environment's held-out rows through an engine and reduce them to metrics.
 
-The trainer runs it every ``--eval_steps`` (``RLTrainer.evaluate``); ``python -m verifiers_rl.cli.eval`` runs it on a
+The trainer runs it every ``--eval_steps`` (``RLTrainer.evaluate``); ``verifiers-rl eval`` runs it on a
 saved model. Each prompt gets ``samples_per_prompt`` (k) samples; sample i of row r draws its tokens with the seed
 ``derive_seed(derive_seed(seed, "eval", r), i)``, a namespace training never uses, so evaluation neither consumes nor
 perturbs any random state of training, and the same weights always give the same evaluation (at any step, and in the
@@ -239,7 +239,7 @@ def prepare(args, environment: Environment | None, eval_environment: Environment
             raise ValueError(
                 f"--eval_holdout {args.eval_holdout}: hold the rows out where the environment is loaded, before the "
                 f"trainer: verifiers_rl.envs.splits.hold_out(environment, {args.eval_holdout}, seed={args.seed}) "
-                "(examples/train.py and python -m verifiers_rl.cli.eval do)."
+                "(examples/train.py and verifiers-rl eval do)."
             )
     if args.eval_strategy == "no":
         return None

@@ -177,7 +177,7 @@ class StepProgressCallback(TrainerCallback):
 
 
 class RolloutProgress:
-    """Progress through ``total`` rollouts (``python -m verifiers_rl.cli.eval``): a tqdm bar on a terminal; on a redirected
+    """Progress through ``total`` rollouts (``verifiers-rl eval``): a tqdm bar on a terminal; on a redirected
     stderr a line every 10% (a bar's carriage returns garble logs). Call it with each finished group's size."""
 
     def __init__(self, total: int):

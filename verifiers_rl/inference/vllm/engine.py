@@ -1,7 +1,7 @@
 """A client of a vLLM server (OpenAI-compatible API): the engine for real throughput.
 
 The server runs in its own venv (``scripts/install_vllm.sh``) and is started with
-``python -m verifiers_rl.inference.vllm.server --model DIR --port P`` (see that module for the flags it needs:
+``verifiers-rl vllm-serve --model DIR --port P`` (see that module for the flags it needs:
 ``--logprobs-mode processed_logprobs``, ``VLLM_SERVER_DEV_MODE=1`` and the weight-sync worker extension).
 This package only speaks HTTP to it: it never imports vllm (``weight_transfer="nccl"`` borrows vLLM's NCCL
 communicator). Three parts: ``vllm_http`` (transport, retries, the connect-time handshake), ``vllm_weights``

@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # check() and health() bound their own requests: they ask "are you there", not "generate".
 CHECK_TIMEOUT_S = 10.0
-START_HINT = "start one with: python -m verifiers_rl.inference.vllm.server --model MODEL --port PORT"
+START_HINT = "start one with: verifiers-rl vllm-serve --model MODEL --port PORT"
 # Failures worth another attempt: the server is (re)starting or went away mid-request.
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 

@@ -1,9 +1,9 @@
 """Start (and stop) a vLLM server that ``VLLMEngine`` can sample from and load weights into.
 
     scripts/install_vllm.sh                                       # once: vLLM in its own venv (.venv-vllm)
-    python -m verifiers_rl.inference.vllm.server --model DIR --port 8000
-    python -m verifiers_rl.inference.vllm.server --model DIR --then python examples/train.py --model DIR   # both
-    python -m verifiers_rl.inference.vllm.server --model DIR --num-servers 2 --then python examples/train.py ...
+    verifiers-rl vllm-serve --model DIR --port 8000
+    verifiers-rl vllm-serve --model DIR --then python examples/train.py --model DIR   # both
+    verifiers-rl vllm-serve --model DIR --num-servers 2 --then python examples/train.py ...
     python examples/train.py --model DIR --vllm_server_url http://127.0.0.1:8000 ...
 
 In Python (tests): ``with VLLMServer(model_dir) as server: VLLMEngine(server.url, model=model_dir)``.
@@ -356,7 +356,7 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m verifiers_rl.inference.vllm.server",
+        prog="verifiers-rl vllm-serve",
         description="Serve a model with vLLM for verifiers_rl (generation + weight sync); Ctrl-C stops it.",
     )
     parser.add_argument("--model", required=True, help="local folder (or hub id) of the model")
