@@ -34,7 +34,8 @@ class Rollout:
     tokens inside a multi-turn completion. ``completion_logprobs`` are the sampler's log-probs, one per
     completion token (any value on masked tokens). Rollouts of the same prompt share ``group_id``.
     ``metrics`` holds each reward function's value (logged as ``rewards/<name>/mean``); ``logged_metrics`` what
-    reward functions logged besides (TRL's ``log_metric``, logged under its own name).
+    reward functions logged besides (TRL's ``log_metric``, logged under its own name). ``env`` names the mixture
+    entry that produced it (``envs.mixture``; None outside a mixture, and absent from files written before).
     """
 
     prompt_ids: list[int]
@@ -50,6 +51,7 @@ class Rollout:
     logged_metrics: dict[str, float] = field(default_factory=dict)
     prompt: Any = None
     completion: Any = None
+    env: str | None = None
 
     def validate(self, where: str = "rollout") -> None:
         """Raise RolloutFormatError naming ``where`` if the record is inconsistent."""
@@ -92,6 +94,8 @@ class Rollout:
             raise RolloutFormatError(f"{where}: `logged_metrics` must map names to numbers.")
         if not isinstance(self.group_id, (str, int)) or isinstance(self.group_id, bool):
             raise RolloutFormatError(f"{where}: `group_id` must be a string or an integer.")
+        if self.env is not None and not isinstance(self.env, str):
+            raise RolloutFormatError(f"{where}: `env` must be the environment's name (a string).")
 
     def to_json(self) -> str:
         # Empty optional maps are left out: files stay readable by versions without them.

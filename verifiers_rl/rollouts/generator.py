@@ -316,6 +316,10 @@ class AsyncGenerator:
     # --- the generator thread -----------------------------------------------------------------------------------
 
     def _rows_of(self, index: int) -> list[tuple[int, dict]]:
+        draw_rows = getattr(self.environment, "draw_rows", None)
+        if draw_rows is not None:  # the environment orders its own rows (a mixture draws its entries by weight)
+            positions = [index * self.prompts_per_batch + k for k in range(self.prompts_per_batch)]
+            return list(zip(positions, draw_rows(positions, self.seed, self.shuffle)))
         picked = []
         for k in range(self.prompts_per_batch):
             position = index * self.prompts_per_batch + k

@@ -109,15 +109,15 @@ class GroupRollouts:
         batch lock with the batch's weights: refills are as fresh as the batch."""
         kept = [group for group in groups if has_signal(group)]
         dropped, rounds = len(groups) - len(kept), 0
+        count_by_environment(stats, [group for group in groups if not has_signal(group)])
         while len(kept) < self.prompts_per_batch and rounds < self.max_refill_batches:
             rounds += 1
-            order = random.Random(derive_seed(self.seed, "refill", index, rounds)).sample(
-                range(len(self.rows)), min(self.prompts_per_batch, len(self.rows))
-            )
+            order = self._refill_rows(index, rounds)
             more = await self.of([(f"b{index}-r{rounds}-{j}", self.rows[row], derive_seed(self.seed, "refill", index, rounds, j))
                                        for j, row in enumerate(order)], stats, index)
             useful = [group for group in more if has_signal(group)]
             dropped += len(more) - len(useful)
+            count_by_environment(stats, [group for group in more if not has_signal(group)])
             kept += useful[: self.prompts_per_batch - len(kept)]
         stats.update(
             groups_kept=float(len(kept)), groups_dropped=float(dropped), refill_generations=float(rounds))
@@ -128,3 +128,21 @@ class GroupRollouts:
                 "training on them" if kept else "none has any, so the unfiltered batch is trained (zero advantages)",
             )
         return kept or groups
+
+    def _refill_rows(self, index: int, rounds: int) -> list[int]:
+        """A refill round's rows: the environment's own draw where it has one (a mixture's, by weight), else a
+        seeded sample of the rows."""
+        count = min(self.prompts_per_batch, len(self.rows))
+        draw_refill = getattr(self.environment, "draw_refill", None)
+        if draw_refill is not None:
+            return draw_refill(index, rounds, count, self.seed)
+        return random.Random(derive_seed(self.seed, "refill", index, rounds)).sample(range(len(self.rows)), count)
+
+
+def count_by_environment(stats: dict[str, float], dropped: list[list[Rollout]]) -> None:
+    """Add the ``dropped`` groups to ``env/<name>/groups_dropped`` (a mixture's entries; rollouts without
+    ``env`` are counted only overall)."""
+    for group in dropped:
+        if group[0].env is not None:
+            key = f"env/{group[0].env}/groups_dropped"
+            stats[key] = stats.get(key, 0.0) + 1

@@ -1,0 +1,245 @@
+"""Several environments in one run: a weighted mixture (``--env '[{"env": ..., "weight": ...}, ...]'`` or a YAML list).
+
+Each entry is one environment with its own loader arguments, limits and sampling weight. ``MixtureEnv`` holds the
+loaded entries: its dataset is their rows (each row knows its entry), a group is one row of one entry (so reward
+scaling never mixes environments), and every rollout carries its entry's name (``Rollout.env``), which the per-
+environment metrics and evaluation group by.
+
+Draws: the entry of the group at position p is drawn by weight from ``derive_seed(seed, "mixture", p)``; within an
+entry, rows come in that entry's own seeded shuffle, epoch after epoch. Both are functions of the seed and the
+position alone, so a run and its resume draw the same sequence.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.core.sampling import Sampler, derive_seed
+from verifiers_rl.envs.environment import Environment, Row, Trajectory
+from verifiers_rl.envs.messages import Messages
+
+ENTRY_KEYS = ("env", "weight", "env_args", "name")
+
+
+class MixtureError(ValueError):
+    """A mixture entry that cannot be used; the message names the flag and the entry."""
+
+
+@dataclass
+class MixtureEntry:
+    """One environment of a mixture: ``env`` (what ``--env`` accepts for one environment), its sampling ``weight``
+    (> 0; relative to the others), its loader's ``env_args`` (its own limits among them, e.g. ``max_new_tokens``
+    for a built-in) and the ``name`` its metrics are logged under (default: the spec, a file's stem for a path)."""
+
+    env: str
+    weight: float = 1.0
+    env_args: dict[str, Any] = field(default_factory=dict)
+    name: str = ""
+    environment: Environment | None = None
+
+    def __post_init__(self):
+        if not self.name:
+            path = Path(self.env)
+            self.name = path.stem if self.env.endswith(".py") or path.is_dir() else self.env
+
+
+@dataclass
+class MixtureRow(Row):
+    """A mixture's row: ``entry`` is the index of its environment, ``source`` the row of that environment."""
+
+    entry: int = 0
+    source: Row | None = None
+
+
+def parse_entries(value: Any, flag: str = "--env") -> list[MixtureEntry] | None:
+    """The mixture ``value`` describes (a list of mappings, or its JSON text, from ``flag``), checked entry by entry;
+    None when ``value`` names a single environment (a string that is not a JSON list)."""
+    if isinstance(value, str):
+        if not value.lstrip().startswith("["):
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise MixtureError(f"{flag} is not a valid JSON list of environments: {error}") from None
+    if not isinstance(value, list) or not value:
+        raise MixtureError(f"{flag}: a mixture is a non-empty list of entries like {{\"env\": \"reverse_text\", "
+                           f"\"weight\": 1}}, got {value!r}.")
+    entries = [_entry(item, i, flag) for i, item in enumerate(value)]
+    names = [entry.name for entry in entries]
+    for name in names:
+        if names.count(name) > 1:
+            raise MixtureError(f"{flag}: two entries are named {name!r} (their metrics would mix); give each a "
+                               "\"name\".")
+    return entries
+
+
+def _entry(item: Any, index: int, flag: str) -> MixtureEntry:
+    where = f"{flag} entry {index}"
+    if not isinstance(item, Mapping):
+        raise MixtureError(f"{where} is a {type(item).__name__}; expected a mapping like {{\"env\": \"reverse_text\"}}.")
+    unknown = sorted(set(item) - set(ENTRY_KEYS))
+    if unknown:
+        raise MixtureError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; an entry takes "
+                           f"{', '.join(ENTRY_KEYS)} (an environment's own limits go in its env_args).")
+    spec = item.get("env")
+    if not isinstance(spec, str) or not spec:
+        raise MixtureError(f"{where} needs \"env\": the environment's name or path, got {spec!r}.")
+    where = f"{flag} entry {index} ({spec})"
+    weight = item.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise MixtureError(f"{where}: \"weight\" must be a number > 0, got {weight!r}.")
+    env_args = item.get("env_args", {})
+    if not isinstance(env_args, Mapping):
+        raise MixtureError(f"{where}: \"env_args\" must be a mapping of the loader's arguments, got {env_args!r}.")
+    name = item.get("name", "")
+    if not isinstance(name, str):
+        raise MixtureError(f"{where}: \"name\" must be a string, got {name!r}.")
+    return MixtureEntry(spec, float(weight), dict(env_args), name)
+
+
+def load_mixture(entries: list[MixtureEntry], load: Callable[[MixtureEntry], Environment],
+                 prepare: Callable[[Environment, MixtureEntry], Any], flag: str = "--env") -> "MixtureEnv":
+    """Load each entry (``load``) and make it ready for the run (``prepare``: chat kwargs, its limits, its hold-out);
+    any failure is a ``MixtureError`` naming the entry."""
+    for entry in entries:
+        try:
+            entry.environment = load(entry)
+            prepare(entry.environment, entry)
+        except Exception as error:
+            raise MixtureError(f"{flag} entry {entry.name!r}: {type(error).__name__}: {error}") from error
+    return MixtureEnv(entries)
+
+
+class MixtureEnv(Environment):
+    """The entries of a mixture as one environment (module docstring). Its limits are the largest of the entries';
+    each entry keeps its own. Entries must be loaded and prepared first (``load_mixture``)."""
+
+    def __init__(self, entries: list[MixtureEntry]):
+        if not entries or any(entry.environment is None for entry in entries):
+            raise ValueError("MixtureEnv needs loaded entries (load_mixture).")
+        self.entries = entries
+        self.name = "mixture[" + ",".join(f"{e.name}={e.weight:g}" for e in entries) + "]"
+        first = entries[0].environment
+        self.rubric = first.rubric
+        self.tokenizer = first.tokenizer
+        self.chat_template_kwargs = dict(first.chat_template_kwargs)
+        total = sum(entry.weight for entry in entries)
+        self._cumulative = [sum(e.weight for e in entries[: i + 1]) / total for i in range(len(entries))]
+        self._drawn: list[tuple[int, int]] = []  # position -> (entry, how many draws of it came before)
+        self._drawn_under: tuple[int, bool] | None = None  # the (seed, shuffle) ``_drawn`` was drawn under
+        self._counts: list[int] = []  # draws of each entry in ``_drawn``
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The rows, limits and hold-out as the entries now have them."""
+        envs = [entry.environment for entry in self.entries]
+        self.max_seq_len = max(env.max_seq_len for env in envs)
+        self.max_new_tokens = max(env.max_new_tokens for env in envs)
+        self.dataset = self._rows("dataset")
+        self.eval_dataset = self._rows("eval_dataset")
+        self._starts = [0]
+        for env in envs:
+            self._starts.append(self._starts[-1] + len(env.dataset))
+        held = {getattr(env, "_verifiers_rl_holdout", None) for env in envs}
+        if len(held) == 1 and None not in held:
+            self._verifiers_rl_holdout = held.pop()
+
+    def _rows(self, split: str) -> list[MixtureRow]:
+        rows = []
+        for number, entry in enumerate(self.entries):
+            for row in getattr(entry.environment, split):
+                rows.append(MixtureRow(len(rows), row.prompt, row.answer, row.info, entry=number, source=row))
+        return rows
+
+    def use_chat_template_kwargs(self, kwargs: Mapping[str, Any] | None) -> None:
+        """Every entry renders with ``kwargs`` (``Environment.use_chat_template_kwargs``); an entry that refuses
+        them is named."""
+        for entry in self.entries:
+            try:
+                entry.environment.use_chat_template_kwargs(kwargs)
+            except ValueError as error:
+                raise MixtureError(f"mixture entry {entry.name!r}: {error}") from error
+        self.chat_template_kwargs = dict(self.entries[0].environment.chat_template_kwargs)
+        self._rebuild()
+
+    def adopt_limits(self, max_seq_len: int | None = None, max_new_tokens: int | None = None) -> None:
+        raise MixtureError("A mixture states no limits of its own: each entry takes the trainer's flags where it "
+                           "has no limit, or its own (set them in each entry's env_args).")
+
+    def prompt_ids(self, prompt: Messages) -> list[int]:
+        raise NotImplementedError("A mixture renders a prompt with its entry's environment (rollout_group).")
+
+    async def generate(self, sampler: Sampler, prompt: Messages, prompt_ids: list[int], state: dict) -> Trajectory:
+        raise NotImplementedError("A mixture generates whole groups through its entries (rollout_group).")
+
+    async def rollout_group(self, sampler: Sampler, row: Row, group_id: str | int, n: int, *,
+                            seed: int | None = None, temperature: float | None = None) -> list[Rollout]:
+        """The group of ``row`` from its entry's environment, each rollout stamped with the entry's name."""
+        entry = self.entries[row.entry]
+        rollouts = await entry.environment.rollout_group(sampler, row.source, group_id, n, seed=seed,
+                                                         temperature=temperature)
+        for rollout in rollouts:
+            rollout.env = entry.name
+        return rollouts
+
+    # --- draws ------------------------------------------------------------------------------------------------------
+
+    def entry_at(self, position: int, seed: int) -> int:
+        """The entry the group at ``position`` comes from: drawn by weight from the position's own seed."""
+        u = random.Random(derive_seed(seed, "mixture", position)).random()
+        return min(bisect.bisect_right(self._cumulative, u), len(self.entries) - 1)
+
+    def draw_rows(self, positions: list[int], seed: int, shuffle: bool = True) -> list[int]:
+        """The rows (indices into ``dataset``) of the groups at ``positions``: the entry by weight, then the next row
+        of that entry's own order (a shuffle seeded per epoch, or the dataset's order without ``shuffle``)."""
+        if self._drawn_under != (seed, shuffle):
+            self._drawn, self._drawn_under = [], (seed, shuffle)
+            self._counts = [0] * len(self.entries)
+        while len(self._drawn) <= max(positions, default=-1):
+            entry = self.entry_at(len(self._drawn), seed)
+            self._drawn.append((entry, self._counts[entry]))
+            self._counts[entry] += 1
+        return [self._row_of(*self._drawn[p], seed, shuffle) for p in positions]
+
+    def _row_of(self, entry: int, draw: int, seed: int, shuffle: bool) -> int:
+        size = self._starts[entry + 1] - self._starts[entry]
+        epoch, offset = divmod(draw, size)
+        order = list(range(size))
+        if shuffle:
+            random.Random(derive_seed(seed, "mixture", self.entries[entry].name, epoch)).shuffle(order)
+        return self._starts[entry] + order[offset]
+
+    def draw_refill(self, index: int, round_: int, count: int, seed: int) -> list[int]:
+        """Dynamic sampling's refill rows of batch ``index``, round ``round_``: each drawn by weight, then uniformly
+        within its entry, from its own seed (so a resumed run refills alike)."""
+        rows = []
+        for j in range(count):
+            draw = random.Random(derive_seed(seed, "mixture", "refill", index, round_, j))
+            entry = min(bisect.bisect_right(self._cumulative, draw.random()), len(self.entries) - 1)
+            rows.append(draw.randrange(self._starts[entry], self._starts[entry + 1]))
+        return rows
+
+    # --- evaluation -------------------------------------------------------------------------------------------------
+
+    def eval_selection(self, num_examples: int | None) -> list[MixtureRow]:
+        """The held-out rows evaluation uses: the first ``num_examples`` of each entry's split (all for None)."""
+        picked = []
+        for number, entry in enumerate(self.entries):
+            rows = [row for row in self.eval_dataset if row.entry == number]
+            if not rows:
+                raise MixtureError(f"mixture entry {entry.name!r} has no held-out split to evaluate on: give it one "
+                                   "(the built-ins take env_args {\"num_eval_examples\": N}) or hold out training "
+                                   "rows with --eval_holdout N.")
+            if num_examples is not None and num_examples > len(rows):
+                raise MixtureError(f"--eval_num_examples {num_examples} is larger than the held-out split of mixture "
+                                   f"entry {entry.name!r} ({len(rows)} rows); lower it or enlarge that split.")
+            picked += rows if num_examples is None else rows[:num_examples]
+        return picked
