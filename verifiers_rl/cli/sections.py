@@ -48,6 +48,20 @@ class SectionedParser(TrlParser):
         self.__dict__.setdefault("added", []).append(action)  # argparse keeps its own list private
         return action
 
+    def parse_args_and_config(self, args=None, **kwargs):
+        """TRL's, except that a ``--config`` YAML ``env:`` that is no mapping (TRL's environment variables) is the
+        ``--env`` flag: one environment's name, or a mixture's list of entries."""
+        args = list(args) if args is not None else sys.argv[1:]
+        config = _yaml_config(args)
+        if config is None or isinstance(config.get("env", {}), dict) or self.get_default("env") is None:
+            return super().parse_args_and_config(args, **kwargs)
+        at = args.index("--config")
+        self.set_defaults(env=config.pop("env"))
+        unknown = self.set_defaults_with_config(**config)
+        if unknown:
+            raise ValueError(f"Unknown arguments from config file {args[at + 1]}: {unknown}.")
+        return self.parse_args_into_dataclasses(args=args[:at] + args[at + 2:])
+
     def format_help(self) -> str:
         formatter = self.formatter_class(prog=self.prog)
         formatter.add_usage(f"{self.prog} [--config FILE.yaml] [--FLAG VALUE ...]", [], [])
@@ -57,6 +71,17 @@ class SectionedParser(TrlParser):
             formatter.add_arguments(actions)
             formatter.end_section()
         return formatter.format_help()
+
+
+def _yaml_config(args: list[str]) -> dict | None:
+    """The mapping of the ``--config`` file among ``args`` (None without one, or when it holds no mapping)."""
+    if "--config" not in args or args.index("--config") + 1 >= len(args):
+        return None
+    import yaml
+
+    with open(args[args.index("--config") + 1]) as handle:
+        config = yaml.safe_load(handle)
+    return config if isinstance(config, dict) else None
 
 
 def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[argparse.Action]]]:

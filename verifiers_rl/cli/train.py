@@ -34,6 +34,7 @@ from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import leave_process_group
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
 from verifiers_rl.envs.limits import LIMIT_FLAGS
+from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries
 from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
@@ -76,7 +77,9 @@ class ScriptArguments:
         metadata={"help": "Environment to generate from (unless --rollouts_path): a built-in name, "
                   "'reasoning_gym:<task>[,<task>...]', 'vf:<verifiers env id>', 'pkg.module:function', a .py file "
                   "defining load_environment(**kwargs), or a verifiers 0.4 (v1) environment module (.py file, folder "
-                  "or module id)."},
+                  "or module id). Several: a mixture, a JSON list of entries {\"env\": ..., \"weight\": 1, "
+                  "\"env_args\": {...}, \"name\": ...} (or an env: list in the --config YAML), each group drawn "
+                  "from an entry by weight."},
     )
     env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
     tool_mode: str = field(
@@ -88,7 +91,8 @@ class ScriptArguments:
     eval_env: str | None = field(
         default=None,
         metadata={"help": "Environment evaluated every --eval_steps (its held-out split); default: --env, the "
-                  "training environment (a replay run evaluates --env too)."},
+                  "training environment (a replay run evaluates --env too). A mixture (as --env) evaluates each "
+                  "entry's held-out split."},
     )
     eval_env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for --eval_env's loader."})
 
@@ -124,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     live = {}
     given = flags_given(parser, argv, config, LIMIT_FLAGS)
     if not config.rollouts_path:
-        environment = load_environment(script_args.env, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **env_args)
         current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
-        lengths = prepare_environment(environment, chat_template_kwargs=config.chat_template_kwargs, lengths=current,
-                                      given=given, holdout=config.eval_holdout, seed=config.seed)
+        environment, lengths = load_prepared(
+            parser, script_args.env, env_args, "--env", tokenizer, script_args.tool_mode,
+            lambda env, args_flag, context: prepare_environment(
+                env, chat_template_kwargs=config.chat_template_kwargs, lengths=current, given=given,
+                holdout=config.eval_holdout, seed=config.seed, args_flag=args_flag, context=context))
         if lengths != current:
             # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
             parser.set_defaults(**lengths)
@@ -156,6 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode: str, prepare):
+    """The environment ``spec`` names (``flag``'s value: one environment, or a mixture: a list of entries, or its
+    JSON) loaded and made ready by ``prepare(environment, args_flag, context)``, with the lengths it resolved (a
+    mixture's: the largest of its entries'). A mixture's entries carry their own env_args, so ``env_args`` must be
+    empty then."""
+    try:
+        entries = parse_entries(spec, flag)
+    except MixtureError as error:
+        parser.error(str(error))
+    if entries is None:
+        environment = load_environment(spec, tokenizer=tokenizer, tool_mode=tool_mode, **env_args)
+        return environment, prepare(environment, f"{flag}_args", "")
+    if env_args:
+        parser.error(f"{flag}_args acts on one environment; a mixture's entries take their own: "
+                     f"{flag} '[{{\"env\": ..., \"env_args\": {json.dumps(env_args)}}}]'.")
+    resolved = []
+    environment = load_mixture(
+        entries, lambda entry: load_environment(entry.env, tokenizer=tokenizer, tool_mode=tool_mode, **entry.env_args),
+        lambda env, entry: resolved.append(prepare(env, f"{flag} entry {entry.name!r}'s env_args", "")), flag)
+    if resolved[0] is None:
+        return environment, None
+    return environment, {name: max(lengths[name] for lengths in resolved) for name in LIMIT_FLAGS}
+
+
 def json_flag(parser, flag: str, text: str) -> dict:
     """A flag's JSON value; invalid JSON is a usage error naming the flag."""
     try:
@@ -178,15 +208,19 @@ def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: 
         flag, text = ("--eval_env_args", script_args.eval_env_args) if own else ("--env_args", script_args.env_args)
         kwargs = json_flag(parser, flag, text)
         spec = script_args.eval_env if own else script_args.env
-        environment = load_environment(spec, tokenizer=tokenizer, tool_mode=script_args.tool_mode, **kwargs)
-        # A stated limit the user left alone stays the environment's own (its rollouts are scored, never trained);
-        # a limit it does not state takes the trainer's value. Replay: the held-out rows come out of it.
-        unstated = {name for name, limit in LIMIT_FLAGS.items() if limit in environment.unstated_limits}
-        prepare_environment(environment, chat_template_kwargs=config.chat_template_kwargs,
-                            lengths={name: getattr(config, name) for name in LIMIT_FLAGS}, given=given | unstated,
-                            holdout=0 if "environment" in live else config.eval_holdout, seed=config.seed,
-                            args_flag=flag, context="" if not own else "The evaluation environment (--eval_env): ")
-        inputs["eval_environment"] = environment
+
+        def prepare(environment, args_flag: str, context: str):
+            # A stated limit the user left alone stays the environment's own (its rollouts are scored, never
+            # trained); a limit it does not state takes the trainer's value. Replay: the held-out rows come out of it.
+            unstated = {name for name, limit in LIMIT_FLAGS.items() if limit in environment.unstated_limits}
+            return prepare_environment(
+                environment, chat_template_kwargs=config.chat_template_kwargs,
+                lengths={name: getattr(config, name) for name in LIMIT_FLAGS}, given=given | unstated,
+                holdout=0 if "environment" in live else config.eval_holdout, seed=config.seed, args_flag=args_flag,
+                context="" if not own else "The evaluation environment (--eval_env): ")
+
+        inputs["eval_environment"], _ = load_prepared(parser, spec, kwargs, "--eval_env" if own else "--env",
+                                                      tokenizer, script_args.tool_mode, prepare)
     return inputs
 
 
