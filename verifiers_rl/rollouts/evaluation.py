@@ -68,6 +68,9 @@ class EvalSettings:
 def eval_rows(environment: Environment, num_examples: int | None, flag: str = "--eval_num_examples") -> list[Row]:
     """The first ``num_examples`` rows of the held-out split (all of them for None), the same rows at every
     evaluation."""
+    selection = getattr(environment, "eval_selection", None)
+    if selection is not None:  # a mixture: each entry's own first rows, checked per entry
+        return selection(num_examples)
     rows = environment.eval_dataset
     if not rows:
         raise ValueError(
@@ -116,18 +119,26 @@ class EvalResult:
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
     logged_metrics: dict[str, float] = field(default_factory=dict)  # reward functions' log_metric means
+    by_env: dict[str, "EvalResult"] = field(default_factory=dict)  # a mixture's entries, each on its own
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         """Flat metrics named ``{prefix}_...``: every ``report_to`` backend shows them as ``{prefix}/...``
-        (``eval/reward``, ``eval/pass@1``, ``eval/pass@4``, ``eval/rewards/<function>``)."""
+        (``eval/reward``, ``eval/pass@1``, ``eval/pass@4``, ``eval/rewards/<function>``); a mixture's entries
+        also under ``{prefix}_env/<name>/...`` (``eval/env/<name>/pass@1``)."""
+        values = self._values()
+        values.update(samples_per_prompt=float(self.samples_per_prompt), runtime=self.seconds)
+        for name, result in self.by_env.items():
+            values.update({f"env/{name}/{key}": value for key, value in result._values().items()})
+        return {f"{prefix}_{name}": float(v) for name, v in values.items()}
+
+    def _values(self) -> dict[str, float]:
         values = {"reward": self.reward, "reward_std": self.reward_std}
         values.update({f"pass@{k}": v for k, v in self.pass_at.items()})
         values.update({f"rewards/{name}": v for name, v in self.reward_functions.items()})
         values.update(self.logged_metrics)  # under their own names, as TRL logs them
         values.update(reward_errors=self.reward_errors, completion_tokens=self.completion_tokens,
-                      truncated_fraction=self.truncated_fraction, num_prompts=float(self.num_prompts),
-                      samples_per_prompt=float(self.samples_per_prompt), runtime=self.seconds)
-        return {f"{prefix}_{name}": float(v) for name, v in values.items()}
+                      truncated_fraction=self.truncated_fraction, num_prompts=float(self.num_prompts))
+        return values
 
     def table(self) -> str:
         """A two-column summary for a terminal."""
@@ -148,10 +159,16 @@ class EvalResult:
         return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
 
 
-def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold: float, seconds: float) -> EvalResult:
-    """Reduce ``samples`` (``samples_per_prompt`` per row) to an ``EvalResult``."""
+def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold: float, seconds: float,
+              per_env: bool = True) -> EvalResult:
+    """Reduce ``samples`` (``samples_per_prompt`` per row) to an ``EvalResult``; with ``per_env``, the samples of
+    each environment of a mixture (``Rollout.env``) are reduced on their own too (``EvalResult.by_env``)."""
     if not samples:
         raise ValueError("Nothing was evaluated.")
+    by_env: dict[str, list[EvalSample]] = {}
+    for sample in samples:
+        if per_env and sample.rollout.env is not None:
+            by_env.setdefault(sample.rollout.env, []).append(sample)
     by_row: dict[int, list[EvalSample]] = {}
     for sample in samples:
         by_row.setdefault(sample.row.index, []).append(sample)
@@ -177,6 +194,8 @@ def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold
         truncated_fraction=statistics.fmean(float(s.rollout.truncated) for s in samples),
         seconds=seconds,
         logged_metrics={name: statistics.fmean(values) for name, values in metric_values([s.rollout for s in samples], "logged_metrics").items()},
+        by_env={name: summarize(group, samples_per_prompt, pass_threshold, seconds, per_env=False)
+                for name, group in by_env.items()},
     )
 
 

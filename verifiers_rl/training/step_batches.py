@@ -77,6 +77,30 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     return out
 
 
+def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dict[str, float]:
+    """A mixture's batch per environment (``Rollout.env``; nothing for rollouts without one), under
+    ``env/<name>/``: ``reward``, ``reward_std`` (Bessel's correction, as the overall one), ``completions/*_length``,
+    ``completions/clipped_ratio`` (truncated fraction), ``reward_errors``, ``rollouts``; and, where dynamic sampling
+    ran (``stats`` holds ``groups_dropped``), ``groups_dropped`` (0 for an environment none was dropped of)."""
+    out: dict[str, float] = {}
+    by_env: dict[str, list[Rollout]] = {}
+    for rollout in rollouts:
+        if rollout.env is not None:
+            by_env.setdefault(rollout.env, []).append(rollout)
+    for name, members in by_env.items():
+        rewards = [r.reward for r in members]
+        prefix = f"env/{name}/"
+        out[prefix + "reward"] = statistics.fmean(rewards)
+        out[prefix + "reward_std"] = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+        out.update(length_metrics(prefix + "completions/{}_length", [sum(r.completion_mask) for r in members]))
+        out[prefix + "completions/clipped_ratio"] = statistics.fmean(float(r.truncated) for r in members)
+        out[prefix + "reward_errors"] = float(sum(r.metrics.get(ERRORS_METRIC, 0.0) for r in members))
+        out[prefix + "rollouts"] = float(len(members))
+        if "groups_dropped" in stats:
+            out[prefix + "groups_dropped"] = stats.get(prefix + "groups_dropped", 0.0)
+    return out
+
+
 def length_metrics(pattern: str, lengths: list[int]) -> dict[str, float]:
     """Mean, min and max of ``lengths`` named by ``pattern`` (``{}`` the statistic)."""
     return {pattern.format("mean"): statistics.fmean(lengths), pattern.format("min"): float(min(lengths)),
@@ -141,6 +165,7 @@ class StepBatches:
         rank_batches = plan_batch(rollouts, self.config, index)
         extra = dict(batch.stats)
         extra.update(rollout_metrics(rollouts))
+        extra.update(environment_metrics(rollouts, batch.stats))
         versions = [r.policy_version for r in rollouts if r.policy_version is not None]
         if versions:
             # Staleness: optimizer steps between the weights that sampled a rollout and the weights it trains.

@@ -1,0 +1,115 @@
+"""A mixture of three kinds of environment (a built-in, a reasoning-gym task, a verifiers 0.4 environment) trained by
+`verifiers-rl train` on the tiny model: tensorboard holds each environment's training metrics (equal to what its
+rollouts in the saved batches give) and its evaluation, every saved rollout names its environment, and no group mixes
+two. SmolLM2 (the default model) trains the same mixture from a YAML --config for a step."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verifiers_rl.core.rollout import group_by_id, read_rollouts
+
+ROOT = Path(__file__).resolve().parent
+V1_ENV = str(ROOT / "v1" / "envs" / "reverse_v1.py")
+MIXTURE = [
+    {"env": "reverse_text", "weight": 2, "env_args": {"num_examples": 16, "max_new_tokens": 8}},
+    {"env": "reasoning_gym:leg_counting", "env_args": {"size": 16, "eval_size": 4, "max_new_tokens": 8,
+                                                        "max_seq_len": 512}},
+    {"env": V1_ENV, "env_args": {"harness": "inprocess", "taskset": {"num_tasks": 12}, "max_new_tokens": 8,
+                                 "max_seq_len": 128}},
+]
+NAMES = ["reverse_text", "reasoning_gym:leg_counting", "reverse_v1"]
+STEPS, PER_STEP = 4, 8
+
+
+def train(args: list[str], cwd: Path, cache: Path | None = None) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    if cache is not None:
+        env["VERIFIERS_RL_CACHE"] = str(cache)
+    result = subprocess.run([sys.executable, "-m", "verifiers_rl.cli.train", *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("mixture")
+    train(["--model", tiny_model_dir, "--env", json.dumps(MIXTURE), "--max_steps", str(STEPS),
+           "--rollouts_per_step", str(PER_STEP), "--num_generations", "2", "--learning_rate", "0.01",
+           "--eval_steps", "2", "--eval_holdout", "2", "--eval_samples_per_prompt", "2", "--report_to", "tensorboard",
+           "--print_samples_every", "0", "--save_rollouts_path", str(work / "seen.jsonl"),
+           "--output_dir", str(work / "out")], work)
+    return work
+
+
+def scalars(run) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (folder,) = (run / "out" / "runs").iterdir()
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+def test_every_rollout_names_its_environment_and_no_group_mixes_two(run):
+    rollouts = read_rollouts(run / "seen.jsonl")
+    assert len(rollouts) == STEPS * PER_STEP
+    assert {r.env for r in rollouts} <= set(NAMES) and None not in {r.env for r in rollouts}
+    assert all(len({r.env for r in group}) == 1 for group in group_by_id(rollouts))
+
+
+def test_tensorboard_holds_each_environments_training_metrics(run):
+    logged = scalars(run)
+    rollouts = read_rollouts(run / "seen.jsonl")
+    checked = 0
+    for step in range(1, STEPS + 1):
+        batch = rollouts[(step - 1) * PER_STEP: step * PER_STEP]
+        assert logged["train/reward"][step] == pytest.approx(statistics.fmean(r.reward for r in batch), abs=1e-6)
+        for name in NAMES:
+            mine = [r for r in batch if r.env == name]
+            tags = {key: f"train/env/{name}/{key}" for key in ("reward", "reward_std", "completions/clipped_ratio",
+                                                                "completions/mean_length", "reward_errors")}
+            if not mine:
+                assert step not in logged.get(tags["reward"], {})
+                continue
+            rewards = [r.reward for r in mine]
+            expected = {"reward": statistics.fmean(rewards),
+                        "reward_std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
+                        "completions/clipped_ratio": statistics.fmean(float(r.truncated) for r in mine),
+                        "completions/mean_length": statistics.fmean(sum(r.completion_mask) for r in mine),
+                        "reward_errors": float(sum(r.metrics.get("reward_errors", 0.0) for r in mine))}
+            for key, tag in tags.items():
+                assert logged[tag][step] == pytest.approx(expected[key], abs=1e-5), (tag, step)
+                checked += 1
+    assert checked >= STEPS * 5 and all(f"train/env/{name}/reward" in logged for name in NAMES)
+
+
+def test_tensorboard_holds_each_environments_evaluation(run):
+    logged = scalars(run)
+    for name in NAMES:
+        for key in ("reward", "pass@1", "pass@2", "num_prompts"):
+            assert sorted(logged[f"eval/env/{name}/{key}"]) == [2, 4], (name, key)
+        assert logged[f"eval/env/{name}/num_prompts"][2] == 2  # the entry's own held-out rows (--eval_holdout 2)
+    assert logged["eval/num_prompts"][2] == 2 * len(NAMES)
+    overall = logged["eval/reward"][4]
+    parts = [logged[f"eval/env/{name}/reward"][4] for name in NAMES]
+    assert overall == pytest.approx(statistics.fmean(parts), abs=1e-5)  # equal prompts and samples per entry
+
+
+def test_smollm2_trains_the_mixture_from_a_yaml_config(tmp_path, smollm2_model_dir):
+    import yaml
+
+    config = tmp_path / "mixture.yaml"
+    config.write_text(yaml.safe_dump({"env": MIXTURE, "max_steps": 1, "rollouts_per_step": 4,
+                                      "num_generations": 2, "report_to": "none", "logging_steps": 1}))
+    out = train(["--config", str(config), "--output_dir", str(tmp_path / "out")], tmp_path,
+                cache=Path(smollm2_model_dir).parent)
+    assert "step 1/1" in out and (tmp_path / "out" / "model.safetensors").is_file()
