@@ -113,3 +113,22 @@ def test_smollm2_trains_the_mixture_from_a_yaml_config(tmp_path, smollm2_model_d
     out = train(["--config", str(config), "--output_dir", str(tmp_path / "out")], tmp_path,
                 cache=Path(smollm2_model_dir).parent)
     assert "step 1/1" in out and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_mixture_run_resumes_exactly(tmp_path, tiny_model_dir):
+    import shutil
+
+    mixture = json.dumps([{"env": "reverse_text", "weight": 3, "env_args": {"num_examples": 16, "max_new_tokens": 8}},
+                          {"env": "arithmetic", "env_args": {"num_examples": 16, "max_new_tokens": 8}}])
+    common = ["--model", tiny_model_dir, "--env", mixture, "--max_steps", "4", "--rollouts_per_step", "8",
+              "--num_generations", "2", "--learning_rate", "0.01", "--print_samples_every", "0",
+              "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
+    train([*common, "--output_dir", str(tmp_path / "full"), "--save_rollouts_path", str(tmp_path / "full.jsonl")],
+          tmp_path)
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    train([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest",
+           "--save_rollouts_path", str(tmp_path / "resumed.jsonl")], tmp_path)
+    full, resumed = read_rollouts(tmp_path / "full.jsonl"), read_rollouts(tmp_path / "resumed.jsonl")
+    assert [r.to_json() for r in resumed] == [r.to_json() for r in full[16:]]
+    assert {r.env for r in full} == {"reverse_text", "arithmetic"}
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()

@@ -143,3 +143,26 @@ def test_a_group_comes_from_its_entry_and_carries_its_name(tokenizer):
     assert json.loads(line)["env"] == "reverse_text" and Rollout.from_record(json.loads(line)).env == "reverse_text"
     old = {k: v for k, v in json.loads(line).items() if k != "env"}  # a file written before the field
     assert Rollout.from_record(old).env is None and "env" not in Rollout.from_record(old).to_json()
+
+
+def classic_env_group(**kwargs):
+    """verifiers' own classic EnvGroup of two single-turn environments, as a user would write it."""
+    import verifiers as vf
+
+    from . import vf_envs
+
+    rubric = vf.Rubric(funcs=[vf_envs.says_five])
+    envs = [vf.SingleTurnEnv(dataset=vf_envs.dataset(4, seed=s), rubric=rubric, system_prompt="Be brief.",
+                             sampling_args={"max_tokens": 8}) for s in (0, 5)]
+    return vf.EnvGroup(envs=envs, env_names=["words", "more_words"])
+
+
+def test_verifiers_classic_env_group_runs_unchanged_through_the_adapter(tokenizer):
+    from verifiers_rl.envs.adapters.verifiers_env import VerifiersEnv
+
+    env = load_environment("tests.envs.test_mixture:classic_env_group", tokenizer=tokenizer)
+    assert isinstance(env, VerifiersEnv) and len(env.dataset) == 8
+    completions = [tokenizer.encode("5") + [tokenizer.eos_token_id], tokenizer.encode("no") + [tokenizer.eos_token_id]]
+    rollouts = asyncio.run(env.rollout_group(ScriptedSampler(completions), env.dataset[5], "g", 2, seed=1))
+    assert [r.reward for r in rollouts] == [1.0, 0.0]  # the group's own rubric scored each reply
+    assert rollouts[0].prompt[-1]["content"] == env.dataset[5].prompt[-1]["content"]
