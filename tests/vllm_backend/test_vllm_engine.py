@@ -369,5 +369,6 @@ def test_request_timeout_is_a_clear_error(untied):
     started = time.monotonic()
     with pytest.raises(VLLMError, match=rf"{untied.url} did not answer POST /v1/completions within 0.001 s"):
         run(sample_each(engine, prompts, 100))
-    assert time.monotonic() - started < 5
+    # Seconds, not the 600 s default a hang would take; loose enough for a host whose cores other work shares.
+    assert time.monotonic() - started < 30
     engine.close()
