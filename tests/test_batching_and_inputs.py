@@ -184,6 +184,33 @@ def test_advantages_per_group():
         RLConfig(output_dir="/tmp/unused", report_to="none", scale_rewards="median")
 
 
+def test_a_multi_branch_episode_counts_once_in_its_groups_baseline_and_each_branch_is_a_sequence():
+    # Group a: episode 0 of one branch (reward 1), episode 1 of three branches (reward 0, a v1 sub-agent's);
+    # group b: two episodes of one branch. By hand, over EPISODES: a's mean 0.5 and std sqrt(0.5) (not the
+    # branches' mean 0.25), the batch's std over the rewards 1, 0, 0.5, 1.5.
+    def rollout(group, episode, reward):
+        return Rollout([1, 2], [3, 4], [1, 1], reward, group, completion_logprobs=[-1.0, -1.0], episode_id=episode)
+
+    rollouts = [rollout("a", 0, 1.0), rollout("a", 1, 0.0), rollout("a", 1, 0.0), rollout("a", 1, 0.0),
+                rollout("b", None, 0.5), rollout("b", None, 1.5)]
+    half = 0.5 / (0.5 ** 0.5 + 1e-4)
+    by_mode = {"group": [half, -half, -half, -half, -half, half], "none": [0.5, -0.5, -0.5, -0.5, -0.5, 0.5]}
+    batch_std = (1.25 / 3) ** 0.5 + 1e-4
+    by_mode["batch"] = [0.5 / batch_std] + [-0.5 / batch_std] * 3 + [-0.5 / batch_std, 0.5 / batch_std]
+    for mode, expected in by_mode.items():
+        (rank_batch,) = plan_batch(rollouts, BatchingConfig(max_seq_len=8, rows_per_micro_batch=6, scale_rewards=mode))
+        (mb,) = rank_batch.micro_batches
+        got = [float(mb.advantages[row, 0]) for row in range(6)]
+        order = mb.batch_positions
+        assert [got[order.index(i)] for i in range(6)] == pytest.approx(expected, rel=1e-6), mode
+        # Normalisation: every branch is a sequence in the global counts, as any rollout is.
+        assert (rank_batch.counts.valid_sequences, rank_batch.counts.loss_tokens) == (6, 12)
+    # An episode's branches carry its one reward.
+    rollouts[2].reward = 1.0
+    with pytest.raises(ValueError, match="branches of episode 1 of group 'a' but have different rewards"):
+        plan_batch(rollouts, BatchingConfig(max_seq_len=8))
+
+
 def test_batches_hold_whole_groups():
     rollouts = random_rollouts(5, 4, vocab_size=50)
     batches = split_into_batches(rollouts, 8)

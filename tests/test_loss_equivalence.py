@@ -142,8 +142,45 @@ def test_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction
     rollouts = random_rollouts(5, 3, vocab_size=50, seed=rng.randrange(1000), fully_masked_fraction=0.2,
                                shared_turn_fraction=0.6)
     rollouts[0].completion_mask = [0] * len(rollouts[0].completion_mask)  # always one fully masked sequence
-    max_seq_len = 40
     advantages = compute_advantages([r.reward for r in rollouts], [r.group_id for r in rollouts])
+    check_partitions(rollouts, advantages, loss_type, level, correction, beta, knobs, rng)
+
+
+def episode_advantages_by_hand(rollouts):
+    """docs/environments.md's rule for multi-branch episodes, written out: each group's mean and unbiased std over its
+    EPISODES (one reward each, however many branches), every branch given its episode's (r - mean) / (std + 1e-4)."""
+    out = []
+    for rollout in rollouts:
+        episodes = {}
+        for other in rollouts:
+            if other.group_id == rollout.group_id:
+                episodes.setdefault(other.episode_id if other.episode_id is not None else id(other), other.reward)
+        rewards = list(episodes.values())
+        mean = sum(rewards) / len(rewards)
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (len(rewards) - 1)) if len(rewards) > 1 else 0.0
+        out.append((rollout.reward - mean) / (std + 1e-4))
+    return out
+
+
+@pytest.mark.parametrize("loss_type,level,correction,beta",
+                         [(t, "token", "sequence_mask", 0.05) for t in LOSS_TYPES]
+                         + [(t, "sequence", "token_truncate", 0.0) for t in LOSS_TYPES])
+def test_multi_branch_episodes_partitions_sum_to_global_loss_and_gradient(loss_type, level, correction, beta):
+    # Episodes of several branches (a v1 sub-agent): each branch is a sequence of its own in every denominator,
+    # with its episode's advantage; split over ranks and micro-batches, the update is the fp64 reference's.
+    rng = random.Random(zlib.crc32(repr(("branches", loss_type, level, correction, beta)).encode()) % 10_000)
+    rollouts = random_rollouts(4, 5, vocab_size=50, seed=rng.randrange(1000), fully_masked_fraction=0.2,
+                               shared_turn_fraction=0.6, branch_fraction=0.5)
+    sizes = [sum(1 for r in rollouts if (r.group_id, r.episode_id) == key)
+             for key in {(r.group_id, r.episode_id) for r in rollouts}]
+    assert max(sizes) > 1 and min(sizes) == 1, "the batch mixes episodes of one branch and of several"
+    check_partitions(rollouts, episode_advantages_by_hand(rollouts), loss_type, level, correction, beta, None, rng)
+
+
+def check_partitions(rollouts, advantages, loss_type, level, correction, beta, knobs, rng):
+    """The reference loss and gradients of ``rollouts`` (with ``advantages``) equal the sum of the partial losses of
+    plan_batch's micro-batches (which compute their own advantages) over every partition."""
+    max_seq_len = 40
     sequences = prepare_sequences(rollouts, advantages, max_seq_len, overlong="truncate")
     gen = torch.Generator().manual_seed(rng.randrange(1000))
     leaves = [(-torch.rand(len(s), generator=gen) * 3).requires_grad_() for s in sequences]

@@ -36,6 +36,10 @@ class Rollout:
     ``metrics`` holds each reward function's value (logged as ``rewards/<name>/mean``); ``logged_metrics`` what
     reward functions logged besides (TRL's ``log_metric``, logged under its own name). ``env`` names the mixture
     entry that produced it (``envs.mixture``; None outside a mixture, and absent from files written before).
+    ``episode_id``: set on the branches of one episode that has several trainable branches (a verifiers v1
+    episode with sub-agents or rewritten history): they share it, their group and their reward, and count as one
+    episode for the group's advantage baseline (``training.batching.episode_advantages``); None: the rollout is
+    an episode of its own.
     """
 
     prompt_ids: list[int]
@@ -52,6 +56,7 @@ class Rollout:
     prompt: Any = None
     completion: Any = None
     env: str | None = None
+    episode_id: str | int | None = None
 
     def validate(self, where: str = "rollout") -> None:
         """Raise RolloutFormatError naming ``where`` if the record is inconsistent."""
@@ -94,6 +99,8 @@ class Rollout:
             raise RolloutFormatError(f"{where}: `logged_metrics` must map names to numbers.")
         if not isinstance(self.group_id, (str, int)) or isinstance(self.group_id, bool):
             raise RolloutFormatError(f"{where}: `group_id` must be a string or an integer.")
+        if self.episode_id is not None and (not isinstance(self.episode_id, (str, int)) or isinstance(self.episode_id, bool)):
+            raise RolloutFormatError(f"{where}: `episode_id` must be a string or an integer.")
         if self.env is not None and not isinstance(self.env, str):
             raise RolloutFormatError(f"{where}: `env` must be the environment's name (a string).")
 

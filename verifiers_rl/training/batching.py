@@ -108,9 +108,12 @@ def _batch_std(values: torch.Tensor) -> torch.Tensor:
 
 def zero_std_fraction(rollouts: list[Rollout], rewards: list[float], scale_rewards: ScaleRewards = "group",
                       reward_functions: tuple[tuple[str, float], ...] = ()) -> float:
-    """TRL's ``frac_reward_zero_std``: the fraction of rollouts whose advantage's standard deviation is 0 (``isclose``):
-    their group's rewards' (scale_rewards group or none), the batch's rewards' (batch), or the batch's standardised
-    sums' (normalize_then_sum); a group of one rollout has std 0."""
+    """TRL's ``frac_reward_zero_std``: the fraction of episodes (``episodes_of``: a rollout, or the branches of one
+    multi-branch episode) whose advantage's standard deviation is 0 (``isclose``): their group's rewards'
+    (scale_rewards group or none), the batch's rewards' (batch), or the batch's standardised sums'
+    (normalize_then_sum); a group of one episode has std 0."""
+    firsts, _ = episodes_of(rollouts, rewards)
+    rollouts, rewards = [rollouts[i] for i in firsts], [rewards[i] for i in firsts]
     group_ids = [r.group_id for r in rollouts]
     if reward_functions:
         values = [[float(r.metrics.get(name, math.nan)) for name, _ in reward_functions] for r in rollouts]
@@ -124,16 +127,43 @@ def zero_std_fraction(rollouts: list[Rollout], rewards: list[float], scale_rewar
     return torch.isclose(stds, torch.zeros_like(stds)).double().mean().item()
 
 
+def episodes_of(rollouts: list[Rollout], rewards: list[float]) -> tuple[list[int], list[int]]:
+    """(the index of each episode's first rollout, each rollout's episode number): the rollouts of one group that
+    share an ``episode_id`` are the branches of one episode (they must share its reward); a rollout without one is
+    an episode of its own."""
+    firsts: list[int] = []
+    owner: list[int] = []
+    seen: dict[tuple, int] = {}
+    for index, rollout in enumerate(rollouts):
+        key = (rollout.group_id, index) if rollout.episode_id is None else (rollout.group_id, "episode", rollout.episode_id)
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(index)
+        elif rewards[index] != rewards[firsts[seen[key]]]:
+            raise ValueError(
+                f"Rollouts {firsts[seen[key]]} and {index} are branches of episode {rollout.episode_id!r} of group "
+                f"{rollout.group_id!r} but have different rewards ({rewards[firsts[seen[key]]]} and {rewards[index]}): "
+                "the branches of an episode carry the episode's reward.")
+        owner.append(seen[key])
+    return firsts, owner
+
+
 def batch_advantages(rollouts: list[Rollout], rewards: list[float], scale_rewards: ScaleRewards = "group",
                      reward_functions: tuple[tuple[str, float], ...] = ()) -> list[float]:
-    """The step batch's advantages: ``compute_advantages`` of ``rewards`` (the rollouts'), or, when
-    ``reward_functions`` (name, weight) are given, ``normalize_then_sum_advantages`` of those functions' values in
-    each rollout's metrics (a function missing from a rollout's metrics did not apply to it)."""
-    group_ids = [r.group_id for r in rollouts]
+    """The step batch's advantages, computed over EPISODES (``episodes_of``) and given to each of an episode's
+    branches: ``compute_advantages`` of the episodes' rewards, or, when ``reward_functions`` (name, weight) are
+    given, ``normalize_then_sum_advantages`` of those functions' values in each episode's (first branch's) metrics
+    (a function missing from a rollout's metrics did not apply to it). An episode of three branches counts once in
+    its group's mean and standard deviation (and the batch's), as an episode of one does."""
+    firsts, owner = episodes_of(rollouts, rewards)
+    episodes = [rollouts[i] for i in firsts]
+    group_ids = [r.group_id for r in episodes]
     if not reward_functions:
-        return compute_advantages(rewards, group_ids, scale_rewards)
-    values = [[float(r.metrics.get(name, math.nan)) for name, _ in reward_functions] for r in rollouts]
-    return normalize_then_sum_advantages(values, [w for _, w in reward_functions], group_ids)
+        advantages = compute_advantages([rewards[i] for i in firsts], group_ids, scale_rewards)
+    else:
+        values = [[float(r.metrics.get(name, math.nan)) for name, _ in reward_functions] for r in episodes]
+        advantages = normalize_then_sum_advantages(values, [w for _, w in reward_functions], group_ids)
+    return [advantages[episode] for episode in owner]
 
 
 @dataclass
