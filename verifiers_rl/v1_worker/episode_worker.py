@@ -15,11 +15,12 @@ Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own print
   and ``runtime``, except where its author pinned them.
 * ``{"op": "run", "id": <any>, "task": <index>, "base_url": ".../v1", "model": <name>, "renderer_model": <folder>}``
   -> ``{"op": "episode", "id": ..., "ok": bool, "errors": [<the episode's, then its traces'>], "traces": [{"ok",
-  "reward", "rewards", "metrics", "errors", "stop_condition", "is_timeout", "is_truncated", "last_reply", "branches":
-  [{"token_ids", "sampled_mask", "logprobs", "trainable", "advantages"}]}]}``. Runs concurrently; answers come in
-  completion order. The API key is read from the environment variable ``VERIFIERS_RL_V1_API_KEY``. For a model
-  without a renderer of its own in the ``renderers`` package, turns are bridged by ``bridge_renderer.py`` (the
-  sampled ids kept verbatim: one branch per episode of one agent).
+  "trainable", "reward", "rewards", "metrics", "errors", "stop_condition", "is_timeout", "is_truncated",
+  "last_reply", "branches": [{"token_ids", "sampled_mask", "logprobs", "trainable", "advantages"}]}]}``. Runs
+  concurrently; answers come in completion order. A trace's ``trainable`` is False for a seat the environment
+  marks untrainable (a judge, a simulated user). The API key is read from the environment variable
+  ``VERIFIERS_RL_V1_API_KEY``. For a model without a renderer of its own in the ``renderers`` package, turns are
+  bridged by ``bridge_renderer.py`` (the sampled ids kept verbatim: one branch per episode of one agent).
 * ``{"op": "close"}`` or end of input: exit.
 
 Any request that fails answers ``{"op": "error", "id": ..., "error": <type: message>, "traceback": ...}``.
@@ -155,6 +156,8 @@ def seats(taskset_id: str, env_id: str = "") -> dict[str, set[str]]:
 def trace_json(trace) -> dict:
     return {
         "ok": bool(trace.ok),
+        # An untrainable seat's trace (Env.setup marks a judge or simulated user so) is the environment's, not ours.
+        "trainable": bool(trace.agent.trainable) if trace.agent is not None else True,
         "reward": float(trace.reward),
         "rewards": {k: (None if r is None else float(r.value)) for k, r in trace.rewards.items()},
         "metrics": {k: (None if v is None else float(v)) for k, v in trace.metrics.items()},

@@ -156,13 +156,16 @@ class V1Env(Environment):
     neither: the trainer's ``--max_seq_len`` / ``--max_completion_length`` hold unless given here), and any other
     key merged into v1's env config as it is (e.g. ``taskset={"num_tasks": 8}``; v1 refuses what it does not know).
 
-    Each task of the taskset is one row; a group is ``n`` episodes of one task; each episode's trace must have one
-    trainable branch, which becomes one ``Rollout``: the tokens up to the first sampled one are the prompt, the
-    rest the completion (mask 1 on the sampled tokens, 0 on the environment's turns between them). A multi-turn
-    episode of one agent is one branch: for a model without a renderer of its own in v1's ``renderers`` package,
-    its turns are joined by verifiers_rl's exact turn bridge (``v1_worker/bridge_renderer.py``), which keeps the
-    sampled ids. An episode of several branches (sub-agents, rewritten history) is refused (``RolloutRefused``:
-    not retried, the same seeds would refuse it again). Each rollout carries the sampler's log-probs (the
+    Each task of the taskset is one row; a group is ``n`` episodes of one task; each trainable branch of an episode
+    (``trainable_branches``) becomes one ``Rollout``: the tokens up to the first sampled one are
+    the prompt, the rest the completion (mask 1 on the sampled tokens, 0 on the environment's turns between them).
+    A multi-turn episode of one agent is one branch: for a model without a renderer of its own in v1's
+    ``renderers`` package, its turns are joined by verifiers_rl's exact turn bridge
+    (``v1_worker/bridge_renderer.py``), which keeps the sampled ids. An episode of several branches (sub-agents,
+    rewritten history) is one rollout per branch, sharing ``episode_id`` and the episode's reward: it counts once
+    in its group's advantage baseline (``training.batching.batch_advantages``), each branch a sequence of its own
+    in the loss. What cannot train is refused (``RolloutRefused``: not retried, the same seeds would refuse it
+    again). Each rollout carries the sampler's log-probs (the
     engine's, exactly), the trace's reward (sum of score x weight) and metrics (the taskset's metrics and each
     reward's score, under ``reward/<name>``). A failed episode is a ``RolloutError`` naming the task.
     """
@@ -239,17 +242,22 @@ class V1Env(Environment):
         raise NotImplementedError("V1Env runs v1 episodes (rollout_group).")
 
     async def rollout(self, sampler: Sampler, row: Row, group_id: str | int) -> Rollout:
-        (rollout,) = await self.rollout_group(sampler, row, group_id, 1)
-        return rollout
+        rollouts = await self.rollout_group(sampler, row, group_id, 1)
+        if len(rollouts) != 1:
+            raise RolloutRefused(f"{self.name} on task {row.index}: the episode has {len(rollouts)} trainable branches, "
+                                 "one Rollout each: take them with rollout_group.")
+        return rollouts[0]
 
     async def rollout_group(self, sampler: Sampler, row: Row, group_id: str | int, n: int, *,
                             seed: int | None = None, temperature: float | None = None) -> list[Rollout]:
         """``n`` episodes of task ``row.index``, episode i sampling under ``RolloutSampling(derive_seed(seed, i),
-        temperature)``."""
+        temperature)``; an episode of several trainable branches gives one rollout per branch (``episode_id`` i)."""
         samplings = self.group_samplings(n, seed, temperature)
-        return list(await asyncio.gather(*(self._episode(sampler, s, row, group_id) for s in samplings)))
+        episodes = await asyncio.gather(*(self._episode(sampler, s, row, group_id, i) for i, s in enumerate(samplings)))
+        return [rollout for episode in episodes for rollout in episode]
 
-    async def _episode(self, sampler: Sampler, sampling: RolloutSampling, row: Row, group_id) -> Rollout:
+    async def _episode(self, sampler: Sampler, sampling: RolloutSampling, row: Row, group_id,
+                       episode: int) -> list[Rollout]:
         if self._closed:
             raise RolloutError(f"{self.name}: the environment was closed.")
         where = f"{self.name} on task {row.index}"
@@ -263,23 +271,12 @@ class V1Env(Environment):
             stops = sorted({str(trace["stop_condition"]) for trace in answer["traces"]})
             raise RolloutError(f"{where}: the episode failed: {'; '.join(answer['errors']) or 'no error given'} "
                                f"(stop condition {', '.join(stops) or 'none'})")
-        return self._to_rollout(answer["traces"], row, group_id, where)
+        return [self._to_rollout(trace, branch, row, group_id, episode)
+                for trace, branch in trainable_branches(answer["traces"], where)]
 
-    def _to_rollout(self, traces: list[dict], row: Row, group_id, where: str) -> Rollout:
-        branches = [(trace, b) for trace in traces for b in trace["branches"] if b["trainable"]]
-        if len(branches) != 1:
-            raise RolloutRefused(
-                f"{where}: the episode has {len(branches)} trainable branches; verifiers_rl trains one token sequence "
-                "per rollout (an episode of one agent whose turns extend each other).")
-        [(trace, branch)] = branches
-        if not trace["ok"]:
-            raise RolloutError(f"{where}: the trace failed: {'; '.join(trace['errors']) or 'no error given'}")
-        if branch.get("advantages") is not None:
-            raise RolloutRefused(f"{where}: the trace carries its own advantages; verifiers_rl computes advantages from "
-                               "the rewards (--scale_rewards).")
+    def _to_rollout(self, trace: dict, branch: dict, row: Row, group_id, episode: int | None) -> Rollout:
+        """One trainable branch as a Rollout: the tokens up to its first sampled one are the prompt."""
         ids, mask, logprobs = branch["token_ids"], branch["sampled_mask"], branch["logprobs"]
-        if True not in mask:
-            raise RolloutError(f"{where}: the episode sampled no token (stop condition {trace['stop_condition']}).")
         start = mask.index(True)
         metrics = {key: value for key, value in trace["metrics"].items() if value is not None}
         metrics.update({f"reward/{key}": value for key, value in trace["rewards"].items() if value is not None})
@@ -294,6 +291,7 @@ class V1Env(Environment):
             metrics=metrics,
             prompt=row.prompt,
             completion=[{"role": "assistant", "content": trace.get("last_reply") or ""}],
+            episode_id=episode if branch["of_several"] else None,
         )
 
     def close(self) -> None:
@@ -312,3 +310,33 @@ class V1Env(Environment):
                 logger.warning("%s: closing the v1 worker: %s", self.spec, error)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+
+
+def trainable_branches(traces: list[dict], where: str) -> list[tuple[dict, dict]]:
+    """The episode's (trace, branch) pairs to train, each branch marked ``of_several`` when the episode has more than
+    one: the branches v1 marks trainable, of the traces of trainable seats (``Env.setup``'s untrainable ones, a
+    judge or a simulated user, are the environment's), that sampled a token. A failed trace is a RolloutError;
+    refused (``RolloutRefused``: a function of the seeds, not retried) are an episode with nothing to train, a
+    branch that carries its own advantages (verifiers_rl computes them from the rewards), and trainable traces that
+    score differently (each branch trains with the episode's one reward: record the episode's outcome on each
+    trainable trace)."""
+    played = [trace for trace in traces if trace.get("trainable", True)]
+    for trace in played:
+        if not trace["ok"]:
+            raise RolloutError(f"{where}: the trace failed: {'; '.join(trace['errors']) or 'no error given'}")
+    pairs = [(trace, branch) for trace in played for branch in trace["branches"]
+             if branch["trainable"] and True in branch["sampled_mask"]]
+    if not pairs:
+        stops = ", ".join(sorted({str(trace["stop_condition"]) for trace in played})) or "none"
+        raise RolloutRefused(f"{where}: the episode has no trainable branch that sampled a token (stop condition "
+                             f"{stops}).")
+    if any(branch.get("advantages") is not None for _, branch in pairs):
+        raise RolloutRefused(f"{where}: the trace carries its own advantages; verifiers_rl computes advantages from "
+                             "the rewards (--scale_rewards).")
+    rewards = sorted({float(trace["reward"]) for trace, _ in pairs})
+    if len(rewards) > 1:
+        raise RolloutRefused(
+            f"{where}: the episode's trainable traces score differently ({', '.join(map(str, rewards))}); verifiers_rl "
+            "trains every branch of an episode with the episode's one reward (docs/environments.md, episodes of "
+            "several branches): record the episode's outcome on each trainable trace, or mark a seat untrainable.")
+    return [(trace, {**branch, "of_several": len(pairs) > 1}) for trace, branch in pairs]
