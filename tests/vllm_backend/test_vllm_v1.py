@@ -53,3 +53,38 @@ def test_a_v1_environment_trains_through_the_vllm_server(untied, tmp_path):
         sequence = rollout.prompt_ids + rollout.completion_ids
         hf = hf_prompt_logprobs(untied.model_dir, sequence)[len(rollout.prompt_ids) - 1:]
         assert float((hf - torch.tensor(rollout.completion_logprobs)).abs().max()) < 1e-4
+
+
+GUESS = ROOT / "tests" / "v1" / "envs" / "guess_v1.py"
+
+
+@pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
+def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp_path):
+    # tests/v1/test_v1_multiturn.py's game on the other engine: temperature 1, the default
+    # --max_failed_rollouts_fraction (one refused episode would stop the run), whole games saved, the game's rewards.
+    from tests.v1.test_v1_multiturn import WEIGHTS, game_of, game_rules, secret_of
+
+    untied.dirty = True  # the run leaves its trained weights in the server
+    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+               "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}), "--temperature", "1",
+               "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
+               "--max_completion_length", "12", "--max_off_policy_steps", "0", "--logging_steps", "1",
+               "--print_samples_every", "0", "--report_to", "none", "--max_steps", "2",
+               "--vllm_weight_transfer", "files", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+               "--save_rollouts_path", str(tmp_path / "games.jsonl")]
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    steps = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert steps == ["step 1/2", "step 2/2"], result.stdout[-3000:]
+    state = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE_STATE "))[13:])
+    assert state["engine"] == "VLLMEngine"
+    tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
+    rollouts = read_rollouts(tmp_path / "games.jsonl")
+    assert len(rollouts) == 16
+    for rollout in rollouts:
+        replies, turns = game_of(rollout, tokenizer)
+        game = int(rollout.prompt[-1]["content"].split(":")[0].removeprefix("Game "))
+        answers, scores = game_rules(replies, secret_of(game))
+        assert len(replies) == 3 or scores["solved"] == 1.0  # the whole game: three guesses unless one was right
+        assert [turn.split("user\n")[-1].split("assistant")[0].strip() for turn in turns] == answers
+        assert rollout.reward == pytest.approx(sum(WEIGHTS[k] * v for k, v in scores.items()))
