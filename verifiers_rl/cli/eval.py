@@ -159,13 +159,13 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     if args.output:
         with open(args.output, "w") as handle:
-            for sample in result.samples:
-                handle.write(json.dumps(sample.record()) + "\n")
+            lines = [json.dumps(record) for sample in result.samples for record in sample.records()]
+            handle.write("".join(line + "\n" for line in lines))
     split = f"held out by --holdout {args.holdout}" if args.holdout else "eval split"
     print(f"model  {model}\nenv    {environment.name} ({split}), seed {args.seed}, temperature {args.temperature:g}")
     print(result.table())
     if args.output:
-        print(f"wrote {len(result.samples)} rollouts to {args.output}")
+        print(f"wrote {len(lines)} rollouts to {args.output}")
     return 0
 
 

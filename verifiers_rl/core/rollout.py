@@ -127,6 +127,21 @@ class Rollout:
         return rollout
 
 
+def episode_key(rollout: Rollout, index: int) -> tuple:
+    """Which episode rollout ``index`` of a list belongs to: the rollouts of one group that share an ``episode_id``
+    are the branches of one episode; a rollout without one is an episode of its own."""
+    if rollout.episode_id is None:
+        return (rollout.group_id, index)
+    return (rollout.group_id, "episode", rollout.episode_id)
+
+
+def group_episodes(rollouts: list[Rollout]) -> list[list[Rollout]]:
+    """``rollouts`` as episodes (``episode_key``): each episode's branches in their order, episodes in order of
+    first appearance. What ``--rollouts_per_step``, ``--num_generations`` and evaluation's samples count."""
+    keyed = group_by_id(enumerate(rollouts), lambda item: episode_key(item[1], item[0]))
+    return [[rollout for _, rollout in episode] for episode in keyed]
+
+
 def metric_values(rollouts: Iterable[Rollout], kind: str = "metrics") -> dict[str, list[float]]:
     """Each name in the rollouts' ``kind`` map (``metrics`` or ``logged_metrics``) to its values, over the rollouts
     that have it."""

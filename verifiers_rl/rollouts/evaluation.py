@@ -6,6 +6,9 @@ saved model. Each prompt gets ``samples_per_prompt`` (k) samples; sample i of ro
 perturbs any random state of training, and the same weights always give the same evaluation (at any step, and in the
 standalone evaluation of a saved checkpoint).
 
+A sample is an episode: one rollout, or all the branches of an episode of several (a verifiers v1 sub-agent's),
+which count once, with the episode's one reward, in pass@k and every reward mean.
+
 A sample *passes* when its reward is >= ``pass_threshold`` (default 1.0: a fully correct answer for the 0/1 rewards
 of arithmetic and calculator, an exact reversal for reverse_text's partial credit).
 """
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from verifiers_rl.envs.environment import Environment, Row
 from verifiers_rl.envs.rubric import ERRORS_METRIC
 from verifiers_rl.core.sampling import derive_seed
-from verifiers_rl.core.rollout import Rollout, metric_values
+from verifiers_rl.core.rollout import Rollout, group_episodes, metric_values
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -88,22 +91,35 @@ def eval_rows(environment: Environment, num_examples: int | None, flag: str = "-
 
 @dataclass
 class EvalSample:
-    """One evaluation rollout: sample ``sample`` of held-out row ``row``."""
+    """One evaluation episode: sample ``sample`` of held-out row ``row``. ``rollout`` is its (first) branch, whose
+    reward is the episode's; ``branches`` the episode's other branches, if it has several."""
 
     row: Row
     sample: int
     rollout: Rollout
     passed: bool
+    branches: list[Rollout] = field(default_factory=list)
 
-    def record(self) -> dict:
-        """The rollout record (the replay format's fields) plus ``row``, ``sample``, ``answer`` and ``passed``."""
-        return {"row": self.row.index, "sample": self.sample, **json.loads(self.rollout.to_json()),
+    @property
+    def rollouts(self) -> list[Rollout]:
+        """Every branch of the episode, ``rollout`` first."""
+        return [self.rollout, *self.branches]
+
+    def record(self, rollout: Rollout | None = None) -> dict:
+        """The record of ``rollout`` (default: ``self.rollout``; the replay format's fields) plus ``row``,
+        ``sample``, ``answer`` and ``passed``."""
+        return {"row": self.row.index, "sample": self.sample, **json.loads((rollout or self.rollout).to_json()),
                 "answer": self.row.answer, "passed": self.passed}
+
+    def records(self) -> list[dict]:
+        """``record`` of each branch: one line per rollout, as a replayable file holds them."""
+        return [self.record(rollout) for rollout in self.rollouts]
 
 
 @dataclass
 class EvalResult:
-    """The reduced evaluation: means over every rollout, pass@k averaged over prompts."""
+    """The reduced evaluation: reward means over every sample (episode), pass@k averaged over prompts, token
+    counts and truncation over every rollout (each branch of an episode)."""
 
     samples: list[EvalSample]
     num_prompts: int
@@ -143,16 +159,18 @@ class EvalResult:
     def table(self) -> str:
         """A two-column summary for a terminal."""
         n, k = self.num_prompts, self.samples_per_prompt
-        rows = [("prompts x samples", f"{n} x {k} = {len(self.samples)} rollouts"),
+        rollouts = [rollout for sample in self.samples for rollout in sample.rollouts]
+        branched = "" if len(rollouts) == len(self.samples) else f" episodes ({len(rollouts)} rollouts)"
+        rows = [("prompts x samples", f"{n} x {k} = {len(self.samples)}{branched or ' rollouts'}"),
                 ("reward", f"{self.reward:.4f} ± {self.reward_std:.4f}")]
         rows += [(f"pass@{j}", f"{v:.4f}") for j, v in self.pass_at.items()]
         rows += [(f"  {name}", f"{v:.4f}") for name, v in self.reward_functions.items()]
         if self.reward_errors:
             rows.append(("reward errors", f"{self.reward_errors:.0f}"))
-        total = sum(s.rollout.completion_mask.count(1) for s in self.samples)
+        total = sum(r.completion_mask.count(1) for r in rollouts)
         rows.append(("completion tokens", f"{self.completion_tokens:.1f} per rollout ({total} in all), "
                                           f"{self.truncated_fraction:.0%} truncated"))
-        rate = len(self.samples) / self.seconds if self.seconds > 0 else float("inf")
+        rate = len(rollouts) / self.seconds if self.seconds > 0 else float("inf")
         rows.append(("time", f"{self.seconds:.1f} s ({rate:.1f} rollouts/s)"))
         rows.append(("pass", f"reward >= {self.pass_threshold:g}"))
         width = max(len(label) for label, _ in rows)
@@ -161,7 +179,7 @@ class EvalResult:
 
 def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold: float, seconds: float,
               per_env: bool = True) -> EvalResult:
-    """Reduce ``samples`` (``samples_per_prompt`` per row) to an ``EvalResult``; with ``per_env``, the samples of
+    """Reduce ``samples`` (``samples_per_prompt`` episodes per row) to an ``EvalResult``; with ``per_env``, the samples of
     each environment of a mixture (``Rollout.env``) are reduced on their own too (``EvalResult.by_env``)."""
     if not samples:
         raise ValueError("Nothing was evaluated.")
@@ -190,8 +208,8 @@ def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold
         pass_at=pass_at,
         reward_functions=functions,
         reward_errors=float(sum(s.rollout.metrics.get(ERRORS_METRIC, 0.0) for s in samples)),
-        completion_tokens=statistics.fmean(s.rollout.completion_mask.count(1) for s in samples),
-        truncated_fraction=statistics.fmean(float(s.rollout.truncated) for s in samples),
+        completion_tokens=statistics.fmean(r.completion_mask.count(1) for s in samples for r in s.rollouts),
+        truncated_fraction=statistics.fmean(float(r.truncated) for s in samples for r in s.rollouts),
         seconds=seconds,
         logged_metrics={name: statistics.fmean(values) for name, values in metric_values([s.rollout for s in samples], "logged_metrics").items()},
         by_env={name: summarize(group, samples_per_prompt, pass_threshold, seconds, per_env=False)
@@ -206,9 +224,11 @@ async def _rollouts(environment: Environment, engine, rows: list[Row], settings:
             engine, row, f"eval-{row.index}", settings.samples_per_prompt,
             seed=derive_seed(settings.seed, "eval", row.index), temperature=settings.temperature,
         )
+        episodes = group_episodes(rollouts)  # a multi-branch episode is one sample, with its one reward
         if on_group is not None:
-            on_group(len(rollouts))
-        return [EvalSample(row, i, r, r.reward >= settings.pass_threshold) for i, r in enumerate(rollouts)]
+            on_group(len(episodes))
+        return [EvalSample(row, i, first, first.reward >= settings.pass_threshold, rest)
+                for i, (first, *rest) in enumerate(episodes)]
 
     groups = await asyncio.gather(*(group(row) for row in rows))
     return [sample for samples in groups for sample in samples]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from verifiers_rl.core.sampling import derive_seed
-from verifiers_rl.core.rollout import Rollout, RolloutFormatError, group_by_id, read_rollouts
+from verifiers_rl.core.rollout import Rollout, RolloutFormatError, group_by_id, group_episodes, read_rollouts
 from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, has_signal
 
 logger = logging.getLogger(__name__)
@@ -53,33 +53,39 @@ def as_batch(index: int, result: Batch | list[Rollout]) -> Batch:
 
 
 def split_into_batches(rollouts: list[Rollout], rollouts_per_step: int) -> list[list[Rollout]]:
-    """Consecutive whole groups (in order of first appearance) of ``rollouts_per_step`` rollouts each.
+    """Consecutive whole groups (in order of first appearance) of ``rollouts_per_step`` EPISODES each
+    (``group_episodes``: a rollout, or all the branches of a multi-branch episode), as live generation makes them:
+    a batch of branching episodes holds more rollouts than ``rollouts_per_step``.
 
-    Advantages are computed within a group, so a group is never split between two batches. The last batch
-    may be smaller; it is kept, not dropped.
+    Advantages are computed within a group, over its episodes, so neither a group nor an episode is ever split
+    between two batches. The last batch may be smaller; it is kept, not dropped.
     """
     batches: list[list[Rollout]] = []
     current: list[Rollout] = []
+    episodes = 0  # in ``current``
     for members in group_by_id(rollouts):
         group_id = members[0].group_id
-        if len(members) > rollouts_per_step:
+        size = len(group_episodes(members))
+        of = f"{size} episodes" if size == len(members) else f"{size} episodes in {len(members)} rollouts"
+        if size > rollouts_per_step:
             raise RolloutFormatError(
-                f"Group {group_id!r} has {len(members)} rollouts, more than rollouts_per_step={rollouts_per_step}."
+                f"Group {group_id!r} has {of}, more than rollouts_per_step={rollouts_per_step} (which counts "
+                "episodes: an episode's branches count once)."
             )
-        if len(current) + len(members) > rollouts_per_step:
+        if episodes + size > rollouts_per_step:
             raise RolloutFormatError(
-                f"Group {group_id!r} ({len(members)} rollouts) does not fit the {rollouts_per_step - len(current)} "
-                f"rollouts left in batch {len(batches)}: rollouts_per_step ({rollouts_per_step}) must be a sum of "
-                "whole groups."
+                f"Group {group_id!r} ({of}) does not fit the {rollouts_per_step - episodes} episodes left in batch "
+                f"{len(batches)}: rollouts_per_step ({rollouts_per_step}) must be a sum of whole groups' episodes."
             )
         current.extend(members)
-        if len(current) == rollouts_per_step:
+        episodes += size
+        if episodes == rollouts_per_step:
             batches.append(current)
-            current = []
+            current, episodes = [], 0
     if current:
         logger.warning(
-            "The last batch holds %d rollouts instead of %d; it is trained on as a smaller batch.",
-            len(current),
+            "The last batch holds %d episodes instead of %d; it is trained on as a smaller batch.",
+            episodes,
             rollouts_per_step,
         )
         batches.append(current)
@@ -94,7 +100,9 @@ def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], i
 
 
 class ReplaySource:
-    """Replays a rollouts file (the rollout line format) through the same batching and loss as live generation.
+    """Replays a rollouts file (the rollout line format) through the same batching and loss as live generation:
+    batches of ``rollouts_per_step`` episodes in whole groups (``split_into_batches``), so a file a live run saved
+    replays as the batches it trained.
 
     With ``filter_groups`` (DAPO's dynamic sampling) each batch keeps only its groups with reward variance; there is
     nothing to refill from, so a batch loses them (and one without any is trained unfiltered, with a warning).

@@ -37,7 +37,7 @@ from verifiers_rl.training.prefix import (
     split_group,
 )
 from verifiers_rl.training.prefix import unique_tokens as group_unique_tokens
-from verifiers_rl.core.rollout import Rollout, group_by_id
+from verifiers_rl.core.rollout import Rollout, episode_key, group_by_id
 from verifiers_rl.training.segmented_attention import cheaper_cells
 
 ADVANTAGE_EPS = 1e-4
@@ -128,14 +128,13 @@ def zero_std_fraction(rollouts: list[Rollout], rewards: list[float], scale_rewar
 
 
 def episodes_of(rollouts: list[Rollout], rewards: list[float]) -> tuple[list[int], list[int]]:
-    """(the index of each episode's first rollout, each rollout's episode number): the rollouts of one group that
-    share an ``episode_id`` are the branches of one episode (they must share its reward); a rollout without one is
-    an episode of its own."""
+    """(the index of each episode's first rollout, each rollout's episode number), episodes as
+    ``core.rollout.episode_key`` tells them apart; an episode's branches must share its reward."""
     firsts: list[int] = []
     owner: list[int] = []
     seen: dict[tuple, int] = {}
     for index, rollout in enumerate(rollouts):
-        key = (rollout.group_id, index) if rollout.episode_id is None else (rollout.group_id, "episode", rollout.episode_id)
+        key = episode_key(rollout, index)
         if key not in seen:
             seen[key] = len(firsts)
             firsts.append(index)
