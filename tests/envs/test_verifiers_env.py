@@ -253,7 +253,7 @@ def test_environment_error_stops_every_rank_with_our_error(tiny_model_dir, tmp_p
     import json
     import re
 
-    from test_distributed_equivalence import ROOT, accelerate, launch
+    from tests.helpers.launches import ROOT, accelerate, launch
 
     env_args = {"kind": kind, "fail_after": 4, "max_seq_len": 64, "sampling_args": {"max_tokens": 8}}
     result = launch(accelerate("ddp_cpu.yaml"),

@@ -29,14 +29,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "tests" / "distributed"))
-sys.path.insert(0, str(ROOT / "tests" / "inference"))
-from equivalence_run import CONFIGS  # noqa: E402
-from test_distributed_equivalence import LAUNCH_TIMEOUT_S, launch_env, load, runner_inputs  # noqa: E402
-from test_live_training import MIN_REWARD_GAIN  # noqa: E402
-from test_logprobs import shared_prefix_rollouts, single_sequence_logprobs  # noqa: E402
+from tests.helpers.launches import LAUNCH_TIMEOUT_S, ROOT, launch_env, load_run as load, runner_inputs
+from tests.integration.test_live_training import MIN_REWARD_GAIN
+from tests.training.test_logprobs import shared_prefix_rollouts, single_sequence_logprobs
 
 from verifiers_rl.training.batching import BatchingConfig, plan_batch  # noqa: E402
 from verifiers_rl.core.engine import free_port  # noqa: E402
@@ -283,7 +278,7 @@ def test_the_engine_draws_its_noise_on_the_gpu_and_samples_the_softmax():
 def test_captured_decode_steps_equal_transformers_forward_on_the_gpu(build):
     """graph_decode on the GPU: the first step eager, the second captured, the rest replayed; logits equal
     transformers' forward (fp32) with rows leaving the batch twice."""
-    import test_llama_decode as lean
+    import tests.inference.test_llama_decode as lean
     from verifiers_rl.inference.kernels.graph_decode import GraphDecoder, supports
 
     model = getattr(lean, build)().cuda()
@@ -300,7 +295,7 @@ def test_captured_decode_steps_equal_transformers_forward_on_the_gpu(build):
 
 def test_the_engine_on_the_gpu_samples_through_captured_steps(tiny_model_dir, monkeypatch):
     """With and without CUDA graphs the engine draws the same seeded tokens (fp32), log-probs within 1e-4."""
-    from test_hf_engine import load, prompts_of, sample_seeded
+    from tests.inference.test_hf_engine import load, prompts_of, sample_seeded
     from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
     from verifiers_rl.inference.kernels.graph_decode import GraphDecoder
 

@@ -1,10 +1,8 @@
 """The embedded HF engine: sampler log-probs equal the trainer's, batching, weight loads, errors, SmolLM2."""
 
 import asyncio
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +18,7 @@ from verifiers_rl.core.models import build_tiny_model
 from verifiers_rl.training.forward import micro_batch_logprobs
 from verifiers_rl.core.rollout import Rollout
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from sampling_reference import spy_on_sampler  # noqa: E402
+from tests.helpers.sampling_reference import spy_on_sampler
 
 TEXTS = [
     "What is 2 + 2?",

@@ -3,8 +3,6 @@ distribution and reports log-probs of that distribution (the importance correcti
 here independently (``tests/sampling_reference.py``); the defaults add no processor and change nothing."""
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +12,7 @@ from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.inference.embedded.engine import RowSampler
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from sampling_reference import penalised, reference_logprobs, spy_on_sampler, step_logits  # noqa: E402
+from tests.helpers.sampling_reference import penalised, reference_logprobs, spy_on_sampler, step_logits
 
 TEXTS = [
     "What is 2 + 2?",

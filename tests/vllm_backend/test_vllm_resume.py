@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from tests.vllm_backend.launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from verifiers_rl.core.rollout import read_rollouts
 
 COMMON = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",

@@ -5,8 +5,6 @@ it, and its ``processed_logprobs`` are those of the distribution sampled, equal 
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.factory import build_engine
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from sampling_reference import penalised, reference_logprobs, step_logits  # noqa: E402
+from tests.helpers.sampling_reference import penalised, reference_logprobs, step_logits
 
 ATOL = 1e-4
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99, 40, 40]]

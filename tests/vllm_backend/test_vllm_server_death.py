@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from launching import ROOT, ddp_command, launch_env, start_reading, stopped_output, wait_for_first_step
+from tests.vllm_backend.launching import ROOT, ddp_command, launch_env, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm.engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.core.engine import free_port

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
+from tests.vllm_backend.launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.core.rollout import read_rollouts
 

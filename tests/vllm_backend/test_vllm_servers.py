@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
+from tests.vllm_backend.launching import PROBE, RUNNER, hf_prompt_logprobs, start_reading, stopped_output, wait_for_first_step
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.inference.vllm.server import _server_log

@@ -19,7 +19,7 @@ from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.core.engine import free_port
 from verifiers_rl.core.rollout import read_rollouts
 
-from launching import PREEMPTIBLE, PROBE, ROOT, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
+from tests.vllm_backend.launching import PREEMPTIBLE, PROBE, ROOT, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
 
 
 @pytest.mark.parametrize("config, transfer", [("ddp_cpu.yaml", "files"), ("zero3_cpu.yaml", "gloo")])

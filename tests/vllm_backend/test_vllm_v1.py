@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from tests.vllm_backend.launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from verifiers_rl.envs.adapters.verifiers_v1 import v1_python
 from verifiers_rl.core.rollout import read_rollouts
 

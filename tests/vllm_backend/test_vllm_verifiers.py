@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from tests.vllm_backend.launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
 from tests.envs.test_verifiers_env import model_turns, rubric_reward
 from verifiers_rl.core.rollout import read_rollouts
 

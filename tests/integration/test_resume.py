@@ -20,43 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_distributed_equivalence import ROOT, accelerate, launch
 from verifiers_rl.training.run_state import CheckpointError, check_fits, load_run_state, publish, resolve_checkpoint
 from verifiers_rl.core.rollout import read_rollouts, write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
-SCRIPT = str(ROOT / "examples" / "train.py")
-COMMON = ["--learning_rate", "1e-3", "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1",
-          "--print_samples_every", "0"]
-LIVE = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
-        "--num_generations", "4"]
-
-
-def run(prefix, out: Path, args: list[str], log: Path, expect: int = 0) -> str:
-    result = launch(prefix, [SCRIPT, "--output_dir", str(out), *COMMON, *args], log)
-    text = log.read_text()
-    assert result.returncode == expect, text[-6000:]
-    return text
-
-
-def final_parameters(folder: Path) -> dict[str, torch.Tensor]:
-    return load_file(folder / "model.safetensors")
-
-
-def assert_equal_parameters(got: Path, want: Path, initial: Path | None = None) -> None:
-    """Relative difference < 1e-6 (float32 on CPU; in practice the resumed runs here are bitwise equal)."""
-    a, b = final_parameters(got), final_parameters(want)
-    assert set(a) == set(b)
-    worst = max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
-    assert worst < 1e-6, f"max relative parameter difference {worst:.3e}"
-    if initial is not None:  # sensitivity: the steps after the checkpoint moved the parameters well beyond that
-        c = final_parameters(initial)
-        moved = max(float((b[k] - c[k]).abs().max() / b[k].abs().max()) for k in b)
-        assert moved > 1e-4, f"the steps after the checkpoint barely moved the parameters ({moved:.2e})"
-
-
-def logged_steps(log: str) -> list[int]:
-    return [int(line.split()[1].split("/")[0]) for line in log.splitlines() if line.startswith("step ") and "| reward" in line]
+from tests.helpers.launches import (COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, final_parameters,
+                                    logged_steps, run)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from verifiers_rl.cli import eval as eval_cli
 from verifiers_rl.rollouts.evaluation import pass_at_k
 from verifiers_rl.core.rollout import read_rollouts
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV_ARGS = {"num_examples": 32, "num_eval_examples": 4, "max_new_tokens": 8}
 STEPS, EVERY, PER_STEP = 4, 2, 8
 

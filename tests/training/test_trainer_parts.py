@@ -3,17 +3,13 @@ source hands over, and the output layer patch that must leave TRL's own in place
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).parent / "live"))
-
-from toy_env import load_environment as load_toy  # noqa: E402
+from tests.live.toy_env import load_environment as load_toy
 from verifiers_rl.training import segmented_attention  # noqa: E402
 from verifiers_rl.config.rl_config import RLConfig  # noqa: E402
 from verifiers_rl.inference.embedded.engine import EmbeddedEngine  # noqa: E402

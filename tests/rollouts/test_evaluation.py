@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 
 import pytest
 import torch
@@ -194,10 +193,8 @@ def test_evaluation_under_zero3_leaves_training_unchanged_and_scores_the_saved_w
     """DeepSpeed ZeRO-3, 2 processes, replay: evaluation gathers the shards into the main process's engine, every
     rank gets the metrics, the final weights equal those of the same run without evaluation, and the saved model
     evaluates to what the run logged at its last step."""
-    from test_distributed_equivalence import ROOT, accelerate, launch
-
-    sys.path.insert(0, str(ROOT / "tests" / "distributed"))
-    from eval_run import ENV_ARGS
+    from tests.distributed.eval_run import ENV_ARGS
+    from tests.helpers.launches import ROOT, accelerate, launch
 
     write_rollouts(tmp_path / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=6))
     log = tmp_path / "zero3.log"
@@ -222,7 +219,7 @@ def test_live_evaluation_under_ddp_runs_on_every_rank_and_leaves_training_unchan
     """DDP, 2 processes, live: only the main process holds the generator, yet every rank must take the same
     collective path through the weight sync and evaluate (a split hung the launch). Evaluation draws its own seeds,
     so the final weights equal those of the same live run without evaluation."""
-    from test_distributed_equivalence import ROOT, accelerate, launch
+    from tests.helpers.launches import ROOT, accelerate, launch
 
     log = tmp_path / "ddp_live.log"
     result = launch(accelerate("ddp_cpu.yaml"), [str(ROOT / "tests" / "distributed" / "eval_run.py"), "--model",

@@ -25,16 +25,10 @@ from typing import Callable
 import psutil
 import pytest
 
-from test_distributed_equivalence import (
-    ROOT,
-    RUNNER,
-    assert_step_equals_single_process,
-    free_port,
-    launch,
-    runner_inputs,
-)
+from tests.helpers.launches import (EQUIVALENCE_RUNNER as RUNNER, LIVE_RUNNER, ROOT, assert_step_equals_single_process,
+                                    launch, runner_inputs)
+from verifiers_rl.core.engine import free_port
 
-LIVE_RUNNER = ROOT / "tests" / "live" / "live_run.py"
 pytestmark = pytest.mark.distributed
 
 # Padded and packed rows, grpo / dr_grpo / token_mean, gradient clipping over both nodes, uneven ranks.

@@ -70,7 +70,7 @@ def test_defaults_and_acting_fields_are_accepted():
 
 
 def test_the_documented_table_is_the_codes_table():
-    documented = (Path(__file__).parents[1] / grpo_fields.TABLE_FILE).read_text()
+    documented = (Path(__file__).parents[2] / grpo_fields.TABLE_FILE).read_text()
     assert grpo_fields.markdown_table() in documented, (
         f"regenerate it: python -m verifiers_rl.config.grpo_fields --write {grpo_fields.TABLE_FILE}")
 

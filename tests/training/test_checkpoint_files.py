@@ -14,8 +14,7 @@ import pytest
 import torch
 from transformers.trainer_pt_utils import safe_globals
 
-from test_distributed_equivalence import accelerate
-from test_resume import run
+from tests.helpers.launches import accelerate, run
 from verifiers_rl import compat
 from verifiers_rl.training.batching import BatchingConfig, plan_batch
 from verifiers_rl.training.run_state import CheckpointError, load_rank_batch, save_rank_batch, verify_manifest, write_manifest

@@ -12,10 +12,7 @@ import time
 
 import pytest
 
-from test_distributed_equivalence import ROOT, accelerate, launch
-
-RUNNER = ROOT / "tests" / "live" / "live_run.py"
-sys.path.insert(0, str(RUNNER.parent))
+from tests.helpers.launches import LIVE_RUNNER as RUNNER, accelerate, launch
 
 pytestmark = pytest.mark.distributed
 # The toy task: fraction of vowels in 8 sampled tokens; a random policy scores ~0.3.
@@ -82,7 +79,7 @@ def test_failing_reward_is_recorded_and_failing_environment_stops_every_rank(tin
 def test_stuck_engine_times_out_with_a_clear_error_and_no_thread_left(tiny_model_dir, tmp_path, k):
     from transformers import AutoTokenizer
 
-    from toy_env import load_environment as load_toy
+    from tests.live.toy_env import load_environment as load_toy
     from verifiers_rl.config.rl_config import RLConfig
     from verifiers_rl.rollouts.generator import GenerationTimeout
     from verifiers_rl.training.trainer import RLTrainer

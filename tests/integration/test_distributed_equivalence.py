@@ -7,59 +7,18 @@ The test compares parameters after the step, the logged loss and the number of o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-from verifiers_rl.core.engine import free_port
 from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
-ROOT = Path(__file__).resolve().parent.parent
-RUNNER = ROOT / "tests" / "distributed" / "equivalence_run.py"
-sys.path.insert(0, str(RUNNER.parent))
-from equivalence_run import CONFIGS, SHARED_TWINS  # noqa: E402
+from tests.distributed.equivalence_run import CONFIGS, SHARED_TWINS
+from tests.helpers.launches import (EQUIVALENCE_RUNNER as RUNNER, ROOT, accelerate, assert_step_equals_single_process, launch,
+                                    load_run, runner_inputs)
 
 pytestmark = pytest.mark.distributed
-LAUNCH_TIMEOUT_S = 600
-
-
-def launch_env(env_extra: dict | None = None, threads: int = 1) -> dict:
-    """The launched processes' environment: the repo first on PYTHONPATH, before what is there already (a GPU
-    machine's carried packages, scripts/gpu_bringup.sh)."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), **(env_extra or {})}
-
-
-def launch(prefix: list[str], args: list[str], log: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = launch_env(env_extra)
-    with log.open("w") as handle:
-        result = subprocess.run(prefix + args, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                timeout=LAUNCH_TIMEOUT_S)
-    return result
-
-
-def accelerate(config: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}",
-            "--main_process_port", str(free_port())]
-
-
-def runner_inputs(work: Path, model_dir: str) -> list[str]:
-    """The runner's model and rollouts arguments; writes the two rollouts files into ``work``."""
-    # A system prompt every group starts with: a packed row holds it once (prefix.row_root).
-    main = random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15,
-                           shared_turn_fraction=0.5, system_prompt_len=5)
-    for rollout in main:  # a group without reward variance (zero advantages; dropped by --filter_groups)
-        if rollout.group_id == "g1":
-            rollout.reward = 0.25
-    write_rollouts(work / "main.jsonl", main)
-    write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
-    return ["--model", model_dir, "--rollouts", str(work / "main.jsonl"), "--small_rollouts", str(work / "small.jsonl")]
 
 
 @pytest.fixture(scope="session")
@@ -78,46 +37,6 @@ def runs(tmp_path_factory, tiny_model_dir):
     return work
 
 
-def load(out: Path, name: str):
-    return torch.load(out / f"{name}.pt"), json.loads((out / f"{name}.json").read_text())
-
-
-def assert_step_equals_single_process(single_out: Path, out: Path, name: str, initial_parameters, backend: str) -> None:
-    """The run saved in ``out`` (2 processes, ``backend`` ddp or zero3) took the single process's step: parameters
-    (rel. < 1e-5), exactly one optimizer and scheduler step per batch, the logged loss and token metrics."""
-    single_params, single = load(single_out, name)
-    params, record = load(out, name)
-    expected_steps = CONFIGS[name].get("max_steps", CONFIGS[name].get("num_iterations", 1))
-
-    assert record["num_processes"] == 2 and single["num_processes"] == 1
-    expected_wrapper = "DeepSpeedEngine" if backend == "zero3" else "DistributedDataParallel"
-    assert record["model_class"] == expected_wrapper
-    # Exactly one optimizer step, one scheduler step per batch.
-    assert record["optimizer_steps"] == single["optimizer_steps"] == expected_steps
-    assert record["scheduler_steps"] == single["scheduler_steps"] == expected_steps
-    assert record["global_steps"] == expected_steps
-
-    assert set(params) == set(single_params)
-    worst = 0.0
-    update = 0.0
-    for key, reference in single_params.items():
-        worst = max(worst, float((params[key] - reference).abs().max() / reference.abs().max()))
-        update = max(update, float((reference - initial_parameters[key]).abs().max() / reference.abs().max()))
-    assert worst < 1e-5, f"max relative parameter difference {worst:.3e}"
-    # Sensitivity: the step moved parameters by far more than the tolerance, so a scale error would show.
-    assert update > 100 * 1e-5, f"the step barely moved the parameters ({update:.2e})"
-
-    # The logged loss is the single-device loss of the batch.
-    assert len(record["losses"]) == len(single["losses"]) == expected_steps
-    for got, want in zip(record["losses"], single["losses"]):
-        assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (got, want)
-    # Token-weighted metrics are global too: the same numbers as one process over the whole batch.
-    assert set(record["metrics"]) == set(single["metrics"]) and "entropy" in single["metrics"]
-    for key, values in single["metrics"].items():
-        for got, want in zip(record["metrics"][key], values):
-            assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (key, got, want)
-
-
 @pytest.mark.parametrize("backend", ["ddp", "zero3"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_process_step_equals_single_process_step(runs, initial_parameters, backend, name):
@@ -129,8 +48,8 @@ def test_two_process_step_equals_single_process_step(runs, initial_parameters, b
 def test_prompt_sharing_gives_the_unshared_update(runs, backend, name):
     """Forwarding each group's prompt once (shared-prefix rows, tree attention) changes neither the parameters after
     the step(s) nor the logged loss and metrics, on one process, DDP and ZeRO-3; and it forwarded fewer tokens."""
-    shared_params, shared = load(runs / backend, name)
-    plain_params, plain = load(runs / backend, SHARED_TWINS[name])
+    shared_params, shared = load_run(runs / backend, name)
+    plain_params, plain = load_run(runs / backend, SHARED_TWINS[name])
     for key, reference in plain_params.items():
         assert float((shared_params[key] - reference).abs().max() / reference.abs().max()) < 1e-5, key
     for got, want in zip(shared["losses"], plain["losses"], strict=True):

@@ -163,7 +163,7 @@ def test_the_trl_style_example_script_runs_as_shipped(tiny_model_dir, tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "examples" / "trl_grpo.py"
+    script = Path(__file__).parents[2] / "examples" / "trl_grpo.py"
     result = subprocess.run([sys.executable, str(script), "--model", tiny_model_dir, "--max_steps", "2",
                              "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -22,8 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from test_distributed_equivalence import ROOT, accelerate
-from test_resume import COMMON, LIVE, SCRIPT, assert_equal_parameters, logged_steps, run
+from tests.helpers.launches import COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, logged_steps, run
 from verifiers_rl.training.run_state import resolve_checkpoint
 from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts

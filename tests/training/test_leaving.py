@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from test_distributed_equivalence import ROOT
+from tests.helpers.launches import ROOT
 from verifiers_rl.training.distributed import _thread_states
 from verifiers_rl.core.engine import free_port
 

@@ -18,7 +18,7 @@ from verifiers_rl.cli import train as train_command
 from verifiers_rl.envs.parsers import Parser
 from verifiers_rl.core.rollout import read_rollouts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 EXAMPLE_MARKER = "# my_env.py"
 MAX_README_LINES = 350

@@ -34,7 +34,7 @@ from verifiers_rl.training.weight_stream import (
     probe_token_ids,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
@@ -424,7 +424,7 @@ def test_engines_without_prompt_logprobs_skip_the_probe(tiny_model_dir, trainer,
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory, tiny_model_dir):
-    from test_distributed_equivalence import accelerate, launch
+    from tests.helpers.launches import accelerate, launch
 
     work = tmp_path_factory.mktemp("weight-sync-zero3")
     write_rollouts(work / "rollouts.jsonl", random_rollouts(2, 4, vocab_size=390, seed=1, fully_masked_fraction=0.0))

@@ -22,7 +22,7 @@ from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 from trl import GRPOConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMMAND = str(Path(sys.executable).parent / "verifiers-rl")  # the console script beside this venv's python
 
 
