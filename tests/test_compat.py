@@ -117,7 +117,7 @@ def test_transformers_sets_up_the_device_in_a_cached_property_that_post_init_rea
 
 
 def test_deepspeeds_checkpoint_engine_would_run_a_pickle_and_the_guard_refuses_it_naming_file_and_checkpoint(tmp_path):
-    # DeepSpeed's own load, as a ZeRO-3 resume calls it (a real 2-process one: tests/test_checkpoint_files.py).
+    # DeepSpeed's own load, as a ZeRO-3 resume calls it (a real 2-process one: tests/training/test_checkpoint_files.py).
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     from tests.training.test_checkpoint_files import PlantedCode

@@ -1,7 +1,7 @@
 """One launch, many configurations: train one (or two) SGD steps per configuration and save what the test compares.
 
 Run under one process, under torchrun/Accelerate DDP, and under DeepSpeed ZeRO-3 with the same arguments;
-``tests/test_distributed_equivalence.py`` compares the saved parameters, logged losses and step counts.
+``tests/integration/test_distributed_equivalence.py`` compares the saved parameters, logged losses and step counts.
 """
 
 from __future__ import annotations

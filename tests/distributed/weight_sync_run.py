@@ -1,6 +1,6 @@
 """One launch (DeepSpeed ZeRO-3, 2 processes on CPU) of every multi-process weight-sync check.
 
-Writes, for ``tests/test_weight_sync.py`` to compare:
+Writes, for ``tests/training/test_weight_sync.py`` to compare:
 - ``initial.pt``: the bucketed gather of the freshly loaded (sharded) model, to compare with the checkpoint;
 - ``buckets.pt`` / ``reference.pt``: after one training step, the stream for several bucket sizes and one
   all-at-once gather of the raw parameters;

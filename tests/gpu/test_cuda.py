@@ -48,7 +48,7 @@ BF16_RELATIVE_L2 = 5e-2
 NAMES = ["grpo_token_padded1", "grpo_token_packed64", "dr_grpo_sequence_packed96", "grpo_kl_mask_padded4",
          "trl_knobs_two_iterations_packed64", "grpo_shared_padded4", "dr_grpo_two_iterations_shared_packed64",
          "token_mean_shared_auto_packed256", "sync_ref_kl_three_steps"]
-MODES = {  # micro-batching -> BatchingConfig keywords (max_seq_len 40; rollouts of tests/test_logprobs.py)
+MODES = {  # micro-batching -> BatchingConfig keywords (max_seq_len 40; rollouts of tests/training/test_logprobs.py)
     "padded": dict(mode="padded", rows_per_micro_batch=4),
     "packed": dict(mode="packed", max_tokens_per_microbatch=90),
     "padded_shared": dict(mode="padded", rows_per_micro_batch=4, share_prompt_training="on"),

@@ -1,6 +1,6 @@
 """The embedded engine's sampling processors (repetition penalty, min-p, top-k, top-p): it samples from the processed
 distribution and reports log-probs of that distribution (the importance correction divides by them), recomputed
-here independently (``tests/sampling_reference.py``); the defaults add no processor and change nothing."""
+here independently (``tests/helpers/sampling_reference.py``); the defaults add no processor and change nothing."""
 
 import asyncio
 

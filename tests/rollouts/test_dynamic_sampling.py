@@ -1,6 +1,6 @@
 """--filter_groups zero_variance (DAPO's dynamic sampling): groups whose rewards are all equal are dropped and live
 generation refills the batch with informative groups; replay only filters. The 2-process agreement is in
-tests/test_distributed_equivalence.py (configuration grpo_filter_zero_variance_padded2)."""
+tests/integration/test_distributed_equivalence.py (configuration grpo_filter_zero_variance_padded2)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 for every loss type, IS level, correction mode, KL on/off, and random partitions into D ranks x A micro-batches
 x padded/packed rows (ragged lengths, fully masked sequences, ranks with fewer tokens, empty micro-batches), with
 and without shared prompts (groups kept in shared-prefix rows, split over micro-batches and ranks; multi-turn-like
-prefixes shared past the prompt). The model forward of shared rows is checked in tests/test_logprobs.py.
+prefixes shared past the prompt). The model forward of shared rows is checked in tests/training/test_logprobs.py.
 
 The reference below is written per sequence straight from docs/architecture.md (What one step computes),
 independent of the partitioned code path.

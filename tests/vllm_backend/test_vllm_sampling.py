@@ -1,6 +1,6 @@
 """VLLMEngine's sampling settings against a real vLLM server (CPU): repetition penalty, min-p, top-k and top-p reach
 it, and its ``processed_logprobs`` are those of the distribution sampled, equal to an independent HF recomputation
-(``tests/sampling_reference.py``, the embedded engine's order) within the other vLLM log-prob tests' 1e-4."""
+(``tests/helpers/sampling_reference.py``, the embedded engine's order) within the other vLLM log-prob tests' 1e-4."""
 
 from __future__ import annotations
 

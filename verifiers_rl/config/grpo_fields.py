@@ -5,9 +5,9 @@ setting that is accepted and does nothing is the worst outcome (the user believe
 every field TRL adds to ``TrainingArguments``, and ``TRAINING_ARGUMENTS_REFUSED`` the ``TrainingArguments`` fields
 that have no effect on a trainer whose batches come from a rollout source (the others act as transformers documents).
 ``check_fields`` refuses a non-default value of a refused field at start-up, naming it, why, and what to use.
-``tests/test_grpo_fields.py`` compares the table with ``dataclasses.fields(GRPOConfig)``: a TRL upgrade that adds a
-field fails there until it is classified. ``python -m verifiers_rl.config.grpo_fields`` (or ``verifiers-rl fields``) prints
-the table of docs/trl.md; ``--write`` rewrites it there.
+``tests/config/test_grpo_fields.py`` compares the table with ``dataclasses.fields(GRPOConfig)``: a TRL upgrade that adds
+a field fails there until it is classified. ``python -m verifiers_rl.config.grpo_fields`` (or ``verifiers-rl fields``)
+prints the table of docs/trl.md; ``--write`` rewrites it there.
 """
 
 from __future__ import annotations

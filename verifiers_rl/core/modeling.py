@@ -35,7 +35,8 @@ def sequence_logprobs(model: torch.nn.Module, token_ids: list[int], device=None)
     return torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
 
 
-# Default probe tolerances (largest gap, nats). Measured on SmolLM2-135M's 32-token probe (tests/test_weight_sync.py):
+# Default probe tolerances (largest gap, nats). Measured on SmolLM2-135M's 32-token probe
+# (tests/training/test_weight_sync.py):
 # bf16 rounding alone (bf16 weights, or fp32 weights under bf16 autocast, vs fp32) moves a log-prob by up to
 # 0.11-0.18, while one projection left unloaded (zeros) moves one by 0.8-18.
 PROBE_TOLERANCE_FP32 = 1e-3

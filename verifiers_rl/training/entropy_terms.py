@@ -3,8 +3,8 @@ and ``entropy_coef`` (an entropy bonus), both exact however the batch is split o
 
 TRL takes the entropy quantile over each micro-batch (gathered over ranks) and averages the bonus per micro-batch;
 here both are over the step's whole batch, which is what they equal with one micro-batch on one process (the case
-``tests/test_trl_numbers.py`` compares). The threshold needs every loss token's entropy before the first backward,
-so a quantile below 1 costs one gradient-free forward of the batch per step.
+``tests/integration/test_trl_numbers.py`` compares). The threshold needs every loss token's entropy before the first
+backward, so a quantile below 1 costs one gradient-free forward of the batch per step.
 """
 
 from __future__ import annotations
