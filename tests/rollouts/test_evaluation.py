@@ -68,6 +68,22 @@ def test_summary_metrics_average_rollouts_and_pass_rates_over_prompts():
     assert loose.metrics()["eval_pass@1"] == pytest.approx((1 + 0) / 2)
 
 
+def test_a_mixtures_overall_reward_functions_average_only_the_rollouts_that_have_them():
+    # Entry "a" scores with exact, entry "b" with partial; both with shared. The first sample is a's.
+    def sample(row: int, env: str, metrics: dict) -> EvalSample:
+        rollout = Rollout([1], [5], [1], sum(metrics.values()), f"eval-{row}", metrics=metrics, env=env)
+        return EvalSample(Row(row, [{"role": "user", "content": str(row)}]), 0, rollout, False)
+
+    samples = [sample(0, "a", {"exact": 1.0, "shared": 0.25}), sample(1, "a", {"exact": 0.0, "shared": 0.75}),
+               sample(2, "b", {"partial": 0.5, "shared": 0.5}), sample(3, "b", {"partial": 0.25, "shared": 1.0}),
+               sample(4, "b", {"partial": 0.0, "shared": 0.0})]
+    metrics = summarize(samples, 1, 1.0, seconds=1.0).metrics()
+    assert metrics["eval_rewards/exact"] == pytest.approx(0.5) == metrics["eval_env/a/rewards/exact"]  # not 1/5
+    assert metrics["eval_rewards/partial"] == pytest.approx(0.25) == metrics["eval_env/b/rewards/partial"]
+    assert metrics["eval_rewards/shared"] == pytest.approx(2.5 / 5)  # every rollout has it
+    assert "eval_env/a/rewards/partial" not in metrics and "eval_env/b/rewards/exact" not in metrics
+
+
 def _toy_env(tokenizer, rows=10, eval_rows=()):
     dataset = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(rows)]
     held = [{"question": f"e{i}", "answer": f"b{i}"} for i in range(eval_rows)] if eval_rows else None

@@ -196,8 +196,9 @@ def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold
         k: statistics.fmean(pass_at_k(len(group), sum(s.passed for s in group), k) for group in by_row.values())
         for k in ks
     }
-    names = [name for name in samples[0].rollout.metrics if name != ERRORS_METRIC]
-    functions = {name: statistics.fmean(s.rollout.metrics.get(name, 0.0) for s in samples) for name in names}
+    # Over the rollouts that have the function (another entry's, or TRL's None), as training's rewards/<name>/mean.
+    functions = {name: statistics.fmean(values) for name, values in metric_values(s.rollout for s in samples).items()
+                 if name != ERRORS_METRIC}
     return EvalResult(
         samples=samples,
         num_prompts=len(by_row),
