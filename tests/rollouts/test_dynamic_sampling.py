@@ -60,6 +60,8 @@ def test_live_batches_keep_exactly_the_informative_groups_and_stay_full(tiny_mod
                 gen.weights_updated()
             groups = groups_of(batch)
             assert len(batch) == 16 and len(groups) == 4  # the batch size holds
+            # Batch at a time, refills included: every sampled token carries the batch's version.
+            assert all(r.completion_versions == [r.policy_version] * len(r.completion_ids) for r in batch)
             for members in groups.values():
                 assert len(members) == 4 and has_signal(members)
                 assert members[0].prompt[-1]["content"] in {f"Say something ({i})." for i in informative}
@@ -91,6 +93,37 @@ def test_a_batch_without_enough_signal_is_trained_as_it_is_with_a_warning(tiny_m
         record = nothing.batch(0)
     assert len(record.rollouts) == 16 and record.stats["groups_kept"] == 0  # the unfiltered batch
     assert "none has any, so the unfiltered batch is trained" in caplog.text
+
+
+def test_a_mixture_counts_the_groups_dropped_per_environment(tiny_model_dir):
+    """env/<name>/groups_dropped is, per entry, the zero-variance groups generated of it (the batch's rows and every
+    refill round's, drawn by the mixture), 0 for an entry in the batch with none dropped; they add up to the total."""
+    from verifiers_rl.envs.mixture import MixtureEntry, MixtureEnv
+    from verifiers_rl.training.step_batches import environment_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    kinds = {"flat": [], "mixed": [0, 2, 4], "lively": list(range(6))}  # each entry's informative rows
+    mixture = MixtureEnv([MixtureEntry(name, weight, name=name, environment=environment(tokenizer, rows, 6))
+                          for (name, rows), weight in zip(kinds.items(), (2, 2, 1))])
+    gen = generator(tiny_model_dir, mixture, refills=2)
+    try:
+        record = gen.batch(0)
+    finally:
+        gen.close()
+    logged = {**record.stats, **environment_metrics(record.rollouts, record.stats)}  # as StepBatches.plan logs
+    drawn = [row for _, row in gen._rows_of(0)]
+    for round_ in range(1, int(record.stats["refill_generations"]) + 1):
+        drawn += mixture.draw_refill(0, round_, 4, seed=3)
+    expected = {name: 0 for name in kinds}
+    for row in drawn:
+        name = mixture.entries[mixture.dataset[row].entry].name
+        expected[name] += mixture.dataset[row].source.info["constant"]
+    assert expected["flat"] > 0 and expected["mixed"] > 0 and expected["lively"] == 0
+    assert {name: logged.get(f"env/{name}/groups_dropped") for name in ("flat", "mixed")} == \
+        {"flat": expected["flat"], "mixed": expected["mixed"]}
+    assert logged["env/lively/groups_dropped"] == 0  # in the batch, none dropped
+    assert sum(expected.values()) == record.stats["groups_dropped"]
+    assert "flat" not in {r.env for r in record.rollouts}  # every flat group was dropped, yet its count is logged
 
 
 def test_replay_filters_only(tiny_model_dir, tmp_path):
