@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.core.rollout import group_episodes, read_rollouts
 from verifiers_rl.training.step_metrics import TOKEN_METRICS
 from verifiers_rl.training.trainer import RLTrainer
 from verifiers_rl.training.distributed import leave_process_group
@@ -49,6 +50,10 @@ CONFIGS = {
     "dr_grpo_two_iterations_shared_packed64": dict(loss_type="dr_grpo", num_iterations=2, micro_batching="packed", max_tokens_per_microbatch=64, share_prompt_training="on"),
     "token_mean_shared_auto_packed256": dict(loss_type="token_mean", micro_batching="packed", max_tokens_per_microbatch=256, share_prompt_training="auto"),
     "grpo_uneven_ranks_shared_padded4": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=4, rollouts_per_step=3, rollouts="small", share_prompt_training="on"),
+    # Episodes of 1-3 branches (a v1 sub-agent's shape): advantages over episodes, each branch a sequence, the
+    # branches of one episode on different ranks and micro-batches; one step of every episode of the file.
+    "grpo_branches_padded2": dict(loss_type="grpo", micro_batching="padded", per_device_train_batch_size=2, rollouts="branching", rollouts_per_step="episodes"),
+    "dr_grpo_branches_batch_std_shared_packed64": dict(loss_type="dr_grpo", scale_rewards="batch", micro_batching="packed", max_tokens_per_microbatch=64, share_prompt_training="on", rollouts="branching", rollouts_per_step="episodes"),
 }
 # Each prompt-sharing configuration and the unshared one whose update it must equal (micro-batching never changes it).
 SHARED_TWINS = {
@@ -153,6 +158,8 @@ def run(name: str, overrides: dict, model: str, rollouts: dict[str, str], out: P
     )
     settings.update(extra)
     settings.update(overrides)
+    if settings["rollouts_per_step"] == "episodes":  # the whole file in one step (rollouts_per_step counts episodes)
+        settings["rollouts_per_step"] = len(group_episodes(read_rollouts(rollouts_file)))
     settings.setdefault("max_steps", settings.get("num_iterations", 1))
     counter = StepCounter()
     trainer = RLTrainer(model, RLConfig(**settings), callbacks=[counter], loss_fn=loss_fn)
@@ -188,6 +195,7 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--rollouts", required=True)
     parser.add_argument("--small_rollouts", required=True)
+    parser.add_argument("--branching_rollouts", required=True, help="episodes of several branches (episode_id)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", nargs="*", default=None)
     parser.add_argument("--ddp_timeout", type=int, default=None, help="RLConfig.ddp_timeout, when given")
@@ -205,7 +213,8 @@ def main() -> None:
     extra.update(use_cpu=args.device == "cpu", bf16=args.bf16)  # bf16 stated: RLConfig turns it on where CUDA is
     for name in names:
         print(f"[equivalence] rank {os.environ.get('RANK', '0')}: {name}", file=sys.stderr, flush=True)
-        run(name, CONFIGS[name], args.model, {"main": args.rollouts, "small": args.small_rollouts}, out, extra)
+        files = {"main": args.rollouts, "small": args.small_rollouts, "branching": args.branching_rollouts}
+        run(name, CONFIGS[name], args.model, files, out, extra)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ def logged_steps(log: str) -> list[int]:
 
 
 def runner_inputs(work: Path, model_dir: str) -> list[str]:
-    """The equivalence runner's model and rollouts arguments; writes the two rollouts files into ``work``."""
+    """The equivalence runner's model and rollouts arguments; writes the three rollouts files into ``work``."""
     # A system prompt every group starts with: a packed row holds it once (prefix.row_root).
     main = random_rollouts(4, 4, vocab_size=390, seed=1, fully_masked_fraction=0.15,
                            shared_turn_fraction=0.5, system_prompt_len=5)
@@ -89,7 +89,10 @@ def runner_inputs(work: Path, model_dir: str) -> list[str]:
             rollout.reward = 0.25
     write_rollouts(work / "main.jsonl", main)
     write_rollouts(work / "small.jsonl", random_rollouts(2, 3, vocab_size=390, seed=2, fully_masked_fraction=0.0))
-    return ["--model", model_dir, "--rollouts", str(work / "main.jsonl"), "--small_rollouts", str(work / "small.jsonl")]
+    # 4 groups, 15 episodes in 20 rollouts (one of 3 branches, three of 2), reward variance in every group.
+    write_rollouts(work / "branching.jsonl", random_rollouts(4, 5, vocab_size=390, seed=4, branch_fraction=0.5))
+    return ["--model", model_dir, "--rollouts", str(work / "main.jsonl"), "--small_rollouts", str(work / "small.jsonl"),
+            "--branching_rollouts", str(work / "branching.jsonl")]
 
 
 def load_run(out: Path, name: str):

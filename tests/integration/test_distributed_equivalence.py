@@ -7,11 +7,13 @@ The test compares parameters after the step, the logged loss and the number of o
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
 
-from verifiers_rl.core.rollout import write_rollouts
+from verifiers_rl.core.rollout import episode_key, group_episodes, read_rollouts, write_rollouts
+from verifiers_rl.training.batching import BatchingConfig, plan_batch
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
 from tests.distributed.equivalence_run import CONFIGS, SHARED_TWINS
@@ -59,6 +61,28 @@ def test_prompt_sharing_gives_the_unshared_update(runs, backend, name):
             assert abs(got - want) <= 1e-5 * max(abs(want), 1e-3), (key, got, want)
     assert all(s < p for s, p in zip(shared["tokens"]["tokens_forwarded"], plain["tokens"]["tokens_forwarded"]))
     assert shared["tokens"]["tokens_unique"] == plain["tokens"]["tokens_unique"]
+
+
+BRANCHING = [name for name, overrides in CONFIGS.items() if overrides.get("rollouts") == "branching"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_a_step_of_branching_episodes_trains_every_branch_with_an_episode_on_both_ranks(runs, backend):
+    """The branching configurations' one step is every episode of their file (rollouts_per_step counts episodes:
+    15, in 20 rollouts): the ranks' loss tokens add up to all 20 branches'; and the padded layout puts an episode's
+    branches on both ranks (the advantage each rank applies is the episode's, computed before the split)."""
+    rollouts = read_rollouts(runs / "branching.jsonl")
+    assert (len(group_episodes(rollouts)), len(rollouts)) == (15, 20) and len(BRANCHING) == 2
+    for name in BRANCHING:
+        ranks = [json.loads((runs / backend / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert sum(rank["loss_tokens"] for rank in ranks) == sum(sum(r.completion_mask) for r in rollouts), name
+    placed = plan_batch(rollouts, BatchingConfig(world_size=2, rows_per_micro_batch=2, max_seq_len=64))
+    ranks_of: dict = {}
+    for rank, rank_batch in enumerate(placed):
+        for micro_batch in rank_batch.micro_batches:
+            for position in micro_batch.batch_positions:
+                ranks_of.setdefault(episode_key(rollouts[position], position), set()).add(rank)
+    assert any(len(ranks) == 2 for ranks in ranks_of.values())
 
 
 def test_example_script_trains_under_ddp_and_refuses_independent_copies(runs, tiny_model_dir, tmp_path):
