@@ -62,6 +62,38 @@ def test_a_mixture_from_json_text_and_a_bad_json_list():
         parse_entries('[{"env": }]')
 
 
+def test_a_mixture_from_a_yaml_file_of_entries_or_a_training_config(tmp_path):
+    import yaml
+
+    listed, config = tmp_path / "mix.yaml", tmp_path / "run.yml"
+    listed.write_text(yaml.safe_dump(ENTRIES))
+    config.write_text(yaml.safe_dump({"env": ENTRIES[:2], "max_steps": 3}))  # a training --config: its env: list
+    assert [e.name for e in parse_entries(str(listed))] == ["reverse_text", "arithmetic", "reverse_long"]
+    assert [(e.name, e.weight) for e in parse_entries(str(config), "--eval_env")] == [("reverse_text", 1.0),
+                                                                                     ("arithmetic", 2.5)]
+    for content, message in [({"max_steps": 3}, "is a mapping without env:"), ("reverse_text", "holds a list"),
+                             ("[a: b", "is not valid YAML")]:
+        (tmp_path / "bad.yaml").write_text(content if isinstance(content, str) and "[" in content
+                                           else yaml.safe_dump(content))
+        with pytest.raises(MixtureError, match=f"--env {tmp_path / 'bad.yaml'}.*{message}"):
+            parse_entries(str(tmp_path / "bad.yaml"))
+    with pytest.raises(MixtureError, match="cannot read the file"):
+        parse_entries(str(tmp_path / "missing.yaml"))
+
+
+def test_verifiers_rl_eval_refuses_env_args_or_a_bad_entry_of_a_mixture(capsys):
+    from verifiers_rl.cli import eval as eval_cli
+
+    mixture = json.dumps(ENTRIES[:2])
+    assert [e.name for e in eval_cli.parse_args(["--env", mixture]).entries] == ["reverse_text", "arithmetic"]
+    assert eval_cli.parse_args(["--env", "arithmetic"]).entries is None
+    for argv, message in [(["--env", mixture, "--env_args", '{"seed": 1}'], "--env_args acts on one environment"),
+                          (["--env", '[{"env": "arithmetic", "weight": 0}]'], "--env entry 0 (arithmetic): \"weight\"")]:
+        with pytest.raises(SystemExit):
+            eval_cli.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_an_entry_that_fails_to_load_or_to_fit_is_named(tokenizer):
     with pytest.raises(MixtureError, match=r"--env entry 'no_such_env': ValueError: Unknown environment"):
         mixture(tokenizer, [ENTRIES[0], {"env": "no_such_env"}])

@@ -104,6 +104,38 @@ def test_tensorboard_holds_each_environments_evaluation(run):
     assert overall == pytest.approx(statistics.fmean(parts), abs=1e-5)  # equal prompts and samples per entry
 
 
+def test_verifiers_rl_eval_of_the_mixture_equals_the_runs_own_evaluation(run, capsys):
+    """`verifiers-rl eval` takes the mixture (here a training --config whose env: is the list) and evaluates the saved
+    model to what the run's evaluation logged at its last step: each entry's reward and pass@k, and the overall."""
+    import yaml
+
+    from verifiers_rl.rollouts.evaluation import pass_at_k
+
+    config = run / "run.yaml"
+    config.write_text(yaml.safe_dump({"env": MIXTURE, "max_steps": STEPS}))
+    from verifiers_rl.cli.eval import main
+
+    assert main(["--model", str(run / "out"), "--env", str(config), "--holdout", "2", "-k", "2", "--output",
+                 str(run / "eval.jsonl")]) == 0
+    printed = capsys.readouterr().out
+    records = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    logged = scalars(run)
+    assert len({r["reward"] for r in records}) > 2  # rewards that differ: equal means are no coincidence
+    assert logged["eval/reward"][STEPS] == pytest.approx(statistics.fmean(r["reward"] for r in records), abs=1e-5)
+    for name in NAMES:
+        mine = [r for r in records if r["env"] == name]
+        rows: dict[int, list[bool]] = {}
+        for record in mine:
+            rows.setdefault(record["row"], []).append(record["passed"])
+        assert len(rows) == 2 and all(len(passes) == 2 for passes in rows.values())
+        reward = statistics.fmean(r["reward"] for r in mine)
+        assert logged[f"eval/env/{name}/reward"][STEPS] == pytest.approx(reward, abs=1e-5), name
+        for k in (1, 2):
+            expected = statistics.fmean(pass_at_k(2, sum(passes), k) for passes in rows.values())
+            assert logged[f"eval/env/{name}/pass@{k}"][STEPS] == pytest.approx(expected, abs=1e-6), (name, k)
+        assert f"  {name}: reward {reward:.4f}, pass@1 " in printed
+
+
 def test_smollm2_trains_the_mixture_from_a_yaml_config(tmp_path, smollm2_model_dir):
     import yaml
 

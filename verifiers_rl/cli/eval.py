@@ -4,13 +4,15 @@
     verifiers-rl eval --model outputs/train/checkpoint-20 --env arithmetic --temperature 0
     verifiers-rl eval --model DIR --env my_env.py --holdout 50 --seed 42      # no eval split: hold rows out
     verifiers-rl eval --model DIR --env reverse_text --vllm_server_url http://127.0.0.1:8000
+    verifiers-rl eval --model DIR --env '[{"env": "reverse_text"}, {"env": "arithmetic"}]' --holdout 20   # a mixture
+    verifiers-rl eval --model DIR --env my_run.yaml --holdout 20   # the mixture of a training --config's env: list
 
 Generates with the embedded engine (or a vLLM server serving ``--model``), prints a summary table (reward, pass@1,
-pass@k, each reward function's mean, tokens, time) and writes one JSON line per rollout. The rows, seeds and
-metrics are those of the trainer's evaluation (``verifiers_rl.rollouts.evaluation``): with the same ``--seed`` (the training
-run's, 42 unless set), ``-n``, ``-k``, ``--temperature`` and the run's sampling flags (``--top_p``, ``--top_k``,
-``--min_p``, ``--repetition_penalty``, ``--chat_template_kwargs``), a checkpoint evaluates to what the run logged
-at its step.
+pass@k, each reward function's mean, tokens, time; for a mixture also each entry's line) and writes one JSON line
+per rollout. The rows, seeds and metrics are those of the trainer's evaluation
+(``verifiers_rl.rollouts.evaluation``): with the same ``--seed`` (the training run's, 42 unless set), ``-n``,
+``-k``, ``--temperature`` and the run's sampling flags (``--top_p``, ``--top_k``, ``--min_p``,
+``--repetition_penalty``, ``--chat_template_kwargs``), a checkpoint evaluates to what the run logged at its step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="A folder (a trained --output_dir or any checkpoint-N in it), 'smollm2', 'tiny', or a hub id.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer folder or id; default: the model's.")
     parser.add_argument("--env", default="reverse_text", help="A built-in name, 'pkg.module:function', a .py file, or a verifiers 0.4 (v1) "
-                        "environment module (as --env of examples/train.py).")
+                        "environment module (as --env of examples/train.py). Several: a mixture, as training's --env: "
+                        "a JSON list of entries {\"env\": ..., \"env_args\": {...}, \"name\": ...}, or a .yaml file "
+                        "holding that list or a training --config (only its env: list is read); each entry's held-out "
+                        "rows are evaluated and reported on their own and together.")
     parser.add_argument("--env_args", default="{}", help="JSON keyword arguments for the environment's loader.")
     parser.add_argument("--chat_template_kwargs", default="{}",
                         help="JSON variables for the chat template, as training's --chat_template_kwargs "
@@ -94,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except json.JSONDecodeError as error:
         parser.error(f"--env_args is not valid JSON: {error}")
     args.chat_template_kwargs = template_kwargs(parser, args.chat_template_kwargs)
+    args.entries = mixture_entries(parser, args.env, args.env_kwargs)
     for name in ("num_examples", "samples_per_prompt", "max_batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -124,6 +130,30 @@ def template_kwargs(parser: argparse.ArgumentParser, text: str) -> dict:
         parser.error(str(error))
 
 
+def mixture_entries(parser: argparse.ArgumentParser, spec: str, env_kwargs: dict):
+    """The mixture ``--env`` describes (``envs.mixture.parse_entries``), None for one environment; a usage error
+    names the entry."""
+    from verifiers_rl.envs.mixture import MixtureError, parse_entries
+
+    try:
+        entries = parse_entries(spec, "--env")
+    except MixtureError as error:
+        parser.error(str(error))
+    if entries is not None and env_kwargs:
+        parser.error(f"--env_args acts on one environment; a mixture's entries take their own: "
+                     f"--env '[{{\"env\": ..., \"env_args\": {json.dumps(env_kwargs)}}}]'.")
+    return entries
+
+
+def entry_lines(result) -> str:
+    """A mixture's entries, a line each: reward, pass@k and prompts (``eval/env/<name>/...`` in training's logs)."""
+    lines = []
+    for name, part in result.by_env.items():
+        passes = ", ".join(f"pass@{k} {v:.4f}" for k, v in part.pass_at.items())
+        lines.append(f"  {name}: reward {part.reward:.4f}, {passes}, {part.num_prompts} prompts")
+    return "\n".join(["per environment"] + lines) if lines else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from verifiers_rl.core.models import load_tokenizer, resolve_model
@@ -132,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(model).exists() or args.model.startswith((".", "/", "~")):
         check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)  # before the slow imports: a wrong path fails at once
     from verifiers_rl.envs import load_environment
+    from verifiers_rl.envs.mixture import load_mixture
     from verifiers_rl.envs.prepare import prepare_environment
     from verifiers_rl.rollouts.evaluation import EvalSettings, eval_rows, evaluate
     import torch
@@ -141,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
 
     plain_output_when_redirected()
     tokenizer = load_tokenizer(args.tokenizer or model)
-    environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
     # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
-    prepare_environment(environment, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout,
-                        seed=args.seed)
+    prepare = lambda env, entry=None: prepare_environment(  # noqa: E731
+        env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed)
+    if args.entries is None:
+        environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
+        prepare(environment)
+    else:  # each entry on its own, as training loads a mixture (--holdout: N rows of each)
+        environment = load_mixture(args.entries, lambda entry: load_environment(
+            entry.env, tokenizer=tokenizer, **entry.env_args), prepare, "--env")
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
@@ -164,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     split = f"held out by --holdout {args.holdout}" if args.holdout else "eval split"
     print(f"model  {model}\nenv    {environment.name} ({split}), seed {args.seed}, temperature {args.temperature:g}")
     print(result.table())
+    if result.by_env:
+        print(entry_lines(result))
     if args.output:
         print(f"wrote {len(lines)} rollouts to {args.output}")
     return 0

@@ -27,6 +27,7 @@ from verifiers_rl.envs.environment import Environment, Row, Trajectory
 from verifiers_rl.envs.messages import Messages
 
 ENTRY_KEYS = ("env", "weight", "env_args", "name")
+YAML_SUFFIXES = (".yaml", ".yml")
 
 
 class MixtureError(ValueError):
@@ -60,8 +61,11 @@ class MixtureRow(Row):
 
 
 def parse_entries(value: Any, flag: str = "--env") -> list[MixtureEntry] | None:
-    """The mixture ``value`` describes (a list of mappings, or its JSON text, from ``flag``), checked entry by entry;
-    None when ``value`` names a single environment (a string that is not a JSON list)."""
+    """The mixture ``value`` describes (a list of mappings, its JSON text, or a YAML file of it: ``read_entries``,
+    from ``flag``), checked entry by entry; None when ``value`` names a single environment (a string that is neither
+    a JSON list nor a .yaml file)."""
+    if isinstance(value, str) and value.endswith(YAML_SUFFIXES):
+        value = read_entries(value, flag)
     if isinstance(value, str):
         if not value.lstrip().startswith("["):
             return None
@@ -79,6 +83,29 @@ def parse_entries(value: Any, flag: str = "--env") -> list[MixtureEntry] | None:
             raise MixtureError(f"{flag}: two entries are named {name!r} (their metrics would mix); give each a "
                                "\"name\".")
     return entries
+
+
+def read_entries(path: str, flag: str = "--env") -> Any:
+    """A YAML file's mixture: the file is the list of entries, or a training ``--config`` whose ``env:`` is that list
+    (only ``env:`` is read from it: the command's own flags set the rest)."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            content = yaml.safe_load(handle)
+    except OSError as error:
+        raise MixtureError(f"{flag} {path}: cannot read the file ({error.strerror}).") from None
+    except yaml.YAMLError as error:
+        raise MixtureError(f"{flag} {path} is not valid YAML: {error}") from None
+    if isinstance(content, Mapping):
+        if "env" not in content:
+            raise MixtureError(f"{flag} {path} is a mapping without env:; give a YAML list of entries or a training "
+                               "--config whose env: is one.")
+        content = content["env"]
+    if not isinstance(content, list):
+        raise MixtureError(f"{flag} {path}: a mixture file holds a list of entries (or a config's env: list), got "
+                           f"{content!r:.200}.")
+    return content
 
 
 def _entry(item: Any, index: int, flag: str) -> MixtureEntry:
@@ -229,17 +256,18 @@ class MixtureEnv(Environment):
 
     # --- evaluation -------------------------------------------------------------------------------------------------
 
-    def eval_selection(self, num_examples: int | None) -> list[MixtureRow]:
-        """The held-out rows evaluation uses: the first ``num_examples`` of each entry's split (all for None)."""
+    def eval_selection(self, num_examples: int | None, flag: str = "--eval_num_examples") -> list[MixtureRow]:
+        """The held-out rows evaluation uses: the first ``num_examples`` (``flag``'s value) of each entry's split (all
+        for None)."""
         picked = []
         for number, entry in enumerate(self.entries):
             rows = [row for row in self.eval_dataset if row.entry == number]
             if not rows:
                 raise MixtureError(f"mixture entry {entry.name!r} has no held-out split to evaluate on: give it one "
                                    "(the built-ins take env_args {\"num_eval_examples\": N}) or hold out training "
-                                   "rows with --eval_holdout N.")
+                                   "rows with --eval_holdout N (verifiers-rl eval: --holdout N).")
             if num_examples is not None and num_examples > len(rows):
-                raise MixtureError(f"--eval_num_examples {num_examples} is larger than the held-out split of mixture "
+                raise MixtureError(f"{flag} {num_examples} is larger than the held-out split of mixture "
                                    f"entry {entry.name!r} ({len(rows)} rows); lower it or enlarge that split.")
             picked += rows if num_examples is None else rows[:num_examples]
         return picked

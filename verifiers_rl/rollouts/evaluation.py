@@ -73,7 +73,7 @@ def eval_rows(environment: Environment, num_examples: int | None, flag: str = "-
     evaluation."""
     selection = getattr(environment, "eval_selection", None)
     if selection is not None:  # a mixture: each entry's own first rows, checked per entry
-        return selection(num_examples)
+        return selection(num_examples, flag)
     rows = environment.eval_dataset
     if not rows:
         raise ValueError(
