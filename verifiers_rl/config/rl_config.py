@@ -191,7 +191,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     rollouts_per_step: int | None = field(
         default=None,
         metadata={
-            "help": "Rollouts per optimizer step over all ranks (B). Defaults to per_device_train_batch_size * "
+            "help": "Rollouts per optimizer step over all ranks (B), an episode of several branches (a verifiers v1 "
+            "sub-agent's) counting once. Defaults to per_device_train_batch_size * "
             "gradient_accumulation_steps * world size."
         },
     )
@@ -215,7 +216,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=None, metadata={"help": "Append every trained rollout to this JSON Lines file (the replay format)."}
     )
     num_generations: int | None = field(
-        default=8, metadata={"help": "Rollouts per prompt when generating (a group)."}
+        default=8, metadata={"help": "Rollouts per prompt when generating (a group), an episode of several branches "
+                                     "counting once."}
     )
     print_samples_every: int = field(
         default=10,
