@@ -20,6 +20,7 @@ _EXPORTS = {
     "GenerationTimeout": "rollouts.generator",
     "Environment": "envs", "SingleTurnEnv": "envs", "MultiTurnEnv": "envs", "ToolEnv": "envs", "Rubric": "envs",
     "Parser": "envs", "XMLParser": "envs", "ThinkParser": "envs", "RolloutError": "envs", "load_environment": "envs",
+    "mixture_of": "envs.mixture", "MixtureEnv": "envs.mixture", "RewardFunctionsEnv": "envs.adapters.trl_dataset",
     "InferenceEngine": "inference", "EmbeddedEngine": "inference", "VLLMEngine": "inference",
     "SamplingConfig": "inference",
     "TrainingPreempted": "training.preemption", "CheckpointError": "core.errors",

@@ -94,6 +94,24 @@ def test_verifiers_rl_eval_refuses_env_args_or_a_bad_entry_of_a_mixture(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_mixture_of_takes_environment_objects_beside_named_ones(tokenizer):
+    from verifiers_rl import mixture_of
+
+    built = load_environment("arithmetic", tokenizer=tokenizer, num_examples=5)
+    env = mixture_of([{"env": built, "weight": 3}, ENTRIES[0]], tokenizer, holdout=2, seed=4)
+    assert [(e.name, e.weight) for e in env.entries] == [("arithmetic", 3.0), ("reverse_text", 1.0)]
+    assert env.entries[0].environment is built and len(env.eval_selection(None)) == 4  # 2 held out of each
+    assert env._verifiers_rl_holdout == (2, 4)  # what --eval_holdout 2 with seed 4 checks
+    for entries, kwargs, message in [
+        ([{"env": built, "env_args": {"num_examples": 3}}], {}, r"mixture_of entry 0 \(arithmetic\): \"env_args\" are"),
+        ([{"env": built}, {"env": built}], {}, "two entries are named 'arithmetic'"),
+        ([{"env": 3}], {}, "the environment's name or path, or an Environment object, got 3"),
+        ([ENTRIES[0]], {"tokenizer": None}, "mixture_of entry 'reverse_text': .*pass mixture_of\\(..., tokenizer=...\\)"),
+    ]:
+        with pytest.raises(MixtureError, match=message):
+            mixture_of(entries, **kwargs)
+
+
 def test_an_entry_that_fails_to_load_or_to_fit_is_named(tokenizer):
     with pytest.raises(MixtureError, match=r"--env entry 'no_such_env': ValueError: Unknown environment"):
         mixture(tokenizer, [ENTRIES[0], {"env": "no_such_env"}])

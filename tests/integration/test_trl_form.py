@@ -88,6 +88,43 @@ def test_a_trl_script_trains_with_only_the_import_changed(tiny_model_dir, tmp_pa
     assert "completions/mean_length" in logged[0]
 
 
+def test_a_trl_form_dataset_trains_as_a_mixture_entry_beside_a_built_in(tiny_model_dir, tmp_path):
+    """mixture_of takes a TRL-form environment (a dataset and reward functions) as an entry beside reverse_text: its
+    rollouts' rewards are its functions recomputed, its functions get this trainer's state, and evaluation's overall
+    value of a function only the TRL entry has is that entry's."""
+    from verifiers_rl import mixture_of
+    from verifiers_rl.inference.factory import build_engine
+
+    CALLS.clear()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spelling = RewardFunctionsEnv(Dataset.from_list(rows(True)), [letters_like_target, only_math], tokenizer,
+                                  reward_weights=[1.0, 0.5], max_new_tokens=8, max_seq_len=96)
+    args = config(tmp_path, rollouts_per_step=16, eval_strategy="steps", eval_steps=2, eval_holdout=2)
+    mixture = mixture_of([{"env": spelling, "name": "spelling"},
+                          {"env": "reverse_text", "env_args": {"num_examples": 8, "max_new_tokens": 8, "max_seq_len": 96}}],
+                         tokenizer, holdout=2, seed=args.seed)
+    engine = build_engine(args, tiny_model_dir, tokenizer)
+    trainer = RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=mixture, engine=engine)
+    try:
+        trainer.train()
+    finally:
+        engine.close()
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    assert len(seen) == 32 and {r.env for r in seen} == {"spelling", "reverse_text"}
+    by_prompt = {json.dumps(r["prompt"]): r for r in rows(True)}
+    for rollout in (r for r in seen if r.env == "spelling"):
+        row = by_prompt[json.dumps(rollout.prompt)]
+        text = rollout.completion[-1]["content"]
+        math_value = float(len(text) % 3) if row["task"] == "math" else None
+        assert rollout.metrics["letters_like_target"] == letters(rollout.completion, row["target"])
+        assert rollout.metrics.get("only_math") == math_value
+        assert rollout.reward == pytest.approx(letters(rollout.completion, row["target"]) + 0.5 * (math_value or 0.0))
+    assert CALLS and all(call["state"] is trainer.state for call in CALLS)  # TRL's trainer_state, inside a mixture
+    evaluated = next(entry for entry in trainer.state.log_history if "eval_reward" in entry)
+    assert evaluated["eval_env/spelling/num_prompts"] == evaluated["eval_env/reverse_text/num_prompts"] == 2
+    assert evaluated["eval_rewards/letters_like_target"] == evaluated["eval_env/spelling/rewards/letters_like_target"]
+
+
 def test_normalize_then_sum_trains_the_standardised_objectives(tiny_model_dir, tmp_path):
     from verifiers_rl.training.batching import normalize_then_sum_advantages
 

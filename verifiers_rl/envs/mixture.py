@@ -76,7 +76,10 @@ def parse_entries(value: Any, flag: str = "--env") -> list[MixtureEntry] | None:
     if not isinstance(value, list) or not value:
         raise MixtureError(f"{flag}: a mixture is a non-empty list of entries like {{\"env\": \"reverse_text\", "
                            f"\"weight\": 1}}, got {value!r}.")
-    entries = [_entry(item, i, flag) for i, item in enumerate(value)]
+    return _named_apart([_entry(item, i, flag) for i, item in enumerate(value)], flag)
+
+
+def _named_apart(entries: list[MixtureEntry], flag: str) -> list[MixtureEntry]:
     names = [entry.name for entry in entries]
     for name in names:
         if names.count(name) > 1:
@@ -108,7 +111,8 @@ def read_entries(path: str, flag: str = "--env") -> Any:
     return content
 
 
-def _entry(item: Any, index: int, flag: str) -> MixtureEntry:
+def _entry(item: Any, index: int, flag: str, built: bool = False) -> MixtureEntry:
+    """Entry ``index`` of ``flag``; with ``built`` (``mixture_of``), ``env`` may be an ``Environment`` object."""
     where = f"{flag} entry {index}"
     if not isinstance(item, Mapping):
         raise MixtureError(f"{where} is a {type(item).__name__}; expected a mapping like {{\"env\": \"reverse_text\"}}.")
@@ -117,8 +121,16 @@ def _entry(item: Any, index: int, flag: str) -> MixtureEntry:
         raise MixtureError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; an entry takes "
                            f"{', '.join(ENTRY_KEYS)} (an environment's own limits go in its env_args).")
     spec = item.get("env")
+    if built and isinstance(spec, Environment):
+        if item.get("env_args"):
+            raise MixtureError(f"{where} ({spec.name}): \"env_args\" are a loader's arguments; an Environment object "
+                               "is built already (give its limits to its constructor).")
+        entry = _entry({**item, "env": spec.name, "name": item.get("name") or spec.name}, index, flag)
+        entry.environment = spec
+        return entry
     if not isinstance(spec, str) or not spec:
-        raise MixtureError(f"{where} needs \"env\": the environment's name or path, got {spec!r}.")
+        kind = "name or path" + (", or an Environment object" if built else "")
+        raise MixtureError(f"{where} needs \"env\": the environment's {kind}, got {spec!r}.")
     where = f"{flag} entry {index} ({spec})"
     weight = item.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
@@ -134,15 +146,40 @@ def _entry(item: Any, index: int, flag: str) -> MixtureEntry:
 
 def load_mixture(entries: list[MixtureEntry], load: Callable[[MixtureEntry], Environment],
                  prepare: Callable[[Environment, MixtureEntry], Any], flag: str = "--env") -> "MixtureEnv":
-    """Load each entry (``load``) and make it ready for the run (``prepare``: chat kwargs, its limits, its hold-out);
-    any failure is a ``MixtureError`` naming the entry."""
+    """Load each entry (``load``; an entry built already keeps its environment) and make it ready for the run
+    (``prepare``: chat kwargs, its limits, its hold-out); any failure is a ``MixtureError`` naming the entry."""
     for entry in entries:
         try:
-            entry.environment = load(entry)
+            if entry.environment is None:
+                entry.environment = load(entry)
             prepare(entry.environment, entry)
         except Exception as error:
             raise MixtureError(f"{flag} entry {entry.name!r}: {type(error).__name__}: {error}") from error
     return MixtureEnv(entries)
+
+
+def mixture_of(entries: list[Mapping[str, Any]], tokenizer: Any = None, *, holdout: int = 0,
+               seed: int = 0) -> "MixtureEnv":
+    """A mixture built in Python: each entry a mapping as ``--env``'s (``env``, ``weight``, ``env_args``, ``name``),
+    whose ``env`` may also be an ``Environment`` object (e.g. TRL's form, ``RewardFunctionsEnv(dataset,
+    reward_funcs, tokenizer)``; its name defaults to the environment's). Named environments are loaded with
+    ``tokenizer``; ``holdout`` rows of each entry are held out by a ``seed`` shuffle (what ``--eval_holdout``
+    checks). Pass the result to ``RLTrainer(environment=...)``: it gives every entry the run's chat template kwargs
+    and, to TRL-form entries, its ``trainer_state``."""
+    from verifiers_rl.envs.loading import load_environment
+    from verifiers_rl.envs.splits import hold_out
+
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise MixtureError(f"mixture_of: a mixture is a non-empty list of entries, got {entries!r:.200}.")
+    parsed = _named_apart([_entry(item, i, "mixture_of", built=True) for i, item in enumerate(entries)], "mixture_of")
+
+    def load(entry: MixtureEntry) -> Environment:
+        if tokenizer is None:
+            raise MixtureError("it names an environment to load: pass mixture_of(..., tokenizer=...).")
+        return load_environment(entry.env, tokenizer=tokenizer, **entry.env_args)
+
+    # Chat template kwargs are the trainer's to give (RLTrainer), so only the hold-out is applied here.
+    return load_mixture(parsed, load, lambda env, entry: holdout and hold_out(env, holdout, seed), "mixture_of")
 
 
 class MixtureEnv(Environment):
@@ -196,6 +233,14 @@ class MixtureEnv(Environment):
                 raise MixtureError(f"mixture entry {entry.name!r}: {error}") from error
         self.chat_template_kwargs = dict(self.entries[0].environment.chat_template_kwargs)
         self._rebuild()
+
+    def use_trainer_state(self, state: Callable[[], Any]) -> None:
+        """Every entry that reads the trainer's state (TRL's form: ``RewardFunctionsEnv.use_trainer_state``) gets
+        ``state``."""
+        for entry in self.entries:
+            use = getattr(entry.environment, "use_trainer_state", None)
+            if use is not None:
+                use(state)
 
     def adopt_limits(self, max_seq_len: int | None = None, max_new_tokens: int | None = None) -> None:
         raise MixtureError("A mixture states no limits of its own: each entry takes the trainer's flags where it "

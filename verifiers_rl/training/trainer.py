@@ -117,6 +117,15 @@ def _render_with_config(args, environment, eval_environment) -> None:
         env.use_chat_template_kwargs(args.chat_template_kwargs)
 
 
+def _give_trainer_state(state, *environments) -> None:
+    """TRL-form environments, alone or a mixture's entries, give ``state()`` to their reward functions as
+    ``trainer_state`` (``use_trainer_state``), as TRL's GRPOTrainer gives its own."""
+    for environment in environments:
+        use = getattr(environment, "use_trainer_state", None)
+        if use is not None:
+            use(state)
+
+
 def _trl_order(model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None,
                reward_processing_classes=None, callbacks=None, optimizers=(None, None), quantization_config=None,
                peft_config=None, **others):
@@ -219,6 +228,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self._reward_functions = _normalized_reward_functions(args, environment)
         self.live = environment is not None  # on every rank (only the main process holds the generator)
         _render_with_config(args, environment, eval_environment)  # before the rows are counted (lengths may change)
+        _give_trainer_state(lambda: self.state, environment, eval_environment)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
         if (environment is not None) == (rollout_source is not None or bool(args.rollouts_path)):

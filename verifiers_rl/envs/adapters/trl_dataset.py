@@ -82,12 +82,13 @@ class RewardModel:
 class RewardFunctionsEnv(Environment):
     """A dataset and TRL-style reward functions as a single-turn environment (module docstring).
 
-    ``trainer_state()`` returns what reward functions get as ``trainer_state`` (the trainer's ``TrainerState``).
+    ``trainer_state()`` returns what reward functions get as ``trainer_state``; left out, the ``TrainerState`` of
+    the trainer that takes the environment (``use_trainer_state``; None until then), alone or in a mixture.
     """
 
     def __init__(self, dataset: Iterable[Mapping[str, Any]], reward_funcs: Sequence, tokenizer: Any, *,
                  reward_weights: Sequence[float] | None = None, reward_processing_classes: Sequence | None = None,
-                 trainer_state: Callable[[], Any] = lambda: None, max_new_tokens: int = 256, max_seq_len: int = 1024,
+                 trainer_state: Callable[[], Any] | None = None, max_new_tokens: int = 256, max_seq_len: int = 1024,
                  eval_dataset: Iterable[Mapping[str, Any]] | None = None, name: str = "trl_dataset",
                  chat_template_kwargs: Mapping[str, Any] | None = None):
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -104,7 +105,8 @@ class RewardFunctionsEnv(Environment):
         if len(weights) != len(funcs):
             raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions.")
         self.reward_weights = weights
-        self.trainer_state = trainer_state
+        self._own_trainer_state = trainer_state is not None
+        self.trainer_state = trainer_state or (lambda: None)
         dataset = list(dataset)
         eval_rows = list(eval_dataset or ())
         self.conversational = self._format(dataset + eval_rows)
@@ -113,6 +115,12 @@ class RewardFunctionsEnv(Environment):
                          max_seq_len=max_seq_len, name=name, eval_dataset=eval_rows or None,
                          chat_template_kwargs=chat_template_kwargs)
         self._chat_template_kwargs_changed()
+
+    def use_trainer_state(self, state: Callable[[], Any]) -> None:
+        """Reward functions get ``state()`` as ``trainer_state`` (RLTrainer gives its own), unless the constructor
+        was given one."""
+        if not self._own_trainer_state:
+            self.trainer_state = state
 
     def _chat_template_kwargs_changed(self) -> None:
         for func in self.reward_funcs:  # reward models render the conversation with their own tokenizer's template
