@@ -12,24 +12,12 @@ from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 from verifiers_rl.envs.adapters.verifiers_v1 import EpisodeWorker, EpisodeWorkerError
 from verifiers_rl.envs.adapters.generate_endpoint import GenerateEndpoint
 
+from .conftest import Recording
+
 ENV = Path(__file__).parent / "envs" / "reverse_v1.py"
 WORDS = ["hello", "world", "stone"]
 
 
-
-
-class Recording:
-    """The real engine, with what each ``sample`` returned kept (concurrent episodes share batches, and a batch's
-    padding moves log-probs in the last float bits: the endpoint must pass on exactly what the engine returned)."""
-
-    def __init__(self, engine):
-        self.engine, self.samples = engine, {}
-        self.eos_token_ids, self.sampling, self.policy_version = engine.eos_token_ids, engine.sampling, 0
-
-    async def sample(self, prompt_ids, max_new_tokens):
-        sample = await self.engine.sample(prompt_ids, max_new_tokens)
-        self.samples[tuple(sample.token_ids)] = sample
-        return sample
 
 
 def episodes(engine, model_dir, harness, tasks, seeds):

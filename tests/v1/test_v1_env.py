@@ -6,7 +6,6 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from verifiers_rl.envs import RolloutError, RolloutSampling, derive_seed, load_environment, sampling_for_rollout
 from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
@@ -19,9 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 

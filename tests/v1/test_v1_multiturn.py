@@ -3,7 +3,6 @@ v1's TextArena environments, its seat named ``player``) as an environment of our
 name, and each episode is ONE token sequence whose trained ids are the engine's sampled ids (v1's turn bridge is
 verifiers_rl's, ``v1_worker/bridge_renderer.py``), the game's turns between them masked, with the game's rewards."""
 
-import asyncio
 import json
 import re
 from pathlib import Path
@@ -15,7 +14,7 @@ from verifiers_rl.envs import load_environment
 from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
 from verifiers_rl.core.rollout import read_rollouts
 
-from .test_episode_worker import Recording
+from .conftest import recorded_group
 from .test_v1_training import run
 
 GUESS = Path(__file__).parent / "envs" / "guess_v1.py"
@@ -45,11 +44,6 @@ def runs(mask: list[int]) -> list[tuple[int, int, int]]:
     return [(mask[a], a, b) for a, b in zip(edges, edges[1:])]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def test_a_v1_environment_whose_seat_is_not_named_agent_loads(tokenizer):
     # TextArena's shape: `class GuessEnvConfig(vf.EnvConfig): player: vf.AgentConfig`. The worker used to pin an
     # `agent` seat, which v1 refused ("agent: Extra inputs are not permitted").
@@ -68,13 +62,8 @@ def test_a_three_turn_game_is_one_sequence_of_the_sampled_ids_with_the_games_tur
                                                                                            harness):
     # The tiny model's replies at temperature 1 do not re-tokenise to their sampled ids: v1's own fallback
     # (re-render every turn) forked each such episode into 3 branches, which the adapter refused.
-    env = load_environment(str(GUESS), tokenizer=tokenizer, harness=harness, taskset={"num_tasks": 3},
-                           max_seq_len=256, max_new_tokens=10)
-    recording = Recording(engine)
-    try:
-        rollouts = asyncio.run(env.rollout_group(recording, env.dataset[0], "g", 4, seed=3))
-    finally:
-        env.close()
+    env, recording, rollouts = recorded_group(GUESS, tokenizer, engine, 4, seed=3, harness=harness, num_tasks=3,
+                                              max_seq_len=256, max_new_tokens=10)
     secret = secret_of(0)
     prompt = tokenizer.apply_chat_template(env.dataset[0].prompt, add_generation_prompt=True, tokenize=True,
                                            return_dict=False)

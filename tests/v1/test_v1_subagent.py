@@ -2,19 +2,17 @@
 both trainable): every episode has two trainable branches, each trained as a rollout of its own that shares the
 episode's ``episode_id`` and reward (docs/environments.md, episodes of several branches); the run trains."""
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from verifiers_rl.envs import load_environment
-from verifiers_rl.core.rollout import read_rollouts
+from verifiers_rl.core.rollout import group_episodes, read_rollouts
 from verifiers_rl.envs.adapters.verifiers_v1 import trainable_branches
 from verifiers_rl.envs.environment import RolloutRefused
+from verifiers_rl.rollouts.generator import ReplaySource
 
-from .test_episode_worker import Recording
+from .conftest import recorded_group
 from .test_v1_training import run
 
 RELAY = Path(__file__).parent / "envs" / "relay_v1.py"
@@ -37,20 +35,9 @@ def seats_of(rollouts, tokenizer) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def test_a_sub_agent_episode_is_two_rollouts_sharing_the_episode_and_its_reward(engine, tokenizer):
     # Before: "the episode has 2 trainable branches; verifiers_rl trains one token sequence per rollout" (refused).
-    env = load_environment(str(RELAY), tokenizer=tokenizer, harness="inprocess", taskset={"num_tasks": 2},
-                           max_seq_len=256, max_new_tokens=8)
-    recording = Recording(engine)
-    try:
-        rollouts = asyncio.run(env.rollout_group(recording, env.dataset[0], "g", 3, seed=5))
-    finally:
-        env.close()
+    _, recording, rollouts = recorded_group(RELAY, tokenizer, engine, 3, seed=5, max_seq_len=256, max_new_tokens=8)
     assert len(rollouts) == 6 and {r.group_id for r in rollouts} == {"g"}
     episodes = seats_of(rollouts, tokenizer)
     assert sorted(episodes) == [0, 1, 2] and all(set(seats) == {"lead", "scout"} for seats in episodes.values())
@@ -103,3 +90,7 @@ def test_the_sub_agent_environment_trains_two_steps_on_the_tiny_model(tmp_path, 
     for group in {r.group_id for r in rollouts}:
         episodes = seats_of([r for r in rollouts if r.group_id == group], tokenizer)
         assert len(episodes) == 2 and all(s["lead"].reward == s["scout"].reward for s in episodes.values())
+    # Replayed at the run's --rollouts_per_step (episodes), the saved file is the two batches the run trained.
+    replayed = ReplaySource(tmp_path / "relay.jsonl", 4).batches
+    assert [len(group_episodes(batch)) for batch in replayed] == [4, 4]
+    assert [{str(r.group_id).split("-")[0] for r in batch} for batch in replayed] == [{"b0"}, {"b1"}]
