@@ -78,8 +78,8 @@ class ScriptArguments:
                   "'reasoning_gym:<task>[,<task>...]', 'vf:<verifiers env id>', 'pkg.module:function', a .py file "
                   "defining load_environment(**kwargs), or a verifiers 0.4 (v1) environment module (.py file, folder "
                   "or module id). Several: a mixture, a JSON list of entries {\"env\": ..., \"weight\": 1, "
-                  "\"env_args\": {...}, \"name\": ...} (or an env: list in the --config YAML), each group drawn "
-                  "from an entry by weight."},
+                  "\"env_args\": {...}, \"name\": ...} (or an env: list in the --config YAML, or a .yaml file of the "
+                  "list), each group drawn from an entry by weight."},
     )
     env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
     tool_mode: str = field(
