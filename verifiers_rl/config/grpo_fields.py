@@ -16,6 +16,8 @@ import dataclasses
 import math
 from typing import Literal, NamedTuple
 
+from verifiers_rl.core.choices import LOSS_TYPES
+
 Status = Literal["acts", "refused"]
 
 
@@ -259,7 +261,7 @@ def apply_trl_names(config) -> None:
     value than the TRL fields say is an error naming both."""
     if config.loss_type in _TRL_ONLY_LOSSES:
         raise ValueError(f"loss_type={config.loss_type!r} is one of TRL's losses that verifiers_rl does not implement; "
-                         "ours: grpo, dr_grpo, token_mean (TRL's dapo), seq_mean_token_sum.")
+                         f"ours: {', '.join(LOSS_TYPES)} (TRL's dapo and bnpo are token_mean).")
     config.loss_type = TRL_LOSS_TYPES.get(config.loss_type, config.loss_type)
     ours = trl_importance_correction(config)
     for name, value in (ours or {}).items():

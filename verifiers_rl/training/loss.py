@@ -1,4 +1,4 @@
-"""Pure tensor functions of the policy loss (docs/architecture.md). No framework state, nothing from the package.
+"""Pure tensor functions of the policy loss (docs/architecture.md). No framework state; of the package only its choices.
 
 Every tensor here is laid out as rows x positions ``[R, T]``. A row holds one sequence (padded micro-batches)
 or several (packed micro-batches); ``seq_index[r, t]`` names the sequence a position belongs to within its
@@ -10,11 +10,17 @@ The aggregation rule that makes the update exact: a micro-batch returns
 
 with per-token weights ``c`` that depend only on the token's own sequence and on *global* counts
 (``aggregation_weights``). Partials over any partition of the batch sum to the global loss.
+
+Loss types, importance levels and importance corrections are registered functions (``@loss_type``,
+``@importance_level``, ``@importance_correction``): adding one is one decorated function, found by its name wherever
+the loss is computed. One the config offers also has its name in core/choices.py's ``Literal`` (the config sits below
+this module); the registries are checked against those names at import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -23,12 +29,14 @@ from verifiers_rl.core.choices import (  # noqa: F401  (the loss's own names too
     CorrectionMode,
     ImportanceSamplingLevel,
     LossType,
+    Registry,
     SequenceLogRatio,
     check_choice,
 )
 
-
-
+LOSS_TYPE_WEIGHTS = Registry("loss_type", LossType)
+IMPORTANCE_LEVELS = Registry("importance_sampling_level", ImportanceSamplingLevel)
+IMPORTANCE_CORRECTIONS = Registry("importance_correction", CorrectionMode)
 
 
 @dataclass(frozen=True)
@@ -42,31 +50,54 @@ class GlobalCounts:
     valid_sequences: int
     horizon: int
 
-    def denominator(self, loss_type: LossType) -> float:
-        """The global denominator of ``loss_type``: B_v (grpo, seq_mean_token_sum), B_v*H (dr_grpo), N (token_mean)."""
-        if loss_type == "token_mean":
-            value = self.loss_tokens
-        elif loss_type == "dr_grpo":
-            value = self.valid_sequences * self.horizon
-        else:
-            value = self.valid_sequences
-        # An all-masked batch has a zero numerator too; dividing by 1 keeps the loss at 0 instead of NaN.
-        return float(max(value, 1))
+
+def loss_type(name: str) -> Callable[[Callable], Callable]:
+    """Register ``weights(mask, sequence_loss_tokens, counts) -> c`` as the loss type ``name``: the per-token weights
+    with  global loss = sum over the whole batch of c * z  (``aggregation_weights``). c may depend only on the token's
+    own sequence (``sequence_loss_tokens``: its N_i) and the ``GlobalCounts``, so partials over any split of the batch
+    sum to the global loss. One the config offers also needs its name in core/choices.py's ``LossType``."""
+    return LOSS_TYPE_WEIGHTS.register(name)
+
+
+def _at_least_one(count: int) -> float:
+    # An all-masked batch has a zero numerator too; dividing by 1 keeps the loss at 0 instead of NaN.
+    return float(max(count, 1))
+
+
+@loss_type("grpo")
+def grpo_weights(mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
+    """Sequence mean of token means: c = m / (N_i B_v)."""
+    return mask / _at_least_one(counts.valid_sequences) / sequence_loss_tokens.clamp(min=1).to(mask.dtype)
+
+
+@loss_type("dr_grpo")
+def dr_grpo_weights(mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
+    """Dr. GRPO, token sums over a fixed horizon H: c = m / (B_v H)."""
+    return mask / _at_least_one(counts.valid_sequences * counts.horizon)
+
+
+@loss_type("token_mean")
+def token_mean_weights(mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts) -> torch.Tensor:
+    """DAPO, the mean over every loss token of the batch (TRL's dapo and bnpo): c = m / N."""
+    return mask / _at_least_one(counts.loss_tokens)
+
+
+@loss_type("seq_mean_token_sum")
+def seq_mean_token_sum_weights(mask: torch.Tensor, sequence_loss_tokens: torch.Tensor,
+                               counts: GlobalCounts) -> torch.Tensor:
+    """Sequence mean of token sums: c = m / B_v."""
+    return mask / _at_least_one(counts.valid_sequences)
 
 
 def aggregation_weights(
-    loss_type: LossType, loss_mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts
+    loss_type: str, loss_mask: torch.Tensor, sequence_loss_tokens: torch.Tensor, counts: GlobalCounts
 ) -> torch.Tensor:
-    """Per-token weights c with  global loss = sum over the whole batch of c * z.
-
-    grpo: m / (N_i B_v);  dr_grpo: m / (B_v H);  token_mean: m / N;  seq_mean_token_sum: m / B_v.
-    ``sequence_loss_tokens[r, t]`` is N_i of the sequence at that position (counted on the whole sequence).
-    """
+    """Per-token weights c with  global loss = sum over the whole batch of c * z, by the function registered as
+    ``loss_type`` (an unknown name: ValueError naming --loss_type). ``sequence_loss_tokens[r, t]`` is N_i of the
+    sequence at that position (counted on the whole sequence)."""
+    weights = LOSS_TYPE_WEIGHTS.get(loss_type).function
     mask = loss_mask.to(torch.float64 if loss_mask.dtype == torch.float64 else torch.float32)
-    weights = mask / counts.denominator(loss_type)
-    if loss_type == "grpo":
-        weights = weights / sequence_loss_tokens.clamp(min=1).to(weights.dtype)
-    return weights
+    return weights(mask, sequence_loss_tokens, counts)
 
 
 def sequence_sum(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor, mean: bool = False) -> torch.Tensor:
@@ -93,11 +124,31 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Ten
     return sequence_sum(values, mask, seq_index, mean=True)
 
 
+def importance_level(name: str) -> Callable[[Callable], Callable]:
+    """Register ``log_ratio(log_ratio, loss_mask, seq_index, mean) -> the log-ratio at each position`` as the level
+    ``name`` of the PPO ratio and of the importance corrections (``mean``: a sequence's log-ratio is the mean over its
+    loss tokens, else their sum). One the config offers also needs its name in ``ImportanceSamplingLevel``."""
+    return IMPORTANCE_LEVELS.register(name)
+
+
+@importance_level("token")
+def token_log_ratio(log_ratio: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor,
+                    mean: bool = True) -> torch.Tensor:
+    """Each token its own ratio: log r_t."""
+    return log_ratio
+
+
+@importance_level("sequence")
+def sequence_log_ratio(log_ratio: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor,
+                       mean: bool = True) -> torch.Tensor:
+    """One ratio per sequence (GSPO), broadcast over its positions: mean_t m log r (sum_t when not ``mean``)."""
+    return sequence_sum(log_ratio, loss_mask, seq_index, mean=mean)
+
+
 def policy_ratio(logps, proximal_logps, loss_mask, seq_index, level: ImportanceSamplingLevel = "token") -> torch.Tensor:
-    """r = exp(l - p) per token, or exp(mean_t m (l - p)) per sequence (GSPO), broadcast over its positions."""
-    log_ratio = logps - proximal_logps
-    if level == "sequence":
-        log_ratio = sequence_mean(log_ratio, loss_mask, seq_index)
+    """r = exp(l - p) at the registered ``level``: per token, or exp(mean_t m (l - p)) per sequence (GSPO),
+    broadcast over its positions."""
+    log_ratio = IMPORTANCE_LEVELS.get(level).function(logps - proximal_logps, loss_mask, seq_index, mean=True)
     return torch.exp(log_ratio)
 
 
@@ -135,6 +186,36 @@ def clipped_regions(ratio: torch.Tensor, advantages: torch.Tensor, epsilon_low: 
     return low.to(ratio.dtype), high.to(ratio.dtype)
 
 
+def importance_correction(name: str, level: str | None) -> Callable[[Callable], Callable]:
+    """Register ``weight(rho, cap, cap_min) -> w`` as the correction ``name``: rho the detached ratio between the
+    proximal and the sampler policy at ``level`` (a registered ``importance_level``; None: no ratio, rho = 1), cap and
+    cap_min the --importance_cap[_min] bounds. One the config offers also needs its name in ``CorrectionMode``."""
+    if level is not None:
+        IMPORTANCE_LEVELS.get(level)  # an unknown level fails here, not at the first step
+    return IMPORTANCE_CORRECTIONS.register(name, level=level)
+
+
+@importance_correction("sequence_truncate", level="sequence")
+@importance_correction("token_truncate", level="token")
+def truncate(rho: torch.Tensor, cap: float, cap_min: float | None) -> torch.Tensor:
+    """w = min(max(rho, cap_min), cap) (no lower bound when cap_min is None)."""
+    return rho.clamp(min=cap_min if cap_min is not None else 0.0, max=cap)
+
+
+@importance_correction("sequence_mask", level="sequence")
+@importance_correction("token_mask", level="token")
+def mask_outside(rho: torch.Tensor, cap: float, cap_min: float | None) -> torch.Tensor:
+    """w = rho inside [cap_min, cap] (cap_min None: 0), 0 outside."""
+    inside = (rho <= cap) & (rho >= (cap_min if cap_min is not None else 0.0))
+    return torch.where(inside, rho, torch.zeros_like(rho))
+
+
+@importance_correction("none", level=None)
+def no_correction(rho: torch.Tensor, cap: float, cap_min: float | None) -> torch.Tensor:
+    """w = 1."""
+    return torch.ones_like(rho)
+
+
 @torch.no_grad()
 def importance_weights(
     proximal_logps: torch.Tensor,
@@ -146,24 +227,23 @@ def importance_weights(
     cap_min: float | None = None,
     sequence_log_ratio: SequenceLogRatio = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Detached importance weight between the proximal and the sampler policy.
+    """Detached importance weight between the proximal and the sampler policy, by the correction registered as
+    ``mode`` (an unknown name: ValueError naming --importance_correction).
 
     rho = exp(p - q) per token, or per sequence exp(mean_t m (p - q)) (length-normalised, our default) or
     exp(sum_t m (p - q)) (``sequence_log_ratio="sum"``: TRL's vllm_importance_sampling sequence modes).
     ``*_truncate``: w = min(rho, cap) (and max(., cap_min) when given); ``*_mask``: w = rho inside
-    [cap_min, cap], 0 outside; ``none``: w = 1. Returns (w, rho before truncation).
+    [cap_min, cap], 0 outside; ``none``: w = rho = 1 (no ratio taken). Returns (w, rho before truncation).
     """
+    correction = IMPORTANCE_CORRECTIONS.get(mode)
+    level = correction.options["level"]
+    if level is None:
+        ones = torch.ones_like(proximal_logps)
+        return ones, ones
     log_rho = (proximal_logps - sampler_logps) * loss_mask.to(proximal_logps.dtype)
-    if mode.startswith("sequence"):
-        log_rho = sequence_sum(log_rho, loss_mask, seq_index, mean=sequence_log_ratio == "mean")
+    log_rho = IMPORTANCE_LEVELS.get(level).function(log_rho, loss_mask, seq_index, mean=sequence_log_ratio == "mean")
     rho = torch.exp(log_rho)
-    if mode == "none":
-        return torch.ones_like(rho), rho
-    lower = cap_min if cap_min is not None else 0.0
-    if mode.endswith("truncate"):
-        return rho.clamp(min=lower, max=cap), rho
-    inside = (rho <= cap) & (rho >= lower)
-    return torch.where(inside, rho, torch.zeros_like(rho)), rho
+    return correction.function(rho, cap, cap_min), rho
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -196,17 +276,18 @@ class LossSettings:
     [off_policy_mask_threshold]: drop negative-advantage sequences whose mean sampler-to-policy KL exceeds it.
     """
 
-    level: ImportanceSamplingLevel = "token"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.2
+    # "from": the RLConfig field each is filled from (core.settings.settings_from); the others share its name.
+    level: ImportanceSamplingLevel = field(default="token", metadata={"from": "importance_sampling_level"})
+    epsilon_low: float = field(default=0.2, metadata={"from": "epsilon"})
+    epsilon_high: float = 0.2  # TRL's: epsilon_high, or epsilon when that is None (step_loss.loss_settings)
     delta: float | None = None
-    correction: CorrectionMode = "token_truncate"
-    correction_cap: float = 2.0
-    correction_cap_min: float | None = None
-    sequence_log_ratio: SequenceLogRatio = "mean"
+    correction: CorrectionMode = field(default="token_truncate", metadata={"from": "importance_correction"})
+    correction_cap: float = field(default=2.0, metadata={"from": "importance_cap"})
+    correction_cap_min: float | None = field(default=None, metadata={"from": "importance_cap_min"})
+    sequence_log_ratio: SequenceLogRatio = field(default="mean", metadata={"from": "importance_sequence_log_ratio"})
     beta: float = 0.0
-    kl_ratio: bool = False
-    off_policy_threshold: float | None = None
+    kl_ratio: bool = field(default=False, metadata={"from": "use_bias_correction_kl"})
+    off_policy_threshold: float | None = field(default=None, metadata={"from": "off_policy_mask_threshold"})
 
 
 @dataclass
@@ -245,7 +326,7 @@ def per_token_loss(
     surrogate, ratio = clipped_surrogate(
         logps, proximal_logps, advantages, loss_mask, seq_index, s.level, s.epsilon_low, s.epsilon_high, s.delta
     )
-    if sampler_logps is not None and s.correction != "none":
+    if sampler_logps is not None:
         weight, rho = importance_weights(proximal_logps, sampler_logps, loss_mask, seq_index, s.correction,
                                          s.correction_cap, s.correction_cap_min, s.sequence_log_ratio)
     else:
@@ -264,3 +345,7 @@ def per_token_loss(
         kl = k3_kl(logps, ref_logps)
         loss = loss + s.beta * (kl * ratio if s.kl_ratio else kl)
     return TokenLossTerms(loss, *clipped_regions(ratio, advantages, s.epsilon_low, s.epsilon_high), weight, rho, kl)
+
+
+for _registry in (LOSS_TYPE_WEIGHTS, IMPORTANCE_LEVELS, IMPORTANCE_CORRECTIONS):
+    _registry.check_builtins()  # every name the config offers has its function, and no built-in lacks its name
