@@ -120,7 +120,7 @@ def test_deepspeeds_checkpoint_engine_would_run_a_pickle_and_the_guard_refuses_i
     # DeepSpeed's own load, as a ZeRO-3 resume calls it (a real 2-process one: tests/training/test_checkpoint_files.py).
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-    from tests.training.test_checkpoint_files import PlantedCode
+    from tests.helpers.checkpoints import PlantedCode
     from verifiers_rl.training.run_state import CheckpointError
 
     checkpoint, marker = tmp_path / "checkpoint-1", tmp_path / "planted-code-ran"

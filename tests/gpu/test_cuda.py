@@ -295,7 +295,7 @@ def test_captured_decode_steps_equal_transformers_forward_on_the_gpu(build):
 
 def test_the_engine_on_the_gpu_samples_through_captured_steps(tiny_model_dir, monkeypatch):
     """With and without CUDA graphs the engine draws the same seeded tokens (fp32), log-probs within 1e-4."""
-    from tests.inference.test_hf_engine import load, prompts_of, sample_seeded
+    from tests.helpers.engines import load, prompts_of, sample_seeded
     from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
     from verifiers_rl.inference.kernels.graph_decode import GraphDecoder
 

@@ -28,11 +28,12 @@ LIVE = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollou
         "--num_generations", "4"]
 
 
-def launch_env(env_extra: dict | None = None, threads: int = 1) -> dict:
+def launch_env(env_extra: dict | None = None, threads: int | None = 1) -> dict:
     """The launched processes' environment: the repo first on PYTHONPATH, before what is there already (a GPU
-    machine's carried packages, scripts/gpu_bringup.sh)."""
+    machine's carried packages, scripts/gpu_bringup.sh); OMP_NUM_THREADS ``threads`` (None: as it is here)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), **(env_extra or {})}
+    omp = {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+    return {**os.environ, "PYTHONPATH": path, **omp, **(env_extra or {})}
 
 
 def launch(prefix: list[str], args: list[str], log: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import torch
 from verifiers_rl.inference.kernels.cpu_matmul import PackedWeights, applies, cpu_linears, packs_available, plain_linear, weight_major
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 
-from tests.inference.test_hf_engine import assert_parity, load, prompts_of, sample_seeded
+from tests.helpers.engines import assert_parity, load, prompts_of, sample_seeded
 
 pytestmark = pytest.mark.skipif(not packs_available(), reason="this torch has no oneDNN")
 

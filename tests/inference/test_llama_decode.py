@@ -15,7 +15,7 @@ from verifiers_rl.inference.kernels.graph_decode import GraphDecoder
 from verifiers_rl.inference.kernels.graph_decode import supports as graph_decode_supports
 from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder, supports
 
-from tests.inference.test_hf_engine import assert_parity, load, prompts_of, sample_seeded
+from tests.helpers.engines import assert_parity, load, prompts_of, sample_seeded
 
 
 @pytest.mark.parametrize("rows", range(1, 26))

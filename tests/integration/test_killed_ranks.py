@@ -22,7 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.launches import COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, logged_steps, run
+from tests.helpers.launches import (COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, launch_env, logged_steps,
+                                    run)
 from verifiers_rl.training.run_state import resolve_checkpoint
 from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
@@ -63,7 +64,7 @@ def launch_and_kill(prefix: list[str], out: Path, args: list[str], log: Path, vi
                     timeout_s: float = 300) -> KilledLaunch:
     """Launch; once ``out/checkpoint-<after>`` is published, SIGKILL the worker of rank ``victim``; wait for the
     launcher to end. Every process of the launch seen meanwhile must be gone at the end."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = launch_env()
     with log.open("w") as handle:
         launcher = subprocess.Popen(prefix + [SCRIPT, "--output_dir", str(out), *COMMON, *args], cwd=ROOT, env=env,
                                     stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
@@ -207,7 +208,7 @@ def test_a_survivor_signalled_after_a_peer_died_names_it_and_exits_at_once(peer,
         other.kill()
         other.wait()
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = launch_env(threads=None)
         survivor = subprocess.Popen([sys.executable, "-c", SURVIVOR, str(other.pid), str(tmp_path)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert survivor.stdout.readline().strip() == "ready"

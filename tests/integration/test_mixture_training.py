@@ -6,7 +6,6 @@ two. SmolLM2 (the default model) trains the same mixture from a YAML --config fo
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -16,7 +15,8 @@ import pytest
 
 from verifiers_rl.core.rollout import group_by_id, read_rollouts
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launches import ROOT, launch_env
+
 V1_ENV = str(ROOT / "tests" / "v1" / "envs" / "reverse_v1.py")
 MIXTURE = [
     {"env": "reverse_text", "weight": 2, "env_args": {"num_examples": 16, "max_new_tokens": 8}},
@@ -30,7 +30,7 @@ STEPS, PER_STEP = 4, 8
 
 
 def train(args: list[str], cwd: Path, cache: Path | None = None) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = launch_env({"HF_HUB_OFFLINE": "1"})
     if cache is not None:
         env["VERIFIERS_RL_CACHE"] = str(cache)
     result = subprocess.run([sys.executable, "-m", "verifiers_rl.cli.train", *args], cwd=cwd, env=env,

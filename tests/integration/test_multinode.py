@@ -13,7 +13,6 @@ process is left behind.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import psutil
 import pytest
 
 from tests.helpers.launches import (EQUIVALENCE_RUNNER as RUNNER, LIVE_RUNNER, ROOT, assert_step_equals_single_process,
-                                    launch, runner_inputs)
+                                    launch, launch_env, runner_inputs)
 from verifiers_rl.core.engine import free_port
 
 pytestmark = pytest.mark.distributed
@@ -76,7 +75,7 @@ def run_two_nodes(
     exited, or at ``timeout_s``.
     """
     port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = launch_env()
     paths = [logs.with_name(f"{logs.name}.node{rank}.log") for rank in (0, 1)]
     launchers: list[subprocess.Popen] = []
     seen: dict[int, psutil.Process] = {}

@@ -25,7 +25,7 @@ from verifiers_rl.core.rollout import read_rollouts, write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
 from tests.helpers.launches import (COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, final_parameters,
-                                    logged_steps, run)
+                                    launch_env, logged_steps, run)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_live_resume_at_k0_regenerates_the_same_batches(tiny_model_dir, tmp_path
 
 
 def start(prefix, out: Path, args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = launch_env()
     with log.open("w") as handle:
         return subprocess.Popen(prefix + [SCRIPT, "--output_dir", str(out), *COMMON, *args], cwd=ROOT, env=env,
                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,7 +8,6 @@ errors."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -22,7 +21,8 @@ from verifiers_rl.cli import eval as eval_cli
 from verifiers_rl.rollouts.evaluation import pass_at_k
 from verifiers_rl.core.rollout import read_rollouts
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launches import ROOT, launch_env
+
 ENV_ARGS = {"num_examples": 32, "num_eval_examples": 4, "max_new_tokens": 8}
 STEPS, EVERY, PER_STEP = 4, 2, 8
 
@@ -30,7 +30,7 @@ STEPS, EVERY, PER_STEP = 4, 2, 8
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("logging")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRACKIO_DIR": str(work / "trackio"), "HF_HUB_OFFLINE": "1"}
+    env = launch_env({"TRACKIO_DIR": str(work / "trackio"), "HF_HUB_OFFLINE": "1"}, threads=None)
     args = ["--model", tiny_model_dir, "--env", "reverse_text", "--env_args", json.dumps(ENV_ARGS),
             "--max_steps", str(STEPS), "--rollouts_per_step", str(PER_STEP), "--num_generations", "4",
             "--learning_rate", "0.01", "--eval_steps", str(EVERY), "--eval_samples_per_prompt", "2",
@@ -167,7 +167,7 @@ def test_folders_without_weights_are_clear_errors(run, tmp_path):
 
 def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "verifiers_rl.cli.eval", "--model", str(tmp_path / "nothing")],
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+                            env=launch_env(threads=None), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")

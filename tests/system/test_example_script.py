@@ -1,6 +1,5 @@
 """examples/train.py in one process: YAML config, saved model and tokenizer, clear CLI errors."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +10,12 @@ from safetensors.torch import load_file
 from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launches import ROOT, launch_env
+
 
 
 def run_script(args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VERIFIERS_RL_CACHE": str(cwd / "cache")}
+    env = launch_env({"VERIFIERS_RL_CACHE": str(cwd / "cache")}, threads=None)
     return subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -93,7 +93,7 @@ def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
 def test_default_run_is_smollm2_on_reverse_text(tmp_path, smollm2_model_dir):
     # The README's run command with no arguments, cut to 2 steps: the default model (converted once into the
     # cache) and environment, a line per step, the summary; the quickstart's learning shows in the README run.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VERIFIERS_RL_CACHE": str(Path(smollm2_model_dir).parent)}
+    env = launch_env({"VERIFIERS_RL_CACHE": str(Path(smollm2_model_dir).parent)}, threads=None)
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--max_steps", "2",
                              "--print_samples_every", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=600)

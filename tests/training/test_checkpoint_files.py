@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers.trainer_pt_utils import safe_globals
 
+from tests.helpers.checkpoints import plant
 from tests.helpers.launches import accelerate, run
 from verifiers_rl import compat
 from verifiers_rl.training.batching import BatchingConfig, plan_batch
-from verifiers_rl.training.run_state import CheckpointError, load_rank_batch, save_rank_batch, verify_manifest, write_manifest
+from verifiers_rl.training.run_state import CheckpointError, load_rank_batch, save_rank_batch
 from verifiers_rl.core.rollout import write_rollouts
-from verifiers_rl.rollouts.synthetic import random_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
 
@@ -77,26 +77,6 @@ def test_a_crafted_file_is_refused_and_never_run(tmp_path):
     (tmp_path / "rank_batch-0.json").unlink()
     with pytest.raises(CheckpointError, match="rank_batch-0.json is missing"):
         load_rank_batch(tmp_path, 0)
-
-
-class PlantedCode:
-    """Unpickled, it creates ``marker``: the proof that a load ran code from the file."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def plant(file: Path, checkpoint: Path, marker: Path) -> None:
-    """Add a ``PlantedCode`` entry to the (trusted, our own) torch file ``file`` of ``checkpoint`` and rewrite the
-    checkpoint's manifest to match, so nothing but the file's contents can give it away."""
-    state = torch.load(file, weights_only=False)
-    state["planted"] = PlantedCode(marker)
-    torch.save(state, file)
-    write_manifest(checkpoint)
-    assert verify_manifest(checkpoint) is None  # the manifest does not give it away
 
 
 ZERO3_FILES = ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from tests.helpers.launches import accelerate, run as launch
-from tests.training.test_checkpoint_files import plant
+from tests.helpers.checkpoints import plant
 from verifiers_rl.training.run_state import CheckpointError, manifest_name, resolve_checkpoint
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.core.rollout import write_rollouts

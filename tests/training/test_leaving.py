@@ -9,11 +9,10 @@ gloo worker released a collective's tensors after the interpreter had begun to s
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
-from tests.helpers.launches import ROOT
+from tests.helpers.launches import launch_env
 from verifiers_rl.training.distributed import _thread_states
 from verifiers_rl.core.engine import free_port
 
@@ -34,7 +33,7 @@ with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as h
 def test_a_finished_rank_waits_for_gloos_workers_and_exits_cleanly(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = launch_env()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--master_port", str(free_port()), str(script), str(tmp_path)],
                             env=env, capture_output=True, text=True, timeout=120)

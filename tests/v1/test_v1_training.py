@@ -3,7 +3,6 @@ tiny model and with SmolLM2 (no other flags), a live run at the default k = 1 re
 parameters), a replay of its saved rollouts, and `verifiers-rl eval` with pass@k."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ from transformers import AutoTokenizer
 from verifiers_rl.rollouts.evaluation import pass_at_k
 from verifiers_rl.core.rollout import read_rollouts
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launches import ROOT, launch_env
+
 ENVS = Path(__file__).parent / "envs"
 TEMPLATE = str(ENVS / "reverse_v1.py")
 GRADED = str(ENVS / "graded_v1.py")
@@ -24,7 +24,7 @@ GRADED = str(ENVS / "graded_v1.py")
 
 
 def run(args: list[str], cwd: Path, cache: Path | None = None, module: str | None = None):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = launch_env()
     if cache is not None:
         env["VERIFIERS_RL_CACHE"] = str(cache)
     program = ["-m", module] if module else [str(ROOT / "examples" / "train.py")]

@@ -3,7 +3,6 @@ another test file, or on the order files run in)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -14,7 +13,8 @@ import torch
 
 from verifiers_rl.core.engine import free_port
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launches import ROOT, launch_env as base_env
+
 RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"
 PREEMPTIBLE = ROOT / "tests" / "inference" / "preemptible_cmd.py"
 PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
@@ -37,7 +37,7 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str
 def launch_env() -> dict:
     # ACCELERATE_USE_CPU (docs/scaling.md): examples/train.py picks the CPU itself (use_cpu) when no GPU is visible; the
     # env flag is set too, as users do, and must not break the ZeRO-3 launch (RLConfig swaps it for use_cpu).
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    return base_env({"ACCELERATE_USE_CPU": "true"})
 
 
 @torch.no_grad()
