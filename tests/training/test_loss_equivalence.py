@@ -273,3 +273,102 @@ def test_micro_batch_mean_would_fail():
     wrong = sum((v * mb.loss_mask).sum() / mb.loss_mask.sum() for v, mb in zip(values, rank_batch.micro_batches)) / len(values)
     assert math.isclose(right.item(), everything.mean().item(), rel_tol=1e-12)
     assert abs(wrong.item() - right.item()) > 1e-4
+
+
+def bigram_logps(table, ids):
+    """log softmax(table[prev])[next] for each position of ``ids`` after the first (0 at position 0): a bigram
+    policy, small enough to compute every token's log-prob under any version exactly."""
+    ids = torch.tensor(ids)
+    return torch.cat([torch.zeros(1), torch.log_softmax(table[ids[:-1]], dim=-1).gather(-1, ids[1:, None])[:, 0]])
+
+
+def two_version_rollouts(policies, gen, vocab=12):
+    """Three groups of two rollouts whose completions were sampled across a weight update: the first tokens by
+    version 3, the rest by version 4 (each token's log-prob from its own version, rounded to fp32 as an engine
+    records it), one of them multi-turn (environment tokens between its turns, version -1)."""
+    from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout
+
+    rollouts = []
+    for index in range(6):
+        prompt = torch.randint(vocab, (3 + index % 3,), generator=gen).tolist()
+        length, switch = 7 + index, 2 + index % 4
+        completion, logprobs, versions, mask = [], [], [], []
+        for t in range(length):
+            context = prompt + completion
+            if index == 5 and t in (4, 5):  # the environment's reply: not sampled, not trained
+                completion.append(int(torch.randint(vocab, (1,), generator=gen)))
+                logprobs.append(0.0), versions.append(NOT_SAMPLED), mask.append(0)
+                continue
+            version = 3 if t < switch else 4
+            probs = torch.softmax(policies[version][context[-1]], dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=gen))
+            completion.append(token)
+            logprobs.append(float(torch.tensor(torch.log(probs[token]).item(), dtype=torch.float32)))
+            versions.append(version), mask.append(1)
+        rollouts.append(Rollout(prompt_ids=prompt, completion_ids=completion, completion_mask=mask,
+                                reward=float(torch.rand((), generator=gen)), group_id=index // 2,
+                                completion_logprobs=logprobs, policy_version=4, completion_versions=versions))
+        rollouts[-1].validate()
+    return rollouts
+
+
+@pytest.mark.parametrize("loss_type,correction", [("grpo", "token_truncate"), ("token_mean", "token_mask"),
+                                                  ("dr_grpo", "sequence_truncate")])
+def test_a_completion_sampled_under_two_versions_is_corrected_token_by_token(loss_type, correction):
+    # Issue 37: a sequence whose tokens came from two policy versions (an in-flight weight update). The trainer's
+    # path (the rollouts' own log-probs through the batch plan and per-token loss) equals the fp64 reference whose
+    # behaviour probabilities are recomputed here from each token's recorded version; using one version's log-probs
+    # for every token gives another loss and gradient, so the test can tell.
+    vocab = 12
+    gen = torch.Generator().manual_seed(37)
+    base = torch.randn(vocab, vocab, generator=gen)
+    policies = {3: base + torch.randn(vocab, vocab, generator=gen), 4: base}
+    theta = (base + 0.4 * torch.randn(vocab, vocab, generator=gen)).requires_grad_()
+    rollouts = two_version_rollouts(policies, gen, vocab)
+    assert {v for r in rollouts for v in r.completion_versions} == {-1, 3, 4}
+    advantages = compute_advantages([r.reward for r in rollouts], [r.group_id for r in rollouts])
+    sequences = prepare_sequences(rollouts, advantages, max_seq_len=40)
+    current = lambda: [bigram_logps(theta, s.input_ids) for s in sequences]  # noqa: E731 - a fresh graph per use
+    cap, cap_min, horizon = 1.5, (0.6 if correction.endswith("mask") else None), 37
+
+    def behaviour(version_of):  # each token's fp32 log-prob under the version ``version_of(rollout, t)``
+        out = []
+        for rollout, sequence in zip(rollouts, sequences):
+            prompt = len(rollout.prompt_ids)
+            q = torch.zeros(len(sequence))
+            for t, version in enumerate(rollout.completion_versions):
+                if version >= 0:
+                    v = version_of(version)
+                    q[prompt + t] = float(torch.tensor(bigram_logps(policies[v], sequence.input_ids)[prompt + t].item(),
+                                                       dtype=torch.float32))
+            out.append(q)
+        return out
+
+    def reference(sampler):
+        loss = reference_loss(sequences, current(), None, sampler, None, loss_type, "token", correction, cap, cap_min,
+                              0.0, horizon)
+        return loss, torch.autograd.grad(loss, theta)[0]
+
+    expected, expected_grad = reference(behaviour(lambda v: v))
+    for config in (BatchingConfig(max_seq_len=40, horizon=horizon, mode="padded", rows_per_micro_batch=6),
+                   BatchingConfig(max_seq_len=40, horizon=horizon, world_size=2, mode="packed",
+                                  max_tokens_per_microbatch=40)):
+        total, logps = torch.zeros(()), current()
+        for rank_batch in plan_batch(rollouts, config):
+            for mb in rank_batch.micro_batches:
+                if not mb.num_sequences:  # a rank's empty pass
+                    continue
+                terms = per_token_loss(gather_from_micro_batch(mb, logps), mb.advantages.double(),
+                                       mb.loss_mask.double(), mb.seq_index, sampler_logps=mb.sampler_logps.double(),
+                                       settings=LossSettings(level="token", epsilon_low=0.2, epsilon_high=0.28,
+                                                             correction=correction, correction_cap=cap,
+                                                             correction_cap_min=cap_min))
+                weights = aggregation_weights(loss_type, mb.loss_mask.double(), mb.sequence_loss_tokens.double(),
+                                              mb.counts)
+                total = total + (terms.per_token_loss * weights).sum()
+        grad = torch.autograd.grad(total, theta)[0]
+        assert math.isclose(total.item(), expected.item(), rel_tol=1e-10, abs_tol=1e-14), config
+        assert float((grad - expected_grad).abs().max()) / float(expected_grad.abs().max()) < 1e-10, config
+    for one_version in (3, 4):
+        loss, grad = reference(behaviour(lambda v: one_version))
+        assert abs(loss.item() - expected.item()) > 1e-6 or float((grad - expected_grad).abs().max()) > 1e-6

@@ -22,6 +22,10 @@ def group_by_id(items: Iterable[T], group_id: Callable[[T], Any] = lambda item: 
     return list(groups.values())
 
 
+# ``completion_versions`` of a completion token no policy sampled (an environment's or a tool's, mask 0).
+NOT_SAMPLED = -1
+
+
 class RolloutFormatError(ValueError):
     """A rollout record that cannot be trained on; the message names the record and the problem."""
 
@@ -39,7 +43,9 @@ class Rollout:
     ``episode_id``: set on the branches of one episode that has several trainable branches (a verifiers v1
     episode with sub-agents or rewritten history): they share it, their group and their reward, and count as one
     episode for the group's advantage baseline (``training.batching.episode_advantages``); None: the rollout is
-    an episode of its own.
+    an episode of its own. ``completion_versions``: the policy version that sampled each completion token
+    (``NOT_SAMPLED`` on environment tokens), so a completion sampled across a weight update says which tokens came
+    from which weights; None in files written before (then ``policy_version`` holds for every token).
     """
 
     prompt_ids: list[int]
@@ -57,6 +63,13 @@ class Rollout:
     completion: Any = None
     env: str | None = None
     episode_id: str | int | None = None
+    completion_versions: list[int] | None = None
+
+    def oldest_version(self) -> int | None:
+        """The policy version of the completion's oldest sampled token (its staleness is the rollout's); the
+        rollout's ``policy_version`` where no token carries one."""
+        sampled = [v for v in self.completion_versions or () if v != NOT_SAMPLED]
+        return min(sampled) if sampled else self.policy_version
 
     def validate(self, where: str = "rollout") -> None:
         """Raise RolloutFormatError naming ``where`` if the record is inconsistent."""
@@ -86,6 +99,8 @@ class Rollout:
             for value in self.completion_logprobs:
                 if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or value > 0:
                     raise RolloutFormatError(f"{where}: `completion_logprobs` must be finite log-probs <= 0, got {value!r}.")
+        if self.completion_versions is not None:
+            self._validate_versions(where)
         if not isinstance(self.reward, (int, float)) or isinstance(self.reward, bool) or not math.isfinite(self.reward):
             raise RolloutFormatError(f"{where}: `reward` must be a finite number, got {self.reward!r}.")
         if not isinstance(self.reward_errors, dict) or not all(
@@ -103,6 +118,23 @@ class Rollout:
             raise RolloutFormatError(f"{where}: `episode_id` must be a string or an integer.")
         if self.env is not None and not isinstance(self.env, str):
             raise RolloutFormatError(f"{where}: `env` must be the environment's name (a string).")
+
+    def _validate_versions(self, where: str) -> None:
+        versions = self.completion_versions
+        if not isinstance(versions, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions):
+            raise RolloutFormatError(f"{where}: `completion_versions` must be a list of integers.")
+        if len(versions) != len(self.completion_ids):
+            raise RolloutFormatError(
+                f"{where}: `completion_versions` has {len(versions)} entries but `completion_ids` has "
+                f"{len(self.completion_ids)}."
+            )
+        if any(v < NOT_SAMPLED for v in versions):
+            raise RolloutFormatError(f"{where}: `completion_versions` must be >= 0, or {NOT_SAMPLED} (not sampled).")
+        if any(v == NOT_SAMPLED and m == 1 for v, m in zip(versions, self.completion_mask)):
+            raise RolloutFormatError(
+                f"{where}: a trained token (`completion_mask` 1) has no policy version ({NOT_SAMPLED}) in "
+                "`completion_versions`; the policy sampled it, so some version did."
+            )
 
     def to_json(self) -> str:
         # Empty optional maps are left out: files stay readable by versions without them.

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Protocol
 
 from verifiers_rl.core.sampling import derive_seed
-from verifiers_rl.core.rollout import Rollout, RolloutFormatError, group_by_id, group_episodes, read_rollouts
+from verifiers_rl.core.rollout import (NOT_SAMPLED, Rollout, RolloutFormatError, group_by_id, group_episodes,
+                                      read_rollouts)
 from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, has_signal
 
 logger = logging.getLogger(__name__)
@@ -382,6 +383,8 @@ class AsyncGenerator:
         rollouts = [rollout for group in groups for rollout in group]
         for rollout in rollouts:
             rollout.policy_version = version
+            if rollout.completion_versions is None:  # batch at a time: every sampled token is the batch's version
+                rollout.completion_versions = [version if m else NOT_SAMPLED for m in rollout.completion_mask]
         return rollouts
 
 

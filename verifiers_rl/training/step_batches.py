@@ -166,9 +166,10 @@ class StepBatches:
         extra = dict(batch.stats)
         extra.update(rollout_metrics(rollouts))
         extra.update(environment_metrics(rollouts, batch.stats))
-        versions = [r.policy_version for r in rollouts if r.policy_version is not None]
+        versions = [v for v in (r.oldest_version() for r in rollouts) if v is not None]
         if versions:
-            # Staleness: optimizer steps between the weights that sampled a rollout and the weights it trains.
+            # Staleness: optimizer steps between the weights that sampled a rollout's oldest token and the weights
+            # it trains.
             staleness = [self.global_step() - v for v in versions]
             extra.update(staleness_max=float(max(staleness)), staleness_mean=sum(staleness) / len(staleness))
         if batch.generation_s is not None:
