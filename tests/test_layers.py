@@ -1,5 +1,5 @@
 """The package's layers, by folder: each part imports only the parts below it (so no import cycle between parts),
-and no class grows past 300 lines without saying why.
+and no class grows past 300 lines without saying why. The tests mirror the package: a part's unit tests in its folder.
 
     vllm_worker, v1_worker  <  core  <  compat  <  envs  <  inference  <  rollouts  <  config  <  training  <  cli
     (and ``python -m verifiers_rl``, the command, on top)
@@ -91,3 +91,25 @@ def test_no_class_is_over_300_lines_without_its_reason():
                     unexplained.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} "
                                        f"({node.end_lineno - node.lineno + 1} lines)")
     assert not unexplained, f"split these or give the reason ({SIZE_REASON!r}): {unexplained}"
+
+
+TESTS = Path(__file__).parent
+# Test folders that are no part of the package: several parts together, the whole command, the shared helpers, and
+# the tiers and launched programs kept in folders of their own.
+OTHER_TEST_FOLDERS = {"integration", "system", "helpers", "distributed", "live", "v1", "vllm_backend", "gpu"}
+
+
+def test_the_tests_mirror_the_package():
+    """A unit test sits in the folder of the part it tests (tests/training/ for verifiers_rl/training/, and
+    tests/test_compat.py for compat.py); each test folder is a package, so same-named modules of two folders never
+    clash."""
+    parts = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    folders = {p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    strays = sorted(f"tests/{p.name}/" for p in folders if p.name not in parts | OTHER_TEST_FOLDERS)
+    assert not strays, f"{', '.join(strays)}: no part of verifiers_rl/ has this name (a part's tests go in its folder)"
+    modules = {f"test_{p.stem}.py" for p in PACKAGE.glob("*.py")} | {Path(__file__).name}
+    loose = sorted(f"tests/{p.name}" for p in TESTS.glob("test_*.py") if p.name not in modules)
+    assert not loose, f"move {', '.join(loose)} into the folder of the part it tests (or tests/integration/ or system/)"
+    no_package = sorted(f"tests/{p.relative_to(TESTS)}/" for p in TESTS.rglob("*")
+                        if p.is_dir() and any(p.glob("test_*.py")) and not (p / "__init__.py").exists())
+    assert not no_package, f"add an empty __init__.py to {', '.join(no_package)}"
