@@ -6,13 +6,15 @@ left-padded batch in a worker thread, so the loop keeps serving environments whi
 the engine's own (not ``generate``): a finished row leaves the batch, and after the first step an fp32 Llama model on
 CPU steps through ``llama_decode``, a Llama or Qwen2 model on a GPU through ``graph_decode``'s captured step
 (transformers' forward otherwise).
-Weight loads are staged and applied at once (``staged_weights``).
+Weight loads are staged and applied at once (``staged_weights``). ``generate_continuous`` decodes a list of requests
+with continuous batching instead (``running_batch``: rows admitted into the running batch as others finish).
 """
 
 from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Literal
@@ -26,12 +28,23 @@ from verifiers_rl.core.engine import EngineClosedError, Sample, SamplingConfig, 
 from verifiers_rl.inference.embedded.batch_decode import BatchDecoder
 from verifiers_rl.inference.kernels.llama_decode import supports as llama_decode_supports
 from verifiers_rl.inference.embedded.request_batcher import Request, RequestBatcher
+from verifiers_rl.inference.embedded.running_batch import DecodeRequest, RunningBatch, RunningBatchStats
 from verifiers_rl.inference.embedded.staged_weights import StagedWeights
 
 # Draws the odd rows' Gumbel noise beside the caller's even rows: a CPU generator's draw is serial and a
 # vocabulary-wide row per decode step adds up, so a second core halves it. Values are unchanged: each row still draws
 # from its own generator.
 _NOISE_DRAWS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="noise")
+
+
+@dataclass
+class ContinuousRun:
+    """``EmbeddedEngine.generate_continuous``'s answer: a sample per request (in order), the policy version that
+    sampled each of its tokens, and how full the running batch was."""
+
+    samples: list[Sample]
+    versions: list[list[int]]
+    stats: RunningBatchStats
 
 
 class RowSampler:
@@ -62,6 +75,13 @@ class RowSampler:
         self.filters += ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
         self.pad = torch.tensor(pad_lengths or [0] * len(temperatures))  # left padding is no token of the row's text
         self.repetition_penalty = float(repetition_penalty)
+
+    def add_row(self, temperature: float, seed: int | None) -> int:
+        """A new row (``RunningBatch`` admits rows as others finish); its index."""
+        self.temperatures = torch.cat([self.temperatures, torch.tensor([float(temperature)])])
+        self.generators.append(None if seed is None else torch.Generator(device=self.device).manual_seed(seed))
+        self.pad = torch.cat([self.pad.long(), torch.zeros(1, dtype=torch.long)])
+        return len(self.generators) - 1
 
     def distribution(self, input_ids: torch.Tensor, scores: torch.Tensor, rows: list[int]):
         """(l, noisy scores) for the batch rows ``rows`` (``input_ids`` and ``scores`` hold just those rows): l as
@@ -263,6 +283,31 @@ class EmbeddedEngine:
             with cpu_linears(self.model, linear):
                 return self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests], sampler,
                                     root, linear)
+
+    @torch.no_grad()
+    def generate_continuous(self, requests: list[DecodeRequest], max_rows: int) -> ContinuousRun:
+        """Decode ``requests`` with continuous batching (``RunningBatch``): at most ``max_rows`` rows decode
+        together, and a waiting request joins the running batch as soon as a row finishes, so a long completion does
+        not leave the batch nearly empty. Each request samples what it samples decoded alone under its seed. Holds
+        the weights still for the whole call; ``sample``'s batching and default decoding are unaffected."""
+        s = self.sampling
+        requests = [DecodeRequest(check_token_ids(r.prompt_ids, self.vocab_size), s.new_tokens(r.max_new_tokens),
+                                  r.temperature, r.seed) for r in requests]
+        with self._lock:
+            check_open(self._closed)
+            device = self.model.get_input_embeddings().weight.device
+            sampler = RowSampler([], [], s.top_k, s.top_p, s.min_p, s.repetition_penalty, device=device)
+            linear = self._linear()
+            with cpu_linears(self.model, linear):
+                batch = RunningBatch(self.model, self.eos_token_ids, sampler, max_rows, self.pad_token_id,
+                                     llama_decode=self.llama_decode, linear=linear, version=lambda: self.policy_version)
+                for request in requests:
+                    batch.add(request)
+                samples: dict[int, Sample] = {}
+                while not batch.done:
+                    samples.update(batch.step())
+            self.requests_served += len(requests)
+        return ContinuousRun([samples[i] for i in range(len(requests))], batch.versions, batch.stats)
 
     def _linear(self):
         """The linear layers' product while generating (``cpu_matmuls``); packs refreshed first (under the lock:

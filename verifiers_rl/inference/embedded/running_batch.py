@@ -1,0 +1,229 @@
+"""Continuous batching in the embedded engine: a decode batch that admits new rows between decode steps.
+
+``BatchDecoder`` decodes one batch to its end: rows leave as they finish, none joins, so a long-tailed batch ends
+decoding a few rows. ``RunningBatch`` keeps up to ``max_rows`` rows decoding: before each step, requests waiting in
+its queue are prefilled (a distinct prompt once, as a request decoded alone prefills it) and their first tokens
+drawn, and they join the running rows. Rows are right-aligned (left padding, masked); a newcomer longer than the
+batch pads the running rows on the left. Each row samples with its own seeded generator (``RowSampler``), so a row
+admitted mid-way draws the tokens it would draw decoded alone under the same seed (log-probs to float rounding).
+
+Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, its key/value buffers
+rebuilt at each admission, else through transformers' forward on a ``DynamicCache``; never through a captured CUDA
+graph (its shapes are fixed). Models whose cache layers are not plain full-attention layers (sliding windows) are
+refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from verifiers_rl.core.engine import Sample
+from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder
+
+if TYPE_CHECKING:
+    from verifiers_rl.inference.embedded.engine import RowSampler
+
+
+@dataclass
+class DecodeRequest:
+    """One completion to decode: ``seed`` seeds the row's own generator (None: torch's global one)."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+
+
+@dataclass
+class Newcomers:
+    """Rows prefilled for admission: their keys/values per layer ``[rows, kv_heads, prompt, head_dim]`` (one prompt
+    length), their context (prompt + first token) and ids."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    context: torch.Tensor
+    ids: list[int]
+
+
+@dataclass
+class RunningBatchStats:
+    """``admissions``: rows that joined a batch already decoding; ``rows_per_step``: rows each decode step ran;
+    ``waiting_per_step``: requests still queued at each step."""
+
+    admissions: int = 0
+    rows_per_step: list[int] = field(default_factory=list)
+    waiting_per_step: list[int] = field(default_factory=list)
+
+
+class RunningBatch:
+    """Decodes the requests ``add`` queues, at most ``max_rows`` at a time; ``step`` admits, then decodes one token.
+
+    ``sampler``: an empty ``RowSampler`` (rows are added per request); ``linear``: the lean step's linear layers
+    (``EmbeddedEngine._linear``); ``version``: the engine's policy version, recorded for every token in
+    ``versions`` (the weights that sampled it). Call ``step`` with the engine's weights held still (its lock).
+    """
+
+    def __init__(self, model, eos_token_ids: list[int], sampler: RowSampler, max_rows: int, pad_token_id: int, *,
+                 llama_decode: bool, linear=None, version: Callable[[], int] = lambda: 0):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}.")
+        self.model, self.eos_token_ids, self.sampler = model, eos_token_ids, sampler
+        self.max_rows, self.pad_token_id = max_rows, pad_token_id
+        self.llama_decode, self.linear, self.version = llama_decode, linear, version
+        self.device = model.get_input_embeddings().weight.device
+        self.queue: deque[tuple[int, DecodeRequest]] = deque()
+        self.requests: list[DecodeRequest] = []
+        self.tokens: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+        self.versions: list[list[int]] = []
+        self.stats = RunningBatchStats()
+        self.rows: list[int] = []  # request ids of the running rows, in the order of the tensors below
+        self.context = self.mask = None  # [rows, width]: prompt + tokens, left-padded; 1 on real tokens
+        self.kv = None  # a LlamaDecoder, or a DynamicCache holding every position but the last
+        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._last_logits_only = {"logits_to_keep": 1} if keeps else {}
+
+    def add(self, request: DecodeRequest) -> int:
+        """Queue ``request``; its id (the index of its ``Sample`` among this batch's)."""
+        rid = len(self.requests)
+        self.requests.append(request)
+        self.tokens.append([]), self.logprobs.append([]), self.versions.append([])
+        self.sampler.add_row(request.temperature, request.seed)
+        self.queue.append((rid, request))
+        return rid
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and not self.rows
+
+    @torch.no_grad()
+    def step(self) -> dict[int, Sample]:
+        """Admit queued requests into free rows, then decode one token for every running row; the samples finished
+        meanwhile, by request id."""
+        finished: dict[int, Sample] = {}
+        self._admit(finished)
+        if not self.rows:
+            return finished
+        self.stats.rows_per_step.append(len(self.rows))
+        self.stats.waiting_per_step.append(len(self.queue))
+        positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -1]  # left padding not counted
+        step_ids = self.context[:, -1]
+        if isinstance(self.kv, LlamaDecoder):
+            logits = self.kv.step(step_ids, positions, self.mask)
+        else:
+            logits = self.model(input_ids=step_ids[:, None], attention_mask=self.mask, position_ids=positions[:, None],
+                                past_key_values=self.kv, use_cache=True, **self._last_logits_only).logits[:, -1]
+        self._set_padding()
+        drawn, logps = self.sampler.draw(self.context, logits, self.rows)
+        running = self._record(self.rows, drawn, logps, finished)
+        self.context = torch.cat([self.context, drawn[:, None]], dim=1)
+        self.mask = F.pad(self.mask, (0, 1), value=1)
+        if len(running) < len(self.rows):
+            index = torch.tensor(running, dtype=torch.long, device=self.device)
+            if isinstance(self.kv, LlamaDecoder):
+                self.kv.keep(index)
+            else:
+                self.kv.batch_select_indices(index)
+            self.context, self.mask = self.context[index], self.mask[index]
+            self.rows = [self.rows[i] for i in running]
+        return finished
+
+    def _record(self, rows: list[int], drawn: torch.Tensor, logps: torch.Tensor, finished: dict) -> list[int]:
+        """Append each row's token; rows that finish go to ``finished``; the positions of those still running."""
+        running, version = [], self.version()
+        for i, (rid, token, logp) in enumerate(zip(rows, drawn.tolist(), logps.tolist())):
+            self.tokens[rid].append(token), self.logprobs[rid].append(logp), self.versions[rid].append(version)
+            if token in self.eos_token_ids:
+                finished[rid] = Sample(self.tokens[rid], self.logprobs[rid], "stop")
+            elif len(self.tokens[rid]) == self.requests[rid].max_new_tokens:
+                finished[rid] = Sample(self.tokens[rid], self.logprobs[rid], "length")
+            else:
+                running.append(i)
+        return running
+
+    def _set_padding(self) -> None:
+        """Each running row's left padding, for the repetition penalty's context (it changes as rows join)."""
+        if self.sampler.repetition_penalty != 1:
+            self.sampler.pad[self.rows] = (self.mask.shape[1] - self.mask.sum(-1)).cpu()
+
+    def _admit(self, finished: dict[int, Sample]) -> None:
+        """Prefill queued requests (each distinct prompt once) and draw their first tokens until ``max_rows`` rows
+        run or the queue is empty; those not finished by their first token join the running rows."""
+        groups: list[Newcomers] = []
+        while self.queue and len(self.rows) + sum(len(g.ids) for g in groups) < self.max_rows:
+            free = self.max_rows - len(self.rows) - sum(len(g.ids) for g in groups)
+            prompt = self.queue[0][1].prompt_ids
+            taken = []
+            while self.queue and len(taken) < free and self.queue[0][1].prompt_ids == prompt:
+                taken.append(self.queue.popleft()[0])
+            newcomers = self._prefill(prompt, taken, finished)
+            if newcomers is not None:
+                groups.append(newcomers)
+        if groups:
+            self.stats.admissions += sum(len(g.ids) for g in groups) if self.rows else 0
+            self._join(groups)
+
+    def _prefill(self, prompt: list[int], ids: list[int], finished: dict[int, Sample]) -> Newcomers | None:
+        """``prompt`` forwarded once as a request decoded alone forwards it; each of ``ids`` draws its first token
+        from its logits and gets a copy of its keys/values. None when every one of them finished at once."""
+        from transformers import DynamicCache
+
+        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        mask = torch.ones_like(input_ids)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1),
+                            past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
+        if any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers):
+            raise ValueError(f"{type(self.model).__name__} has cache layers other than full attention (a sliding "
+                             "window); continuous batching cannot admit rows into it. Decode it batch by batch.")
+        count = len(ids)
+        context = input_ids.expand(count, -1)
+        drawn, logps = self.sampler.draw(context, logits.expand(count, -1), ids)
+        running = self._record(ids, drawn, logps, finished)
+        if not running:
+            return None
+        keep = torch.zeros(len(running), dtype=torch.long, device=self.device)
+        kv = [(layer.keys.index_select(0, keep), layer.values.index_select(0, keep)) for layer in cache.layers]
+        context = torch.cat([context[running], drawn[running, None]], dim=1)
+        return Newcomers(kv, context, [ids[i] for i in running])
+
+    def _current_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if isinstance(self.kv, LlamaDecoder):
+            length = self.kv.length
+            return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(self.kv.keys, self.kv.values)]
+        return [(layer.keys, layer.values) for layer in self.kv.layers]
+
+    def _join(self, groups: list[Newcomers]) -> None:
+        """The running rows and the newcomers as one right-aligned batch (left padding, masked), its keys/values
+        rebuilt for the decode step."""
+        from transformers import DynamicCache
+
+        parts, masks = list(groups), [torch.ones_like(group.context) for group in groups]
+        if self.rows:
+            # Columns no running row uses any more (the left padding of rows that left) are dropped.
+            first = int((self.mask.sum(0) > 0).nonzero()[0])
+            parts.insert(0, Newcomers([(k[:, :, first:], v[:, :, first:]) for k, v in self._current_kv()],
+                                      self.context[:, first:], self.rows))
+            masks.insert(0, self.mask[:, first:])
+        width = max(part.context.shape[1] for part in parts)
+        contexts, layers = [], [[] for _ in parts[0].kv]
+        for i, part in enumerate(parts):
+            pad = width - part.context.shape[1]
+            contexts.append(F.pad(part.context, (pad, 0), value=self.pad_token_id))
+            masks[i] = F.pad(masks[i], (pad, 0), value=0)
+            for layer, (k, v) in zip(layers, part.kv):
+                layer.append((F.pad(k, (0, 0, pad, 0)), F.pad(v, (0, 0, pad, 0))))
+        self.context, self.mask = torch.cat(contexts), torch.cat(masks)
+        self.rows = [rid for part in parts for rid in part.ids]
+        cache = DynamicCache(ddp_cache_data=[(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer]))
+                                             for layer in layers])
+        if self.llama_decode:
+            left = max(self.requests[rid].max_new_tokens - len(self.tokens[rid]) for rid in self.rows)
+            self.kv = LlamaDecoder(self.model, cache, width + left, self.linear)
+        else:
+            self.kv = cache
