@@ -69,7 +69,7 @@ def test_docs_config_is_the_code():
     written = (ROOT / "docs" / "config.md").read_text()
     assert written == sections.markdown(), "regenerate it: python -m verifiers_rl.cli.sections --write docs/config.md"
     assert "| `loss_type` | `grpo` |" in written and "`dapo`" in written  # a choice listed from the Literal type
-    assert "| `importance_cap` | `2.0` |  | > 0 |" in written  # a range from RANGES
+    assert "| `importance_cap` | `2.0` |  | > 0 |" in written  # a range from the field's metadata
 
 
 def test_fields_prints_the_grpo_config_table():

@@ -39,7 +39,7 @@ def test_the_embedded_engine_samples_in_the_training_precision(tiny_model_dir):
 def test_config_knobs_reach_the_vllm_request_payload():
     # The engine as build_engine makes it for a server (make_engine's other arguments); no server is asked here
     # (tests/vllm_backend/test_vllm_sampling.py builds one through build_engine against a real server).
-    sampling = SamplingConfig(**sampling_settings(config(**KNOBS)))
+    sampling = sampling_settings(config(**KNOBS))
     engine = VLLMEngine("http://127.0.0.1:9", sampling=sampling, check=False)
     payload = engine._sampling_payload(0.8, seed=3)
     engine.close()
@@ -47,7 +47,7 @@ def test_config_knobs_reach_the_vllm_request_payload():
         **KNOBS, "seed": 3}
     # The defaults: TRL's min_p=None is off (0), as before these knobs existed.
     defaults = sampling_settings(config())
-    assert (defaults["min_p"], defaults["repetition_penalty"], defaults["top_k"]) == (0.0, 1.0, 0)
+    assert (defaults.min_p, defaults.repetition_penalty, defaults.top_k) == (0.0, 1.0, 0)
 
 
 def test_generation_kwargs_override_the_fields_including_the_trainers_temperature(tiny_model_dir):

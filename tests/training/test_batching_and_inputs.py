@@ -76,7 +76,7 @@ def test_unknown_loss_type_and_other_bad_knobs(tmp_path):
         RLConfig(micro_batching="packed", max_seq_len=512, max_tokens_per_microbatch=100, **common)
     with pytest.raises(ValueError, match="temperature must be > 0, got 0.0"):
         RLConfig(temperature=0.0, **common)
-    # Choices are Literal types (validate and the command line read the same ones), numbers follow config.RANGES.
+    # Choices are Literal types (validate and the command line read the same ones), numbers follow their field's range.
     with pytest.raises(ValueError, match="Unknown filter_groups 'all'; expected one of none, zero_variance"):
         RLConfig(filter_groups="all", **common)
     with pytest.raises(ValueError, match="weight_sync_probe_tokens must be 0 or >= 2, got 1"):

@@ -44,7 +44,12 @@ class SectionedParser(TrlParser):
     """TRL's parser (dataclasses -> flags, ``--config`` YAML) whose ``--help`` lists the flags by ``SECTIONS``."""
 
     def add_argument(self, *args, **kwargs):
+        from verifiers_rl.config.rl_config import config_ranges
+
         action = super().add_argument(*args, **kwargs)
+        allowed = config_ranges().get(action.dest)
+        if allowed is not None and action.help:  # the range validate checks, as docs/config.md lists it
+            action.help = f"{action.help} Range: {allowed}."
         self.__dict__.setdefault("added", []).append(action)  # argparse keeps its own list private
         return action
 
@@ -97,14 +102,12 @@ def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[ar
 
 
 def _range_text(name: str, choices: dict[str, tuple]) -> str:
-    from verifiers_rl.config.rl_config import RANGES
+    from verifiers_rl.config.rl_config import config_ranges  # what validate checks: one source
 
     if name in choices:
         return ", ".join(f"`{choice}`" for choice in choices[name])
-    allowed = RANGES.get(name)
-    if allowed is None:
-        return ""
-    return " or ".join([str(v) for v in allowed.also] + [f"{'>' if allowed.strict else '>='} {allowed.low:g}"])
+    allowed = config_ranges().get(name)
+    return "" if allowed is None else str(allowed)
 
 
 def _default_text(value) -> str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field, fields
-from typing import Literal, get_args, get_origin, get_type_hints
+from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
 import torch
 from trl import GRPOConfig
@@ -12,6 +13,9 @@ from trl import GRPOConfig
 from verifiers_rl import compat
 from verifiers_rl.config.grpo_fields import apply_trl_names, check_fields
 from verifiers_rl.core.choices import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
     CorrectionMode,
     ImportanceSamplingLevel,
     LossType,
@@ -19,65 +23,25 @@ from verifiers_rl.core.choices import (
     OverlongPolicy,
     ScaleRewards,
     SequenceLogRatio,
+    Range,
     SharePromptTraining,
     check_chat_template_kwargs,
     check_choice,
     check_packed_row_fits,
+    field_ranges,
 )
 from verifiers_rl.core.launch import launched_world_size
 from verifiers_rl.inference.vllm.http import check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
 
 
-@dataclass(frozen=True)
-class Range:
-    """A field's allowed values: ``>= low`` (``> low`` when ``strict``), or one of ``also``. ``None`` passes (an
-    optional field left unset)."""
-
-    low: float
-    strict: bool = False
-    also: tuple = ()
-
-    def check(self, name: str, value) -> None:
-        if value is None or value in self.also or value > self.low or (value == self.low and not self.strict):
-            return
-        allowed = [str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"]
-        raise ValueError(f"{name} must be {' or '.join(allowed)}, got {value}.")
-
-
 # TRL's loss_type names for ours (grpo_fields.TRL_LOSS_TYPES), accepted by the parser and mapped in __post_init__.
 LossTypeOrTRL = Literal[(*get_args(LossType), "dapo", "bnpo")]
 
-AT_LEAST_ONE, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, strict=True)
-
-# Every numeric field's range, checked by RLConfig.validate (a choice is a Literal type instead: HfArgumentParser
-# lists it in --help and refuses other values; validate checks it for configs built in Python).
-RANGES: dict[str, Range] = {
-    "importance_cap": POSITIVE,
-    "importance_cap_min": NON_NEGATIVE,
-    "max_seq_len": AT_LEAST_ONE,
+# GRPOConfig's fields the trainer relies on, with their ranges (ours declare theirs in their type, Annotated[int, R];
+# validate checks both, --help and docs/config.md list them).
+INHERITED_RANGES: dict[str, Range] = {
     "max_completion_length": AT_LEAST_ONE,
-    "dr_grpo_horizon": AT_LEAST_ONE,
-    "max_tokens_per_microbatch": AT_LEAST_ONE,
-    "rollouts_per_step": AT_LEAST_ONE,
-    "logprob_chunk_size": NON_NEGATIVE,
-    "max_off_policy_steps": NON_NEGATIVE,
-    "generation_timeout_s": POSITIVE,
-    "print_samples_every": NON_NEGATIVE,
-    "weight_sync_bucket_mb": NON_NEGATIVE,
-    "weight_sync_probe_tokens": Range(2, also=(0,)),
-    "weight_sync_probe_tolerance": POSITIVE,
-    "weight_sync_probe_every": AT_LEAST_ONE,
-    "vllm_max_concurrency": AT_LEAST_ONE,
-    "vllm_request_timeout_s": POSITIVE,
-    "vllm_max_retries": NON_NEGATIVE,
-    "vllm_reconnect_timeout_s": NON_NEGATIVE,
-    "max_refill_batches": NON_NEGATIVE,
-    "max_rollout_retries": NON_NEGATIVE,
-    "max_failed_rollouts_fraction": NON_NEGATIVE,
-    "eval_holdout": NON_NEGATIVE,
-    "log_completions_steps": NON_NEGATIVE,
-    # GRPOConfig's fields that the trainer relies on
     "per_device_train_batch_size": AT_LEAST_ONE,
     "temperature": POSITIVE,
     "num_iterations": AT_LEAST_ONE,
@@ -85,7 +49,7 @@ RANGES: dict[str, Range] = {
     "epsilon_high": NON_NEGATIVE,
     "delta": POSITIVE,
     "off_policy_mask_threshold": NON_NEGATIVE,
-    "top_entropy_quantile": POSITIVE,
+    "top_entropy_quantile": Range(0, strict=True, high=1),
 }
 
 
@@ -131,8 +95,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
 
     One optimizer step consumes ``rollouts_per_step`` rollouts, spread over ranks and micro-batches however
     ``micro_batching`` says; the update equals the single-device full-batch update. ``gradient_accumulation_steps``
-    is read once, to size the default batch, and then set to 1: the trainer runs every micro-batch of a step
-    inside one ``training_step``.
+    only sizes the default batch: the trainer runs every micro-batch of a step inside one ``training_step``, and
+    shows TRL 1 (``trl_view``; the config keeps what the user gave, as it keeps every field).
 
     Over 300 lines: its body is the field declarations (each one a flag with its help); the checks are ``validate``
     and the module's functions.
@@ -156,16 +120,20 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "token_truncate (w = min(exp(p - q), cap)), token_mask, sequence_truncate, sequence_mask, none.",
         },
     )
-    importance_cap: float = field(default=2.0, metadata={"help": "Upper bound C of the importance weight."})
+    importance_cap: Annotated[float, POSITIVE] = field(
+        default=2.0, metadata={"help": "Upper bound C of the importance weight."}
+    )
     importance_sequence_log_ratio: SequenceLogRatio = field(
         default="mean",
         metadata={"help": "The sequence modes' log-ratio: mean over the sequence's tokens (length-normalised) or "
                   "sum (TRL's vllm_importance_sampling sequence modes)."},
     )
-    importance_cap_min: float | None = field(
+    importance_cap_min: Annotated[float | None, NON_NEGATIVE] = field(
         default=None, metadata={"help": "Lower bound of the importance weight (mask modes: the lower edge)."}
     )
-    max_seq_len: int = field(default=1024, metadata={"help": "Longest prompt + completion trained on, in tokens."})
+    max_seq_len: Annotated[int, AT_LEAST_ONE] = field(
+        default=1024, metadata={"help": "Longest prompt + completion trained on, in tokens."}
+    )
     overlong: OverlongPolicy = field(
         default="error",
         metadata={
@@ -173,7 +141,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "tail and marks it truncated (before any count is taken).",
         },
     )
-    dr_grpo_horizon: int | None = field(
+    dr_grpo_horizon: Annotated[int | None, AT_LEAST_ONE] = field(
         default=None, metadata={"help": "Horizon H of dr_grpo; defaults to max_seq_len."}
     )
     micro_batching: Literal[MicroBatchingMode, "auto"] = field(
@@ -185,10 +153,10 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "packed row with sdpa, over the whole row with eager) finds cheaper for each batch. All three are exact.",
         },
     )
-    max_tokens_per_microbatch: int | None = field(
+    max_tokens_per_microbatch: Annotated[int | None, AT_LEAST_ONE] = field(
         default=None, metadata={"help": "Token budget of a packed micro-batch; defaults to 4 * max_seq_len."}
     )
-    rollouts_per_step: int | None = field(
+    rollouts_per_step: Annotated[int | None, AT_LEAST_ONE] = field(
         default=None,
         metadata={
             "help": "Rollouts per optimizer step over all ranks (B), an episode of several branches (a verifiers v1 "
@@ -196,7 +164,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "gradient_accumulation_steps * world size."
         },
     )
-    logprob_chunk_size: int = field(
+    logprob_chunk_size: Annotated[int, NON_NEGATIVE] = field(
         default=1024, metadata={"help": "Tokens per chunk of the log-prob computation; 0 computes all logits at once."}
     )
     rollouts_path: str | None = field(
@@ -205,11 +173,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     scale_rewards: ScaleRewards = field(
         default="group", metadata={"help": "Advantage scaling: group std, batch std, or none."}
     )
-    max_off_policy_steps: int = field(
+    max_off_policy_steps: Annotated[int, NON_NEGATIVE] = field(
         default=1,
         metadata={"help": "k: generation runs up to k optimizer steps ahead of training (0 = synchronous)."},
     )
-    generation_timeout_s: float = field(
+    generation_timeout_s: Annotated[float, POSITIVE] = field(
         default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error."}
     )
     save_rollouts_path: str | None = field(
@@ -219,7 +187,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=8, metadata={"help": "Rollouts per prompt when generating (a group), an episode of several branches "
                                      "counting once."}
     )
-    print_samples_every: int = field(
+    print_samples_every: Annotated[int, NON_NEGATIVE] = field(
         default=10,
         metadata={"help": "Print num_completions_to_print sample completions (with rewards) every N steps; 0 = never."},
     )
@@ -227,33 +195,33 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=None, metadata={"help": "bf16 mixed precision (and the embedded engine's weights in bf16); defaults "
                                          "to True on a GPU, False on CPU (and with use_cpu)."}
     )
-    weight_sync_bucket_mb: float = field(
+    weight_sync_bucket_mb: Annotated[float, NON_NEGATIVE] = field(
         default=256.0,
         metadata={
             "help": "Weight sync to the engine gathers ZeRO-3 shards in buckets of about this many MiB (one collective "
             "per bucket; also the extra memory each rank holds while a bucket is out). 0 = one parameter at a time."
         },
     )
-    weight_sync_probe_tokens: int = field(
+    weight_sync_probe_tokens: Annotated[int, Range(2, also=(0,))] = field(
         default=32,
         metadata={
             "help": "After each weight sync, compare the engine's and the trainer's log-probs of this many fixed "
             "tokens and warn if they differ (stale layers, e.g. a tied output layer). 0 turns the probe off."
         },
     )
-    weight_sync_probe_every: int = field(
+    weight_sync_probe_every: Annotated[int, AT_LEAST_ONE] = field(
         default=10,
         metadata={
             "help": "Probe after the first weight sync and then after every N-th (1: after every sync). The probe is "
             "two forwards that generation waits for; a broken sync shows at the first."
         },
     )
-    weight_sync_probe_tolerance: float | None = field(
+    weight_sync_probe_tolerance: Annotated[float | None, POSITIVE] = field(
         default=None,
         metadata={
             "help": "Largest |engine - trainer| log-prob gap on the probe before the warning. Default: 1e-3 when "
-            "the trainer and the engine both compute in float32, 0.5 when either uses bf16/fp16 (bf16 rounding alone "
-            "moves a log-prob by up to ~0.2; a tensor left unloaded moves one by more)."
+            "the trainer and the engine both compute in float32, 0.5 when either uses bf16/fp16 (above what bf16 "
+            "rounding alone moves a log-prob by, below what a tensor left unloaded does)."
         },
     )
 
@@ -268,20 +236,20 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "current weights); with all of them down the run waits vllm_reconnect_timeout_s."
         },
     )
-    vllm_max_concurrency: int = field(
+    vllm_max_concurrency: Annotated[int, AT_LEAST_ONE] = field(
         default=64, metadata={"help": "Most requests in flight to the vLLM server (it batches them)."}
     )
-    vllm_request_timeout_s: float = field(
+    vllm_request_timeout_s: Annotated[float, POSITIVE] = field(
         default=600.0, metadata={"help": "Longest wait for one request to the vLLM server."}
     )
-    vllm_max_retries: int = field(
+    vllm_max_retries: Annotated[int, NON_NEGATIVE] = field(
         default=3,
         metadata={
             "help": "Further attempts after a connection error or HTTP 5xx from the vLLM server (backoff 0.5 s, "
             "doubled each time)."
         },
     )
-    vllm_reconnect_timeout_s: float = field(
+    vllm_reconnect_timeout_s: Annotated[float, NON_NEGATIVE] = field(
         default=300.0,
         metadata={
             "help": "When the vLLM server stops answering (killed, restarted), wait this long for it to come back at "
@@ -321,21 +289,21 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "full (at most max_refill_batches more rounds), replay only filters. 'none' keeps every group.",
         },
     )
-    max_refill_batches: int = field(
+    max_refill_batches: Annotated[int, NON_NEGATIVE] = field(
         default=3,
         metadata={
             "help": "With filter_groups: at most this many extra rounds of generation (each as many prompts as a "
             "batch) to fill a batch with informative groups; then the batch is trained as it is, with a warning."
         },
     )
-    max_rollout_retries: int = field(
+    max_rollout_retries: Annotated[int, NON_NEGATIVE] = field(
         default=2,
         metadata={
             "help": "Live generation: a group whose environment raised is generated again (same seeds) up to this many "
             "times, then dropped and counted (rollouts_failed, groups_dropped_on_error)."
         },
     )
-    max_failed_rollouts_fraction: float = field(
+    max_failed_rollouts_fraction: Annotated[float, Range(0, high=1)] = field(
         default=0.0,
         metadata={
             "help": "Largest fraction of a batch's groups that may be dropped after max_rollout_retries before the run "
@@ -356,14 +324,14 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     eval_pass_threshold: float = field(
         default=1.0, metadata={"help": "An evaluation sample passes (pass@k) when its reward is >= this."}
     )
-    eval_holdout: int = field(
+    eval_holdout: Annotated[int, NON_NEGATIVE] = field(
         default=0,
         metadata={
             "help": "Move N rows of the training environment's dataset (a shuffle seeded by --seed) into its held-out "
             "split, whether or not evaluation runs: for environments without an eval split. 0 = off."
         },
     )
-    log_completions_steps: int = field(
+    log_completions_steps: Annotated[int, NON_NEGATIVE] = field(
         default=0,
         metadata={
             "help": "Every N steps, send a table of the batch's prompts, completions and rewards to every --report_to "
@@ -406,46 +374,48 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             # TRL's completion logging reads buffers only its own generation fills; ours logs the batch instead.
             self.log_completions_steps = self.log_completions_steps or max(int(self.logging_steps), 1)
             self.log_completions = False
-        self.requested_gradient_accumulation_steps = self.gradient_accumulation_steps
-        requested_num_generations = self.num_generations
-        requested_num_generations_eval = self.num_generations_eval
+        given = {name: getattr(self, name) for name in _SHOWN_TO_GRPO_CONFIG}
         # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
-        # not ours, so give it values that pass, then restore.
-        self.gradient_accumulation_steps = 1
-        self.steps_per_generation = 2
-        self.generation_batch_size = None
-        self.num_generations = 2
-        self.num_generations_eval = 1  # nor is its evaluation batch (evaluation.py samples per prompt itself)
+        # not ours (nor is its evaluation batch: evaluation.py samples per prompt itself), so give its checks values
+        # that pass, then restore what the user gave (the trainer shows TRL its own: trl_view).
+        self.gradient_accumulation_steps = 1  # also what TrainingArguments writes into a DeepSpeed config
+        self.steps_per_generation, self.generation_batch_size = 2, None
+        self.num_generations, self.num_generations_eval = 2, 1
         with compat.deferred_device_setup(self):  # a config is a value: no process group, no device yet
             super().__post_init__()
-        self.num_generations = requested_num_generations
-        self.num_generations_eval = requested_num_generations_eval
-        self.steps_per_generation = 1
+        for name, value in given.items():
+            setattr(self, name, value)
         apply_generation_kwargs(self)  # after TrainingArguments parsed a JSON string into a dict
         if self.chat_template_kwargs is not None:  # likewise parsed: every environment and engine renders with them
             self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs, "--chat_template_kwargs")
         if self.rollouts_per_step is None:
             self.rollouts_per_step = (
-                self.per_device_train_batch_size * self.requested_gradient_accumulation_steps * launched_world_size()
+                self.per_device_train_batch_size * self.gradient_accumulation_steps * launched_world_size()
             )
-        self.generation_batch_size = self.rollouts_per_step
         if self.max_tokens_per_microbatch is None:
             self.max_tokens_per_microbatch = 4 * self.max_seq_len
         self.validate()
 
+    def trl_view(self, **derived) -> "RLConfig":
+        """A shallow copy for TRL's and HF's constructors (the trainer's ``args``): one optimizer step is one HF
+        step of one ``training_step`` (gradient_accumulation_steps 1) over one generated batch of rollouts_per_step,
+        plus what the trainer derives (``derived``, e.g. max_steps). This config keeps the values the user gave."""
+        shown = copy.copy(self)
+        shown.gradient_accumulation_steps, shown.steps_per_generation = 1, 1
+        shown.generation_batch_size = self.rollouts_per_step
+        for name, value in derived.items():
+            setattr(shown, name, value)
+        return shown
+
     def validate(self) -> None:
         """Raise ValueError naming the first bad knob: a choice outside its ``Literal`` type, a number outside
-        its ``RANGES`` rule, then the rules that tie fields together."""
+        its range (``config_ranges``), then the rules that tie fields together."""
         for name, choices in _choices(type(self)).items():
             check_choice(name, getattr(self, name), choices)
-        for name, allowed in RANGES.items():
+        for name, allowed in config_ranges().items():
             allowed.check(name, getattr(self, name))
         if self.micro_batching != "padded":
             check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
-        if self.top_entropy_quantile > 1:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile}.")
-        if self.max_failed_rollouts_fraction > 1:
-            raise ValueError(f"max_failed_rollouts_fraction must be <= 1, got {self.max_failed_rollouts_fraction}.")
         if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:
             raise ValueError("importance_cap_min must satisfy 0 <= importance_cap_min < importance_cap.")
         if self.ddp_timeout <= self.generation_timeout_s:
@@ -469,10 +439,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 f"({self.generation_timeout_s:g} s): the wait for a restarted vLLM server happens inside a batch's "
                 "generation."
             )
-        from verifiers_rl.inference import SamplingConfig
         from verifiers_rl.inference.factory import sampling_settings
 
-        SamplingConfig(**sampling_settings(self))  # the sampling knobs' ranges (raises naming the knob)
+        sampling_settings(self)  # the sampling knobs' ranges (raises naming the knob)
         if not self.rollouts_path and (self.num_generations is None or self.num_generations < 2):
             # TRL refuses it too: without it a live run trains on zero advantages and learns nothing from rewards.
             raise ValueError(f"num_generations must be >= 2 when generating from an environment (--env), got "
@@ -485,6 +454,18 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         from verifiers_rl.rollouts.evaluation import EvalSettings
 
         EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)
+
+
+# GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.
+_SHOWN_TO_GRPO_CONFIG = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
+                         "num_generations", "num_generations_eval")
+
+
+@functools.cache
+def config_ranges() -> dict[str, Range]:
+    """Every checked number's ``Range``: ``INHERITED_RANGES``, then RLConfig's own fields' (their ``Annotated``
+    types)."""
+    return {**INHERITED_RANGES, **field_ranges(RLConfig)}  # TRL's first: ours may default from them
 
 
 @functools.cache

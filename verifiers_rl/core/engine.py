@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol, runtime_checkable
 
 import torch
@@ -34,7 +34,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_new_tokens: int = 256
+    max_new_tokens: int = field(default=256, metadata={"from": "max_completion_length"})  # settings_from reads it
     min_p: float = 0.0
     repetition_penalty: float = 1.0
 
@@ -45,8 +45,9 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:  # RLConfig: max_completion_length
+            raise ValueError(f"max_new_tokens (--max_completion_length) must be an int >= 1, "
+                             f"got {self.max_new_tokens}.")
         if not 0.0 <= self.min_p < 1.0:
             raise ValueError(f"min_p must be in [0, 1) (0 = off), got {self.min_p}.")
         if not 0.0 < self.repetition_penalty < float("inf"):

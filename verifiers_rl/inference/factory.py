@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from verifiers_rl.core.engine import SamplingConfig
+from verifiers_rl.core.settings import keywords, settings_from
 from verifiers_rl.inference.vllm.http import server_urls
 
 
@@ -37,32 +39,40 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     return engine
 
 
-def sampling_settings(config) -> dict:
-    """``SamplingConfig`` keywords from ``config`` (an ``RLConfig``: its ``generation_kwargs`` are already written
-    into these fields), all but the length."""
-    return dict(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k or 0,
-                min_p=config.min_p or 0.0, repetition_penalty=config.repetition_penalty)
+def sampling_settings(config) -> SamplingConfig:
+    """The engine's ``SamplingConfig`` from ``config`` (an ``RLConfig``: its ``generation_kwargs`` are already written
+    into these fields; TRL's ``top_k`` / ``min_p`` None is off)."""
+    return settings_from(config, SamplingConfig, top_k=config.top_k or 0, min_p=config.min_p or 0.0)
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """A vLLM client's settings from the config (``make_engine``'s ``vllm``; ``VLLMEngine``'s keywords)."""
+
+    max_concurrency: int = field(default=64, metadata={"from": "vllm_max_concurrency"})
+    request_timeout_s: float = field(default=600.0, metadata={"from": "vllm_request_timeout_s"})
+    max_retries: int = field(default=3, metadata={"from": "vllm_max_retries"})
+    reconnect_timeout_s: float = field(default=0.0, metadata={"from": "vllm_reconnect_timeout_s"})
+    weights_dir: str | None = field(default=None, metadata={"from": "vllm_weights_dir"})
+    weight_transfer: str = field(default="files", metadata={"from": "vllm_weight_transfer"})
+    weight_transfer_address: str | None = field(default=None, metadata={"from": "vllm_weight_transfer_address"})
+    weight_transfer_bucket_mb: float = field(default=256.0, metadata={"from": "weight_sync_bucket_mb"})
+    chat_template_kwargs: dict | None = None  # what its chat() asks the server's template for
+
+
+def vllm_settings(config) -> VLLMSettings:
+    """The vLLM client's settings from ``config`` (an ``RLConfig``)."""
+    # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
+    return settings_from(config, VLLMSettings, weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0))
 
 
 def build_engine(config, model: str, tokenizer):
     """The engine for ``config`` (an ``RLConfig``), built on the main process only: its sampling settings, and with
     ``vllm_server_url`` a client that accepts weight loads as the config's transfer says."""
-    sampling = SamplingConfig(**sampling_settings(config), max_new_tokens=config.max_completion_length)
-    vllm = dict(
-        max_concurrency=config.vllm_max_concurrency,
-        request_timeout_s=config.vllm_request_timeout_s,
-        max_retries=config.vllm_max_retries,
-        reconnect_timeout_s=config.vllm_reconnect_timeout_s,
-        weights_dir=config.vllm_weights_dir,
-        weight_transfer=config.vllm_weight_transfer,
-        weight_transfer_address=config.vllm_weight_transfer_address,
-        # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
-        weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
-        chat_template_kwargs=config.chat_template_kwargs,  # what its chat() asks the server's template for
-    )
     # The embedded engine samples in the training precision (bf16 on a GPU by default), as TRL's generate and a
     # vLLM server do; the importance weights correct what rounding differs.
     dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16 else torch.float32
     # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
-    return make_engine(model, tokenizer, sampling, vllm_server_url=config.vllm_server_url, vllm=vllm,
-                       generate_in_loop_thread=config.max_off_policy_steps == 0, dtype=dtype)
+    return make_engine(model, tokenizer, sampling_settings(config), vllm_server_url=config.vllm_server_url,
+                       vllm=keywords(vllm_settings(config)), generate_in_loop_thread=config.max_off_policy_steps == 0,
+                       dtype=dtype)

@@ -27,6 +27,7 @@ from verifiers_rl.envs.environment import Environment, Row
 from verifiers_rl.envs.rubric import ERRORS_METRIC
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.core.rollout import Rollout, group_episodes, metric_values
+from verifiers_rl.core.settings import settings_from
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -48,10 +49,10 @@ class EvalSettings:
     """``num_examples`` prompts of the held-out split (None: all of it) x ``samples_per_prompt`` samples each, at
     ``temperature`` (None: the engine's; 0: greedy)."""
 
-    num_examples: int | None = None
-    samples_per_prompt: int = 1
-    temperature: float | None = None
-    pass_threshold: float = 1.0
+    num_examples: int | None = field(default=None, metadata={"from": "eval_num_examples"})
+    samples_per_prompt: int = field(default=1, metadata={"from": "eval_samples_per_prompt"})
+    temperature: float | None = field(default=None, metadata={"from": "eval_temperature"})
+    pass_threshold: float = field(default=1.0, metadata={"from": "eval_pass_threshold"})
     seed: int = 0
 
     def __post_init__(self):
@@ -64,8 +65,8 @@ class EvalSettings:
 
     @classmethod
     def from_config(cls, args) -> "EvalSettings":
-        return cls(args.eval_num_examples, args.eval_samples_per_prompt, args.eval_temperature,
-                   args.eval_pass_threshold, args.seed)
+        """From an ``RLConfig``: its ``eval_*`` fields and ``seed`` (each field's "from")."""
+        return settings_from(args, cls)
 
 
 def eval_rows(environment: Environment, num_examples: int | None, flag: str = "--eval_num_examples") -> list[Row]:

@@ -518,12 +518,17 @@ class RankBatch:
 
 @dataclass
 class BatchingConfig:
+    """How a batch is laid out over ranks and micro-batches. "from": the RLConfig field each is filled from
+    (``step_batches.batching_config`` through ``core.settings.settings_from``); the others share its name or are
+    the run's (world size, tokenizer, model)."""
+
     world_size: int = 1
-    mode: MicroBatchingMode | Literal["auto"] = "padded"  # auto: the cheaper of the two per batch (cheapest_layout)
-    rows_per_micro_batch: int = 1
+    # auto: the cheaper of the two per batch (cheapest_layout)
+    mode: MicroBatchingMode | Literal["auto"] = field(default="padded", metadata={"from": "micro_batching"})
+    rows_per_micro_batch: int = field(default=1, metadata={"from": "per_device_train_batch_size"})
     max_tokens_per_microbatch: int = 4096
     max_seq_len: int = 1024
-    horizon: int | None = None
+    horizon: int | None = field(default=None, metadata={"from": "dr_grpo_horizon"})
     overlong: OverlongPolicy = "error"
     mask_truncated_completions: bool = False
     scale_rewards: ScaleRewards = "group"

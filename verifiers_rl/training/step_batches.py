@@ -20,6 +20,7 @@ from verifiers_rl.rollouts.generator import RolloutSource, as_batch
 from verifiers_rl.training.forward import attends_run_by_run, attention_cost, splits_packed_rows
 from verifiers_rl.training.progress import sample_lines
 from verifiers_rl.core.rollout import Rollout, append_rollouts, metric_values
+from verifiers_rl.core.settings import settings_from
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +32,10 @@ def batching_config(args: RLConfig, model, world_size: int, pad_token_id: int,
     ``reward_functions``: what normalize_then_sum standardises (``trainer._normalized_reward_functions``)."""
     varlen = splits_packed_rows(model)
     share = args.share_prompt_training
-    return BatchingConfig(
+    return settings_from(
+        args, BatchingConfig,
         world_size=world_size,
         mode=micro_batching_mode(args.micro_batching, varlen),
-        rows_per_micro_batch=args.per_device_train_batch_size,
-        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-        max_seq_len=args.max_seq_len,
-        horizon=args.dr_grpo_horizon,
-        overlong=args.overlong,
-        mask_truncated_completions=args.mask_truncated_completions,
-        scale_rewards=args.scale_rewards,
         reward_functions=reward_functions,
         pad_token_id=pad_token_id,
         # "on" with a varlen kernel is left as asked: it then fails with the flag's name.

@@ -15,6 +15,7 @@ from verifiers_rl.training.batching import MicroBatch, RankBatch
 from verifiers_rl.training.entropy_terms import EntropyTerms
 from verifiers_rl.training.loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
 from verifiers_rl.core.modeling import unwrap
+from verifiers_rl.core.settings import settings_from
 from verifiers_rl.training.forward import micro_batch_logprobs
 from verifiers_rl.training.step_metrics import StepMetrics
 
@@ -50,6 +51,13 @@ class LossInputs:
 
 
 CustomLoss = Callable[[LossInputs], torch.Tensor]
+
+
+def loss_settings(args) -> LossSettings:
+    """The per-token loss's settings from ``args`` (an ``RLConfig``); ``epsilon_high`` None is ``epsilon``, as in
+    TRL's GRPOTrainer."""
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    return settings_from(args, LossSettings, epsilon_high=high)
 
 
 class StepLoss:

@@ -42,11 +42,10 @@ from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, RolloutSource, make_source
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.core.launch import restart_count
-from verifiers_rl.training.loss import LossSettings
 from verifiers_rl.core.modeling import unwrap
 from verifiers_rl.training.preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
 from verifiers_rl.training.checkpoints import RunCheckpoints
-from verifiers_rl.training.step_loss import CustomLoss, StepLoss
+from verifiers_rl.training.step_loss import CustomLoss, StepLoss, loss_settings
 from verifiers_rl.training.step_metrics import StepMetrics, StepTimer
 from verifiers_rl.training.step_batches import StepBatches, batching_config
 from verifiers_rl.training.weight_sync import EngineWeightSync, WeightSyncCallback
@@ -161,6 +160,18 @@ def _is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
+def run_steps(args: RLConfig, num_batches: int) -> int:
+    """Optimizer steps of the run: ``max_steps``, or when unset HF's count, ceil(num_train_epochs * steps per epoch),
+    an epoch being each of the source's ``num_batches`` batches trained ``num_iterations`` times."""
+    if args.max_steps is not None and args.max_steps > 0:
+        return args.max_steps
+    steps = math.ceil(args.num_train_epochs * num_batches * args.num_iterations)
+    if steps < 1:
+        raise ValueError(f"num_train_epochs={args.num_train_epochs} of {num_batches} batches trains no step: set "
+                         "--max_steps N or --num_train_epochs > 0.")
+    return steps
+
+
 def _unused_reward(completions, **kwargs):
     """Rewards come with the rollouts; TRL's constructor still asks for a reward function."""
     return [0.0] * len(completions)
@@ -244,20 +255,19 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         num_batches = main_process_outcome(made)
         if self.evaluation is not None:
             main_process_outcome(lambda: self.evaluation.check_engine(engine))
-        if args.max_steps is None or args.max_steps <= 0:
-            args.max_steps = int(num_batches * args.num_iterations * max(args.num_train_epochs, 1))
+        max_steps = run_steps(args, num_batches)
         if self.generator is not None:
-            self.generator.total_batches = math.ceil(args.max_steps / args.num_iterations)
+            self.generator.total_batches = math.ceil(max_steps / args.num_iterations)
         placeholder = Dataset.from_dict({"prompt": ["(rollouts come from the rollout source)"]})
         # TRL refuses sync_ref_model under PEFT (it keeps no reference model); ours mixes a copy of the adapters
         # (adapter_reference.py). With beta = 0 TRL's own refusal stands.
         adapter_sync = bool(args.sync_ref_model and args.beta != 0.0 and (peft_config is not None or _is_peft(model)))
-        args.sync_ref_model = args.sync_ref_model and not adapter_sync
         super().__init__(
             model=model,
             # TRL checks reward_weights against its reward functions: one placeholder per weight.
             reward_funcs=[_unused_reward] * len(args.reward_weights or [None]),
-            args=args,
+            # self.args from here on: the user's config stays as they built it.
+            args=args.trl_view(max_steps=max_steps, sync_ref_model=args.sync_ref_model and not adapter_sync),
             train_dataset=placeholder,
             eval_dataset=placeholder if self.evaluation is not None else None,
             processing_class=processing_class,
@@ -273,7 +283,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
                 "launch; never `accelerate launch --cpu --num_processes N`."
             )
         self.loss_fn = loss_fn
-        args.sync_ref_model = args.sync_ref_model or adapter_sync
+        self.args.sync_ref_model = args.sync_ref_model  # what runs (TRL's callback or the adapters' reference)
         self.adapter_reference = self._adapter_reference() if adapter_sync else None
         self._build_parts()
 
@@ -300,13 +310,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         if self.entropy.masks and self.loss_fn is not None:
             raise ValueError("top_entropy_quantile masks the built-in loss's tokens; with a custom loss_fn leave it at "
                              "1.0 (LossInputs carries no entropy mask).")
-        settings = LossSettings(
-            level=args.importance_sampling_level, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high,
-            delta=args.delta, correction=args.importance_correction, correction_cap=args.importance_cap,
-            correction_cap_min=args.importance_cap_min, sequence_log_ratio=args.importance_sequence_log_ratio,
-            beta=self.beta, kl_ratio=args.use_bias_correction_kl, off_policy_threshold=args.off_policy_mask_threshold,
-        )
-        self.step_loss = StepLoss(args, settings, self.entropy, self.metrics, self.loss_fn,
+        self.step_loss = StepLoss(args, loss_settings(args), self.entropy, self.metrics, self.loss_fn,
                                   reference=lambda: (self.ref_model, self.adapter_reference))
         batching = batching_config(args, self.model, accelerator.num_processes, pad, self._reward_functions)
         self.steps = StepBatches(self._source, args, batching,
