@@ -67,3 +67,29 @@ def test_max_rows_is_checked(tiny_model_dir):
     engine = EmbeddedEngine(tiny_model_dir)
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         engine.generate_continuous([DecodeRequest([1, 2], 4)], 0)
+
+
+def test_a_weight_load_between_steps_keeps_the_rows_in_flight_and_versions_every_token(tiny_model_dir):
+    # Issue 37 item 2's engine part: new weights enter between two decode steps without draining the batch; a row
+    # in flight samples its earlier tokens under version 0 and its later ones under version 1, as recorded.
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64))
+    requests = [DecodeRequest(p, n, t, derive_seed(s, 0)) for p, n, t, s in requests_of(300)[:5]]
+    before = engine.generate_continuous(requests, MAX_ROWS)
+    gen = torch.Generator().manual_seed(0)
+    perturbed = [(name, param + 0.2 * torch.randn(param.shape, generator=gen))
+                 for name, param in engine.model.named_parameters()]
+    steps = []
+
+    def load_at_step_six():
+        steps.append(None)
+        if len(steps) == 6:
+            engine.load_weights(perturbed, version=1)
+
+    run = engine.generate_continuous(requests, MAX_ROWS, between_steps=load_at_step_six)
+    spanning = [v for v in run.versions if 0 in v and 1 in v]
+    assert spanning and all(v == sorted(v) for v in run.versions)  # rows in flight crossed the update, in order
+    for old, new, versions in zip(before.samples, run.samples, run.versions):
+        first_new = versions.index(1) if 1 in versions else len(versions)
+        assert new.token_ids[:first_new] == old.token_ids[:first_new]  # the old weights' tokens are unchanged
+        if first_new < min(len(old.token_ids), len(new.token_ids)):  # the new weights sampled the rest
+            assert max(abs(a - b) for a, b in zip(new.logprobs[first_new:], old.logprobs[first_new:])) > 1e-3

@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 
@@ -285,11 +285,16 @@ class EmbeddedEngine:
                                     root, linear)
 
     @torch.no_grad()
-    def generate_continuous(self, requests: list[DecodeRequest], max_rows: int) -> ContinuousRun:
+    def generate_continuous(self, requests: list[DecodeRequest], max_rows: int,
+                            between_steps: Callable[[], None] | None = None) -> ContinuousRun:
         """Decode ``requests`` with continuous batching (``RunningBatch``): at most ``max_rows`` rows decode
         together, and a waiting request joins the running batch as soon as a row finishes, so a long completion does
-        not leave the batch nearly empty. Each request samples what it samples decoded alone under its seed. Holds
-        the weights still for the whole call; ``sample``'s batching and default decoding are unaffected."""
+        not leave the batch nearly empty. Each request samples what it samples decoded alone under its seed.
+
+        Each decode step holds the engine's lock, so a weight load (``load_weights`` from another thread, or from
+        ``between_steps``, called between two steps) applies between steps without draining the rows in flight:
+        their later tokens are sampled by the new weights over the keys/values the old ones computed, and
+        ``ContinuousRun.versions`` records the version of every token. ``sample``'s batching is unaffected."""
         s = self.sampling
         requests = [DecodeRequest(check_token_ids(r.prompt_ids, self.vocab_size), s.new_tokens(r.max_new_tokens),
                                   r.temperature, r.seed) for r in requests]
@@ -297,16 +302,21 @@ class EmbeddedEngine:
             check_open(self._closed)
             device = self.model.get_input_embeddings().weight.device
             sampler = RowSampler([], [], s.top_k, s.top_p, s.min_p, s.repetition_penalty, device=device)
-            linear = self._linear()
-            with cpu_linears(self.model, linear):
-                batch = RunningBatch(self.model, self.eos_token_ids, sampler, max_rows, self.pad_token_id,
-                                     llama_decode=self.llama_decode, linear=linear, version=lambda: self.policy_version)
-                for request in requests:
-                    batch.add(request)
-                samples: dict[int, Sample] = {}
-                while not batch.done:
+            batch = RunningBatch(self.model, self.eos_token_ids, sampler, max_rows, self.pad_token_id,
+                                 llama_decode=self.llama_decode, linear=self._linear(),
+                                 version=lambda: self.policy_version)
+        for request in requests:
+            batch.add(request)
+        samples: dict[int, Sample] = {}
+        while not batch.done:
+            with self._lock:
+                check_open(self._closed)
+                linear = self._linear()  # packs refreshed after a load; the same callable the lean step holds
+                with cpu_linears(self.model, linear):
                     samples.update(batch.step())
-            self.requests_served += len(requests)
+            if between_steps is not None and not batch.done:
+                between_steps()
+        self.requests_served += len(requests)
         return ContinuousRun([samples[i] for i in range(len(requests))], batch.versions, batch.stats)
 
     def _linear(self):

@@ -10,7 +10,9 @@ admitted mid-way draws the tokens it would draw decoded alone under the same see
 Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, its key/value buffers
 rebuilt at each admission, else through transformers' forward on a ``DynamicCache``; never through a captured CUDA
 graph (its shapes are fixed). Models whose cache layers are not plain full-attention layers (sliding windows) are
-refused.
+refused. Weights loaded between two steps apply to the next step (the lean step reads the model's parameters at each
+call); the rows in flight keep the keys/values the earlier weights computed, and ``versions`` records which version
+drew each token.
 """
 
 from __future__ import annotations
