@@ -63,10 +63,14 @@ def test_an_admitted_row_samples_what_it_samples_decoded_alone(tiny_model_dir, l
     assert sum(rows) == sum(length - 1 for length in lengths)
 
 
-def test_max_rows_is_checked(tiny_model_dir):
+def test_requests_and_max_rows_are_checked(tiny_model_dir):
     engine = EmbeddedEngine(tiny_model_dir)
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         engine.generate_continuous([DecodeRequest([1, 2], 4)], 0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        engine.generate_continuous([DecodeRequest([1, 2], 4, temperature=-1.0)], 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        engine.generate_continuous([DecodeRequest([1, 2], 0)], 2)
 
 
 def test_a_weight_load_between_steps_keeps_the_rows_in_flight_and_versions_every_token(tiny_model_dir):

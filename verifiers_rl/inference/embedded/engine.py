@@ -296,6 +296,8 @@ class EmbeddedEngine:
         their later tokens are sampled by the new weights over the keys/values the old ones computed, and
         ``ContinuousRun.versions`` records the version of every token. ``sample``'s batching is unaffected."""
         s = self.sampling
+        if any(not r.temperature >= 0 for r in requests):
+            raise ValueError("A DecodeRequest's temperature must be >= 0 (0: greedy).")
         requests = [DecodeRequest(check_token_ids(r.prompt_ids, self.vocab_size), s.new_tokens(r.max_new_tokens),
                                   r.temperature, r.seed) for r in requests]
         with self._lock:
