@@ -13,7 +13,7 @@ import torch
 
 from verifiers_rl.training.batching import MicroBatch, RankBatch
 from verifiers_rl.training.entropy_terms import EntropyTerms
-from verifiers_rl.training.loss import LOSS_TYPES, GlobalCounts, LossSettings, aggregation_weights, check_choice, per_token_loss
+from verifiers_rl.training.loss import GlobalCounts, LossSettings, aggregation_weights, per_token_loss
 from verifiers_rl.core.modeling import unwrap
 from verifiers_rl.core.settings import settings_from
 from verifiers_rl.training.forward import micro_batch_logprobs
@@ -42,8 +42,8 @@ class LossInputs:
     loss_type: str
 
     def aggregate(self, per_token: torch.Tensor, loss_type: str | None = None) -> torch.Tensor:
-        if loss_type is not None:  # the custom loss's own choice (the config's is checked by RLConfig)
-            check_choice("loss_type", loss_type, LOSS_TYPES)
+        """This micro-batch's partial loss of ``per_token`` under ``loss_type`` (default: the config's), any name
+        registered with ``loss.loss_type`` (an unknown one: ValueError naming loss_type)."""
         weights = aggregation_weights(
             loss_type or self.loss_type, self.loss_mask, self.sequence_loss_tokens, self.global_stats["loss_mask"]
         )
