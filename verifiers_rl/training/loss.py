@@ -124,21 +124,27 @@ def sequence_mean(values: torch.Tensor, mask: torch.Tensor, seq_index: torch.Ten
     return sequence_sum(values, mask, seq_index, mean=True)
 
 
-def importance_level(name: str) -> Callable[[Callable], Callable]:
+def importance_level(name: str, *, one_per_sequence: bool) -> Callable[[Callable], Callable]:
     """Register ``log_ratio(log_ratio, loss_mask, seq_index, mean) -> the log-ratio at each position`` as the level
     ``name`` of the PPO ratio and of the importance corrections (``mean``: a sequence's log-ratio is the mean over its
-    loss tokens, else their sum). One the config offers also needs its name in ``ImportanceSamplingLevel``."""
-    return IMPORTANCE_LEVELS.register(name)
+    loss tokens, else their sum); ``one_per_sequence``: the ratio is one per sequence, so TRL's clip fractions count
+    sequences (``ratio_is_per_sequence``). One the config offers also needs its name in ``ImportanceSamplingLevel``."""
+    return IMPORTANCE_LEVELS.register(name, one_per_sequence=one_per_sequence)
 
 
-@importance_level("token")
+def ratio_is_per_sequence(level: str) -> bool:
+    """Whether the registered ``level`` gives one ratio per sequence (the clip metrics then count sequences)."""
+    return IMPORTANCE_LEVELS.get(level).options["one_per_sequence"]
+
+
+@importance_level("token", one_per_sequence=False)
 def token_log_ratio(log_ratio: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor,
                     mean: bool = True) -> torch.Tensor:
     """Each token its own ratio: log r_t."""
     return log_ratio
 
 
-@importance_level("sequence")
+@importance_level("sequence", one_per_sequence=True)
 def sequence_log_ratio(log_ratio: torch.Tensor, loss_mask: torch.Tensor, seq_index: torch.Tensor,
                        mean: bool = True) -> torch.Tensor:
     """One ratio per sequence (GSPO), broadcast over its positions: mean_t m log r (sum_t when not ``mean``)."""

@@ -45,6 +45,7 @@ from verifiers_rl.core.launch import restart_count
 from verifiers_rl.core.modeling import unwrap
 from verifiers_rl.training.preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
 from verifiers_rl.training.checkpoints import RunCheckpoints
+from verifiers_rl.training.loss import ratio_is_per_sequence
 from verifiers_rl.training.step_loss import CustomLoss, StepLoss, loss_settings
 from verifiers_rl.training.step_metrics import StepMetrics, StepTimer
 from verifiers_rl.training.step_batches import StepBatches, batching_config
@@ -303,7 +304,8 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         reduce = ((lambda how: lambda t: accelerator.reduce(t, reduction=how)) if accelerator.num_processes > 1
                   else (lambda how: lambda t: t))
         zero3 = bool(self.is_deepspeed_enabled and accelerator.state.deepspeed_plugin.zero_stage == 3)
-        self.metrics = StepMetrics(sink, reduce("sum"), reduce("max"), args.importance_sampling_level == "sequence")
+        self.metrics = StepMetrics(sink, reduce("sum"), reduce("max"),
+                                   ratio_is_per_sequence(args.importance_sampling_level))
         gather = ((lambda t: accelerator.gather(accelerator.pad_across_processes(t, dim=0, pad_index=GATHER_PAD)))
                   if accelerator.num_processes > 1 else (lambda t: t))
         self.entropy = EntropyTerms(args.top_entropy_quantile, args.entropy_coef, gather)
