@@ -97,3 +97,17 @@ def test_a_weight_load_between_steps_keeps_the_rows_in_flight_and_versions_every
         assert new.token_ids[:first_new] == old.token_ids[:first_new]  # the old weights' tokens are unchanged
         if first_new < min(len(old.token_ids), len(new.token_ids)):  # the new weights sampled the rest
             assert max(abs(a - b) for a, b in zip(new.logprobs[first_new:], old.logprobs[first_new:])) > 1e-3
+
+
+def test_a_sliding_window_model_is_refused_by_name(tiny_model_dir):
+    # Its cache layers keep only the window's keys/values: left-padded rows cannot be joined to them.
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=4,
+                         max_window_layers=0, eos_token_id=tokenizer.eos_token_id)
+    engine = EmbeddedEngine(Qwen2ForCausalLM(config), tokenizer)
+    with pytest.raises(ValueError, match=r"Qwen2ForCausalLM has cache layers other than full attention.*"
+                                         r"EmbeddedEngine\.sample"):
+        engine.generate_continuous([DecodeRequest([5, 6, 7], 4, 1.0, 1)], 2)

@@ -182,7 +182,8 @@ class RunningBatch:
                             past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
         if any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers):
             raise ValueError(f"{type(self.model).__name__} has cache layers other than full attention (a sliding "
-                             "window); continuous batching cannot admit rows into it. Decode it batch by batch.")
+                             "window); continuous batching cannot admit rows into it. Decode it batch by batch "
+                             "(EmbeddedEngine.sample).")
         count = len(ids)
         context = input_ids.expand(count, -1)
         drawn, logps = self.sampler.draw(context, logits.expand(count, -1), ids)
