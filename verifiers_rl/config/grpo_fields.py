@@ -111,7 +111,7 @@ GRPO_FIELDS: dict[str, Field] = {
                                          "function standardised in its group, weighted, summed, then standardised "
                                          "over the step batch (TRL's formula; --scale_rewards does not apply)"),
     "scale_rewards": _acts("advantage scaling: group, batch or none"),
-    "loss_type": _acts("aggregation over the global batch (grpo, dr_grpo, token_mean, seq_mean_token_sum; TRL's "
+    "loss_type": _acts(f"aggregation over the global batch ({', '.join(LOSS_TYPES)}; TRL's "
                        "dapo = token_mean, bnpo = token_mean over the global batch, not the local one). Our default "
                        "is grpo, TRL 1.16's dapo"),
     "mask_truncated_completions": _acts("truncated completions get no loss"),
