@@ -30,6 +30,7 @@ from verifiers_rl.core.choices import (
     check_packed_row_fits,
     field_ranges,
 )
+from verifiers_rl.core.curriculum import EASY_RANGE, HARD_RANGE, CurriculumSettings
 from verifiers_rl.core.launch import launched_world_size
 from verifiers_rl.inference.vllm.http import check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
@@ -310,6 +311,34 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "stops with the error (0: any group that keeps failing stops it; a batch with no group left always does)."
         },
     )
+    curriculum_easy_above: Annotated[float | None, EASY_RANGE] = field(
+        default=None,
+        metadata={
+            "help": "Difficulty curriculum (live generation): a prompt whose pass rate is at or above this (1.0: every "
+            "rollout of its last curriculum_window groups passed) is set aside as easy for "
+            "curriculum_set_aside_epochs epochs. Unset: off. A mixture entry may override it (its curriculum:)."
+        },
+    )
+    curriculum_hard_below: Annotated[float | None, HARD_RANGE] = field(
+        default=None,
+        metadata={
+            "help": "Difficulty curriculum: a prompt whose pass rate is at or below this (0.0: no rollout of its last "
+            "curriculum_window groups passed) is set aside as hard. Below curriculum_easy_above. Unset: off."
+        },
+    )
+    curriculum_window: Annotated[int, AT_LEAST_ONE] = field(
+        default=1,
+        metadata={"help": "A prompt's pass rate is the mean over its last N groups of the fraction of the group's "
+                  "rollouts that passed; it is judged once it has N groups (and again from scratch after a set-aside)."},
+    )
+    curriculum_pass_reward: float = field(
+        default=1.0, metadata={"help": "A rollout passes (for the curriculum's pass rate) when its reward is >= this."}
+    )
+    curriculum_set_aside_epochs: Annotated[int, NON_NEGATIVE] = field(
+        default=1,
+        metadata={"help": "A prompt set aside skips the next N epochs of its environment's rows (a mixture entry's "
+                  "own epochs), then is drawn again; 0 sets it aside for good."},
+    )
     eval_num_examples: int | None = field(
         default=None,
         metadata={"help": "Prompts of the held-out split each evaluation rolls out (the split's first N rows, the same "
@@ -451,6 +480,13 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             # Live generation samples whole groups (replay takes its groups from the file, of any size).
             raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of num_generations "
                              f"({self.num_generations}) when generating from an environment (--env).")
+        from verifiers_rl.core.settings import settings_from
+
+        curriculum = settings_from(self, CurriculumSettings)
+        curriculum.check()  # hard_below < easy_above, and a finite pass reward
+        if self.rollouts_path and curriculum.active:
+            raise ValueError("--curriculum_easy_above / --curriculum_hard_below steer which prompts live generation "
+                             "draws; a replay of --rollouts_path generates nothing to steer. Leave them unset.")
         from verifiers_rl.rollouts.evaluation import EvalSettings
 
         EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verifiers_rl.core.curriculum import check_overrides
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import Sampler, derive_seed
 from verifiers_rl.envs.environment import Environment, Row, Trajectory
 from verifiers_rl.envs.messages import Messages
 
-ENTRY_KEYS = ("env", "weight", "env_args", "name")
+ENTRY_KEYS = ("env", "weight", "env_args", "name", "curriculum")
 YAML_SUFFIXES = (".yaml", ".yml")
 
 
@@ -38,12 +39,14 @@ class MixtureError(ValueError):
 class MixtureEntry:
     """One environment of a mixture: ``env`` (what ``--env`` accepts for one environment), its sampling ``weight``
     (> 0; relative to the others), its loader's ``env_args`` (its own limits among them, e.g. ``max_new_tokens``
-    for a built-in) and the ``name`` its metrics are logged under (default: the spec, a file's stem for a path)."""
+    for a built-in), the ``name`` its metrics are logged under (default: the spec, a file's stem for a path) and its
+    ``curriculum`` (overrides of the ``--curriculum_*`` flags for this entry: ``core.curriculum``)."""
 
     env: str
     weight: float = 1.0
     env_args: dict[str, Any] = field(default_factory=dict)
     name: str = ""
+    curriculum: dict[str, Any] = field(default_factory=dict)
     environment: Environment | None = None
 
     def __post_init__(self):
@@ -141,7 +144,11 @@ def _entry(item: Any, index: int, flag: str, built: bool = False) -> MixtureEntr
     name = item.get("name", "")
     if not isinstance(name, str):
         raise MixtureError(f"{where}: \"name\" must be a string, got {name!r}.")
-    return MixtureEntry(spec, float(weight), dict(env_args), name)
+    try:
+        curriculum = check_overrides(item.get("curriculum", {}), f"{where}: ")
+    except ValueError as error:
+        raise MixtureError(str(error)) from None
+    return MixtureEntry(spec, float(weight), dict(env_args), name, curriculum)
 
 
 def load_mixture(entries: list[MixtureEntry], load: Callable[[MixtureEntry], Environment],
@@ -282,12 +289,24 @@ class MixtureEnv(Environment):
         return [self._row_of(*self._drawn[p], seed, shuffle) for p in positions]
 
     def _row_of(self, entry: int, draw: int, seed: int, shuffle: bool) -> int:
-        size = self._starts[entry + 1] - self._starts[entry]
-        epoch, offset = divmod(draw, size)
-        order = list(range(size))
+        epoch, offset = divmod(draw, len(self.entry_rows(entry)))
+        return self.entry_order(entry, epoch, seed, shuffle)[offset]
+
+    def entry_rows(self, entry: int) -> range:
+        """The rows (indices into ``dataset``) of entry ``entry``."""
+        return range(self._starts[entry], self._starts[entry + 1])
+
+    def entry_order(self, entry: int, epoch: int, seed: int, shuffle: bool = True) -> list[int]:
+        """Entry ``entry``'s rows in the order of its epoch ``epoch``: a shuffle seeded by the entry's name and the
+        epoch (the dataset's order without ``shuffle``)."""
+        order = list(self.entry_rows(entry))
         if shuffle:
             random.Random(derive_seed(seed, "mixture", self.entries[entry].name, epoch)).shuffle(order)
-        return self._starts[entry] + order[offset]
+        return order
+
+    def entry_by_weight(self, u: float) -> int:
+        """The entry a uniform draw ``u`` in [0, 1) picks by weight."""
+        return min(bisect.bisect_right(self._cumulative, u), len(self.entries) - 1)
 
     def draw_refill(self, index: int, round_: int, count: int, seed: int) -> list[int]:
         """Dynamic sampling's refill rows of batch ``index``, round ``round_``: each drawn by weight, then uniformly

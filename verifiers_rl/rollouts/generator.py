@@ -21,6 +21,7 @@ from typing import Protocol
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.core.rollout import (NOT_SAMPLED, Rollout, RolloutFormatError, group_by_id, group_episodes,
                                       read_rollouts)
+from verifiers_rl.rollouts.curriculum import build_curriculum
 from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, has_signal
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class AsyncGenerator:
         max_rollout_retries: int = 2,
         max_failed_rollouts_fraction: float = 0.0,
         shuffle: bool = True,
+        curriculum=None,
     ):
         # rollouts_per_step % num_generations == 0 and max_off_policy_steps >= 0 are RLConfig's rules.
         rows = list(environment.dataset)
@@ -206,6 +208,10 @@ class AsyncGenerator:
         self._order: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        # rollouts/curriculum.py: the state after every generated batch; a batch works on a copy (its draft), which
+        # replaces it when the batch is published, so a checkpoint sees the state of exactly its pending batches.
+        self.curriculum = curriculum
+        self._drafts: dict[int, object] = {}
 
     def __len__(self) -> int:
         return max(len(self.rows) // self.prompts_per_batch, 1)
@@ -256,7 +262,12 @@ class AsyncGenerator:
             _close_loop(loop)
         self._generation_s[index] = time.perf_counter() - started
         self._next_index = max(self._next_index, index + 1)
+        self._publish_curriculum(index)
         return rollouts
+
+    def _publish_curriculum(self, index: int) -> None:
+        if index in self._drafts:
+            self.curriculum = self._drafts.pop(index)
 
     def _timeout(self, index: int) -> GenerationTimeout:
         return GenerationTimeout(
@@ -292,9 +303,17 @@ class AsyncGenerator:
         with self._condition:
             return {index: list(rollouts) for index, rollouts in sorted(self._ready.items())}
 
-    def restore(self, next_batch: int, pending: dict[int, list[Rollout]]) -> None:
+    def snapshot(self) -> tuple[dict[int, list[Rollout]], dict | None]:
+        """``pending()`` and the curriculum's state after those batches (None without one), taken together."""
+        with self._condition:
+            return self.pending(), None if self.curriculum is None else self.curriculum.to_json()
+
+    def restore(self, next_batch: int, pending: dict[int, list[Rollout]], curriculum: dict | None = None,
+                where: str = "the checkpoint") -> None:
         """Continue a run whose next batch to train is ``next_batch`` with the ``pending`` batches it had generated
-        ahead (before ``start``)."""
+        ahead and its ``curriculum`` state after them (before ``start``)."""
+        if curriculum is not None:
+            self.curriculum.load_json(curriculum, where)
         if self._thread is not None:
             raise RuntimeError("restore() must come before the generator starts.")
         expected = list(range(next_batch, next_batch + len(pending)))
@@ -364,6 +383,7 @@ class AsyncGenerator:
                     self._ready[index] = rollouts
                     self._generation_s[index] = time.perf_counter() - started
                     self._next_index = index + 1
+                    self._publish_curriculum(index)
                     self._condition.notify_all()
         except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank
             with self._condition:
@@ -375,11 +395,21 @@ class AsyncGenerator:
 
     async def _generate(self, index: int) -> list[Rollout]:
         version = self.engine.policy_version
+        draft = None if self.curriculum is None else self.curriculum.copy()
+        if draft is None:
+            rows = self._rows_of(index)
+        else:
+            rows = draft.draw([index * self.prompts_per_batch + k for k in range(self.prompts_per_batch)])
         picks = [(f"b{index}-p{position}", self.rows[row], derive_seed(self.seed, "train", position))
-                 for position, row in self._rows_of(index)]
-        groups = await self.groups.of(picks, self._stats.setdefault(index, {}), index)
+                 for position, row in rows]
+        stats = self._stats.setdefault(index, {})
+        record = None if draft is None else draft.record_group
+        groups = await self.groups.of(picks, stats, index, on_group=record)
         if self.filter_groups:
-            groups = await self.groups.keep_with_signal(index, groups, self._stats.setdefault(index, {}))
+            groups = await self.groups.keep_with_signal(index, groups, stats, curriculum=draft)
+        if draft is not None:
+            stats.update(draft.metrics())
+            self._drafts = {index: draft}  # kept when the batch is published (an abandoned batch's is dropped)
         rollouts = [rollout for group in groups for rollout in group]
         for rollout in rollouts:
             rollout.policy_version = version
@@ -393,6 +423,9 @@ def make_source(args, given: RolloutSource | None, environment, engine) -> Rollo
     (an ``RLConfig``) says, ``given``, or a replay of ``args.rollouts_path``."""
     filter_groups = args.filter_groups == "zero_variance"
     if environment is None:
+        if given is not None and (args.curriculum_easy_above is not None or args.curriculum_hard_below is not None):
+            raise ValueError("--curriculum_easy_above / --curriculum_hard_below steer live generation from an "
+                             "environment; a rollout_source generates nothing to steer. Leave them unset.")
         return given or ReplaySource(args.rollouts_path, args.rollouts_per_step, filter_groups=filter_groups)
     if engine is None:
         raise ValueError("Generating from an environment needs an inference engine on the main process.")
@@ -401,5 +434,5 @@ def make_source(args, given: RolloutSource | None, environment, engine) -> Rollo
         max_off_policy_steps=args.max_off_policy_steps, timeout_s=args.generation_timeout_s, seed=args.seed,
         steps_per_batch=args.num_iterations, filter_groups=filter_groups, max_refill_batches=args.max_refill_batches,
         max_rollout_retries=args.max_rollout_retries, max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
-        shuffle=args.shuffle_dataset,
+        shuffle=args.shuffle_dataset, curriculum=build_curriculum(args, environment, list(environment.dataset)),
     )

@@ -55,12 +55,17 @@ class GroupRollouts:
         self.max_rollout_retries = max_rollout_retries
         self.max_failed_rollouts_fraction = max_failed_rollouts_fraction
 
-    async def of(self, picks: list[tuple[str, object, int]], stats: dict[str, float], index: int) -> list[list[Rollout]]:
+    async def of(self, picks: list[tuple[str, object, int]], stats: dict[str, float], index: int,
+                 on_group=None) -> list[list[Rollout]]:
         """The groups of ``picks``; a group whose rollout raised is generated again (same seeds) up to
         ``max_rollout_retries`` times, then dropped (a ``RolloutRefused`` at once: the same seeds refuse again). Counted in the batch's ``rollouts_failed`` (failed attempts) and
         ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
-        them) fails the batch with the last error."""
+        them) fails the batch with the last error. ``on_group(row, group)`` sees each generated group (a curriculum)."""
         results = await asyncio.gather(*(self._group(row, group_id, seed) for group_id, row, seed in picks))
+        if on_group is not None:
+            for (_, row, _), (group, _, _) in zip(picks, results):
+                if group is not None:
+                    on_group(row, group)
         groups = [group for group, _, _ in results if group is not None]
         failures = sum(failed for _, failed, _ in results)
         dropped = len(results) - len(groups)
@@ -102,19 +107,23 @@ class GroupRollouts:
                                failed)
         return None, self.max_rollout_retries + 1, error
 
-    async def keep_with_signal(self, index: int, groups: list[list[Rollout]], stats: dict[str, float]) -> list[list[Rollout]]:
+    async def keep_with_signal(self, index: int, groups: list[list[Rollout]], stats: dict[str, float],
+                               curriculum=None) -> list[list[Rollout]]:
         """DAPO's dynamic sampling: drop the groups whose rewards are all equal and generate more (rounds of a batch's
         worth of prompts, drawn by a seeded shuffle of the rows, so a resumed run draws the same) until the batch
         holds ``prompts_per_batch`` groups with signal, or ``max_refill_batches`` rounds are spent. Runs under the
-        batch lock with the batch's weights: refills are as fresh as the batch."""
+        batch lock with the batch's weights: refills are as fresh as the batch. A ``curriculum`` draws the refill rows
+        (none set aside) and records every refill group's pass rate."""
         kept = [group for group in groups if has_signal(group)]
         dropped, rounds = len(groups) - len(kept), 0
         count_by_environment(stats, [group for group in groups if not has_signal(group)])
         while len(kept) < self.prompts_per_batch and rounds < self.max_refill_batches:
             rounds += 1
-            order = self._refill_rows(index, rounds)
+            order = (self._refill_rows(index, rounds) if curriculum is None else
+                     curriculum.refill(index, rounds, min(self.prompts_per_batch, len(self.rows))))
             more = await self.of([(f"b{index}-r{rounds}-{j}", self.rows[row], derive_seed(self.seed, "refill", index, rounds, j))
-                                       for j, row in enumerate(order)], stats, index)
+                                       for j, row in enumerate(order)], stats, index,
+                                 on_group=None if curriculum is None else curriculum.record_group)
             useful = [group for group in more if has_signal(group)]
             dropped += len(more) - len(useful)
             count_by_environment(stats, [group for group in more if not has_signal(group)])

@@ -23,6 +23,7 @@ from verifiers_rl.training.run_state import (
     RunState,
     disk_full,
     check_fits,
+    load_curriculum,
     load_pending,
     load_rank_batch,
     load_run_state,
@@ -109,7 +110,8 @@ class RunCheckpoints:
                                       "--sync_ref_model, whose reference model stays the initial one. Resume it "
                                       "without --sync_ref_model, or start a new run.")
             if self.generator is not None:
-                self.generator.restore(saved.next_batch, load_pending(path, saved))
+                self.generator.restore(saved.next_batch, load_pending(path, saved), self._curriculum_of(path),
+                                       str(path))
             self._truncate_saved_rollouts(saved)
             return str(path), saved
 
@@ -125,6 +127,20 @@ class RunCheckpoints:
         if self.accelerator.is_main_process:
             logger.info("Resuming from %s at step %d (next batch %d).", path, saved.global_step, saved.next_batch)
         return path
+
+    def _curriculum_of(self, path: Path) -> dict | None:
+        """The checkpoint's curriculum state for this run's curriculum (None without one: a saved one is not used)."""
+        state = load_curriculum(path)
+        if self.generator.curriculum is None:
+            if state is not None:
+                logger.warning("%s holds a curriculum's state; this run has none (no --curriculum_easy_above / "
+                               "--curriculum_hard_below), so every prompt is drawn again.", path)
+            return None
+        if state is None:
+            raise CheckpointError(f"{path} was written by a run without a curriculum: its draws cannot be continued "
+                                  "by one. Resume without --curriculum_easy_above / --curriculum_hard_below (and "
+                                  "without entries' curriculum:), or start a new run.")
+        return state
 
     def _truncate_saved_rollouts(self, saved: RunState) -> None:
         """``--save_rollouts_path``: drop what the stopped run appended after its checkpoint (those batches are
@@ -228,4 +244,5 @@ class RunCheckpoints:
             target = self.args.save_rollouts_path
             if target and os.path.exists(target):
                 state.save_rollouts = {"path": os.path.abspath(target), "bytes": os.path.getsize(target)}
-            save_run_state(folder, state, self.generator.pending() if self.generator is not None else {})
+            pending, curriculum = self.generator.snapshot() if self.generator is not None else ({}, None)
+            save_run_state(folder, state, pending, curriculum)

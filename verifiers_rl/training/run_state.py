@@ -5,6 +5,8 @@ HF's ``checkpoint-N/`` holds the model, tokenizer, optimizer, scheduler, RNG sta
 - ``verifiers_rl_state.json`` (``RunState``): the rollout source's position (the next batch to train, how many
   optimizer steps the current batch has had), what identifies the run's data and model (checked on resume), and
   the ``--save_rollouts_path`` length at the checkpoint;
+- ``curriculum.json`` (a difficulty curriculum only): its state after the batches generated so far, pending ones
+  included (each environment's draw cursor, each prompt's recent pass fractions, the prompts set aside);
 - ``pending/batch-<b>.jsonl``: batches a live run had generated ahead but not trained yet (sampled by weights older
   than the checkpoint's, so they cannot be regenerated after a resume);
 - ``rank_batch-<r>.safetensors`` + ``rank_batch-<r>.json``: each rank's slice of a batch that is part-way through its ``num_iterations`` updates (its
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "verifiers_rl_state.json"
 TRAINER_STATE_FILE = "trainer_state.json"
 PENDING_DIR = "pending"
+CURRICULUM_FILE = "curriculum.json"
 REFERENCE_FILE = "reference_model.safetensors"  # the reference model, when --sync_ref_model moves it
 PARTIAL_PREFIX = ".partial-"
 STATE_FORMAT = 1
@@ -231,8 +234,12 @@ def verify_manifest(folder: Path) -> str | None:
 # --- reading and writing --------------------------------------------------------------------------------------------
 
 
-def save_run_state(folder: Path, state: RunState, pending: dict[int, list[Rollout]]) -> None:
-    """Write ``state`` and the pending batches into ``folder`` (main process)."""
+def save_run_state(folder: Path, state: RunState, pending: dict[int, list[Rollout]],
+                   curriculum: dict | None = None) -> None:
+    """Write ``state``, the pending batches and the ``curriculum``'s state (when there is one) into ``folder`` (main
+    process)."""
+    if curriculum is not None:
+        (folder / CURRICULUM_FILE).write_text(json.dumps(curriculum, sort_keys=True))
     if pending:
         (folder / PENDING_DIR).mkdir(exist_ok=True)
         for index, rollouts in pending.items():
@@ -246,6 +253,12 @@ def load_run_state(folder: Path) -> RunState:
     if record.get("format") != STATE_FORMAT:
         raise CheckpointError(f"{folder / STATE_FILE}: state format {record.get('format')!r}, expected {STATE_FORMAT}.")
     return RunState(**record)
+
+
+def load_curriculum(folder: Path) -> dict | None:
+    """The curriculum state a checkpoint holds, or None (written by a run without a curriculum)."""
+    path = folder / CURRICULUM_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def load_pending(folder: Path, state: RunState) -> dict[int, list[Rollout]]:
