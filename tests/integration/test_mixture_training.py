@@ -147,16 +147,29 @@ def test_smollm2_trains_the_mixture_from_a_yaml_config(tmp_path, smollm2_model_d
     assert "step 1/1" in out and (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_a_mixture_run_resumes_exactly(tmp_path, tiny_model_dir):
+def test_a_mixture_run_with_a_curriculum_resumes_exactly(tmp_path, tiny_model_dir):
+    """Resumed at step 2 of 4, a mixture under a difficulty curriculum trains the same batches token for token and
+    ends with the same parameters: the checkpoint holds the curriculum's state (set-aside prompts, draw cursors), and
+    the draws after it are steered (they differ from the same mixture's draws without a curriculum)."""
     import shutil
 
-    mixture = json.dumps([{"env": "reverse_text", "weight": 3, "env_args": {"num_examples": 16, "max_new_tokens": 8}},
-                          {"env": "arithmetic", "env_args": {"num_examples": 16, "max_new_tokens": 8}}])
-    common = ["--model", tiny_model_dir, "--env", mixture, "--max_steps", "4", "--rollouts_per_step", "8",
+    from transformers import AutoTokenizer
+
+    from verifiers_rl.envs import load_environment
+    from verifiers_rl.envs.mixture import load_mixture, parse_entries
+
+    # reverse_text: a rollout passes with any overlap (its reward is a similarity), easy when both of a group do;
+    # every entry: hard when none does (the flag). 6 rows drawn ~12 times: set-aside rows miss an epoch.
+    entries = [{"env": "reverse_text", "weight": 3, "env_args": {"num_examples": 6, "max_new_tokens": 8},
+                "curriculum": {"pass_reward": 0.01, "easy_above": 1.0}},
+               {"env": "arithmetic", "env_args": {"num_examples": 16, "max_new_tokens": 8}}]
+    common = ["--model", tiny_model_dir, "--env", json.dumps(entries), "--max_steps", "4", "--rollouts_per_step", "8",
               "--num_generations", "2", "--learning_rate", "0.01", "--print_samples_every", "0",
-              "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none"]
+              "--save_strategy", "steps", "--save_steps", "2", "--report_to", "none", "--curriculum_hard_below", "0"]
     train([*common, "--output_dir", str(tmp_path / "full"), "--save_rollouts_path", str(tmp_path / "full.jsonl")],
           tmp_path)
+    saved = json.loads((tmp_path / "full" / "checkpoint-2" / "curriculum.json").read_text())
+    assert saved["set_aside"], saved  # prompts were set aside before the checkpoint
     shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
     train([*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest",
            "--save_rollouts_path", str(tmp_path / "resumed.jsonl")], tmp_path)
@@ -164,3 +177,9 @@ def test_a_mixture_run_resumes_exactly(tmp_path, tiny_model_dir):
     assert [r.to_json() for r in resumed] == [r.to_json() for r in full[16:]]
     assert {r.env for r in full} == {"reverse_text", "arithmetic"}
     assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    plain = load_mixture(parse_entries(json.dumps(entries)), lambda entry: load_environment(
+        entry.env, tokenizer=tokenizer, **entry.env_args), lambda env, entry: None)
+    expected = [plain.dataset[row].prompt for row in plain.draw_rows(list(range(16)), seed=42)]
+    drawn = [group[0].prompt for group in group_by_id(full)]
+    assert drawn[8:] != expected[8:]  # after the checkpoint, set-aside prompts were skipped
