@@ -46,7 +46,7 @@ def run(tmp_path_factory, tiny_model_dir):
            "--rollouts_per_step", str(PER_STEP), "--num_generations", "2", "--learning_rate", "0.01",
            "--eval_steps", "2", "--eval_holdout", "2", "--eval_samples_per_prompt", "2", "--report_to", "tensorboard",
            "--print_samples_every", "0", "--save_rollouts_path", str(work / "seen.jsonl"),
-           "--output_dir", str(work / "out")], work)
+           "--curriculum_hard_below", "0", "--output_dir", str(work / "out")], work)
     return work
 
 
@@ -90,6 +90,24 @@ def test_tensorboard_holds_each_environments_training_metrics(run):
                 assert logged[tag][step] == pytest.approx(expected[key], abs=1e-5), (tag, step)
                 checked += 1
     assert checked >= STEPS * 5 and all(f"train/env/{name}/reward" in logged for name in NAMES)
+
+
+def test_tensorboard_holds_what_the_curriculum_set_aside(run):
+    """--curriculum_hard_below 0: a prompt none of whose group passed (reward 1) is set aside; each step logs how many
+    are, overall and per entry, and the overall is the entries' sum."""
+    logged = scalars(run)
+    rollouts = read_rollouts(run / "seen.jsonl")
+    for step in range(1, STEPS + 1):
+        parts = {kind: [logged[f"train/env/{name}/curriculum/set_aside{kind}"][step] for name in NAMES]
+                 for kind in ("", "_easy", "_hard")}
+        for kind, values in parts.items():
+            assert logged[f"train/curriculum/set_aside{kind}"][step] == sum(values), (step, kind)
+        assert parts["_easy"] == [0.0] * len(NAMES)  # no easy threshold
+    # After the first batch: its groups none of whose rollouts passed (no epoch is over yet).
+    hard = [group[0].env for group in group_by_id(rollouts[:PER_STEP]) if all(r.reward < 1 for r in group)]
+    assert hard and logged["train/curriculum/set_aside_hard"][1] == len(hard)
+    for name in NAMES:
+        assert logged[f"train/env/{name}/curriculum/set_aside_hard"][1] == hard.count(name), name
 
 
 def test_tensorboard_holds_each_environments_evaluation(run):
