@@ -86,6 +86,16 @@ def test_pass_rate_is_the_window_mean_and_thresholds_are_inclusive(tokenizer):
     assert lenient.set_aside == {4: (2, "easy")}
 
 
+def test_a_group_of_branching_episodes_counts_each_episode_once(tokenizer):
+    from verifiers_rl.core.rollout import Rollout
+
+    env = scripted_env(tokenizer, [0.0] * 2)
+    curriculum = Curriculum(env, env.dataset, [CurriculumSettings(easy_above=0.75)], seed=0)
+    branches = [Rollout([1], [2], [1], 1.0, "g", episode_id="a") for _ in range(3)]
+    curriculum.record_group(env.dataset[0], [*branches, Rollout([1], [2], [1], 0.0, "g")])
+    assert not curriculum.set_aside and curriculum.history == {0: [0.5]}  # 1 of 2 episodes, not 3 of 4 rollouts
+
+
 def test_draws_skip_a_set_aside_row_for_its_epochs_and_equal_the_plain_draws_until_then(tokenizer):
     env = scripted_env(tokenizer, [0.0] * 6)
     plain = AsyncGenerator(env, None, rollouts_per_step=4, num_generations=2, seed=3)  # 2 prompts per batch

@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Sequence
 
 from verifiers_rl.core.curriculum import CurriculumSettings
-from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.core.rollout import Rollout, group_episodes
 from verifiers_rl.core.sampling import derive_seed
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class Curriculum:
         return held is not None and (held[0] is None or epoch < held[0])
 
     def _all_aside(self, entry: int, epoch: int) -> bool:
+        if len(self.set_aside) < self._sizes[entry]:
+            return False  # the usual case, without a pass over the rows set aside
         count = sum(1 for row in self.set_aside if self.entry_of(row) == entry and self.aside(row, epoch))
         return count >= self._sizes[entry]
 
@@ -144,9 +146,10 @@ class Curriculum:
     # --- pass rates ---------------------------------------------------------------------------------------------------
 
     def record_group(self, row, group: list[Rollout]) -> None:
-        """A generated group of ``row`` (a row object of ``rows``): its pass fraction joins the row's history, and a
-        full window whose mean crosses a threshold sets the row aside (its history starts again)."""
-        self.record(self._index[id(row)], [rollout.reward for rollout in group])
+        """A generated group of ``row`` (a row object of ``rows``): its pass fraction (over episodes, each with its
+        first branch's reward, as evaluation counts them) joins the row's history, and a full window whose mean
+        crosses a threshold sets the row aside (its history starts again)."""
+        self.record(self._index[id(row)], [episode[0].reward for episode in group_episodes(group)])
 
     def record(self, row: int, rewards: list[float]) -> None:
         entry = self.entry_of(row)
