@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 import pytest
 
 from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.core.curriculum import CurriculumSettings
 from verifiers_rl.core.settings import settings_from, source_of
 from verifiers_rl.inference.factory import sampling_settings, vllm_settings
 from verifiers_rl.rollouts.evaluation import EvalSettings
@@ -33,6 +34,9 @@ KNOBS = dict(
     weight_sync_bucket_mb=64.0, chat_template_kwargs={"enable_thinking": False},
     # EvalSettings
     eval_num_examples=4, eval_samples_per_prompt=3, eval_temperature=0.5, eval_pass_threshold=0.5, seed=7,
+    # CurriculumSettings
+    curriculum_window=3, curriculum_pass_reward=0.8, curriculum_easy_above=0.9, curriculum_hard_below=0.1,
+    curriculum_set_aside_epochs=2,
 )
 # Given by the run, not the config: checked on their own below.
 RUN_GIVEN = {"world_size", "reward_functions", "pad_token_id", "attention_cost", "run_attention"}
@@ -52,7 +56,7 @@ def test_every_settings_field_carries_its_config_fields_value(tiny_model_dir):
     defaults = {f.name: f.default for f in fields(RLConfig)}
     read = set()
     for settings in (loss_settings(built), batching, sampling_settings(built), vllm_settings(built),
-                     EvalSettings.from_config(built)):
+                     EvalSettings.from_config(built), settings_from(built, CurriculumSettings)):
         for f in fields(settings):
             if f.name in RUN_GIVEN:
                 continue
