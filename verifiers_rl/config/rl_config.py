@@ -11,7 +11,7 @@ import torch
 from trl import GRPOConfig
 
 from verifiers_rl import compat
-from verifiers_rl.config.grpo_fields import apply_trl_names, check_fields
+from verifiers_rl.config.grpo_fields import TRL_LOSS_TYPES, apply_trl_names, check_fields
 from verifiers_rl.core.choices import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
@@ -37,7 +37,7 @@ from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
 
 
 # TRL's loss_type names for ours (grpo_fields.TRL_LOSS_TYPES), accepted by the parser and mapped in __post_init__.
-LossTypeOrTRL = Literal[(*get_args(LossType), "dapo", "bnpo")]
+LossTypeOrTRL = Literal[(*get_args(LossType), *TRL_LOSS_TYPES)]
 
 # GRPOConfig's fields the trainer relies on, with their ranges (ours declare theirs in their type, Annotated[int, R];
 # validate checks both, --help and docs/config.md list them).
