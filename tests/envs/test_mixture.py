@@ -87,6 +87,13 @@ def test_verifiers_rl_eval_refuses_env_args_or_a_bad_entry_of_a_mixture(capsys):
     mixture = json.dumps(ENTRIES[:2])
     assert [e.name for e in eval_cli.parse_args(["--env", mixture]).entries] == ["reverse_text", "arithmetic"]
     assert eval_cli.parse_args(["--env", "arithmetic"]).entries is None
+    assert "the entries' weight steer training's draws" in capsys.readouterr().out  # ENTRIES[1] weighs 2.5
+    eval_cli.parse_args(["--env", json.dumps([{"env": "arithmetic"}, {"env": "reverse_text"}])])
+    assert "not used here" not in capsys.readouterr().out  # plain entries: nothing to say
+    steered = json.dumps([{"env": "arithmetic", "weight": 2}, {"env": "reverse_text",
+                                                                 "curriculum": {"easy_above": 0.9}}])
+    eval_cli.parse_args(["--env", steered])
+    assert "the entries' curriculum and weight steer training's draws" in capsys.readouterr().out
     for argv, message in [(["--env", mixture, "--env_args", '{"seed": 1}'], "--env_args acts on one environment"),
                           (["--env", '[{"env": "arithmetic", "weight": 0}]'], "--env entry 0 (arithmetic): \"weight\"")]:
         with pytest.raises(SystemExit):

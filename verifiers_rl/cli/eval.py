@@ -142,6 +142,12 @@ def mixture_entries(parser: argparse.ArgumentParser, spec: str, env_kwargs: dict
     if entries is not None and env_kwargs:
         parser.error(f"--env_args acts on one environment; a mixture's entries take their own: "
                      f"--env '[{{\"env\": ..., \"env_args\": {json.dumps(env_kwargs)}}}]'.")
+    # Training-only keys are said, not silently dropped: evaluation rolls out every entry's held-out rows.
+    unused = sorted({key for entry in entries or [] for key in ("weight", "curriculum")
+                     if (key == "curriculum" and entry.curriculum) or (key == "weight" and entry.weight != 1.0)})
+    if unused:
+        print(f"note: the entries' {' and '.join(unused)} steer training's draws; evaluation rolls out every "
+              f"entry's held-out rows, so they are not used here")
     return entries
 
 
