@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verifiers_rl.core.choices import AT_LEAST_ONE, NON_NEGATIVE, Range
+from verifiers_rl.core.errors import unknown_keys
 
 # A pass rate is a fraction: easy at or above a level in (0, 1] (1: every rollout passed), hard at or below one in
 # [0, 1) (0: none did). easy_above 0 or hard_below 1 would set every prompt aside.
@@ -69,10 +70,10 @@ def check_overrides(overrides: Any, where: str) -> dict[str, Any]:
     keys = [f.name for f in dataclasses.fields(CurriculumSettings)]
     if not isinstance(overrides, Mapping):
         raise ValueError(f"{where}\"curriculum\" must be a mapping of {', '.join(keys)}, got {overrides!r}.")
-    unknown = sorted(set(overrides) - set(keys))
-    if unknown:
-        raise ValueError(f"{where}\"curriculum\" has unknown key(s) {', '.join(map(repr, unknown))}; it takes "
-                         f"{', '.join(keys)} (each overrides the --curriculum_ flag of that name for this entry).")
+    refusal = unknown_keys(overrides, keys, f"{where}\"curriculum\"", f"it takes {', '.join(keys)} (each overrides "
+                           "the --curriculum_ flag of that name for this entry).")
+    if refusal:
+        raise ValueError(refusal)
     alone = dataclasses.replace(CurriculumSettings(), **overrides)
     alone.check(where, name=lambda key: f"curriculum.{key}")
     return dict(overrides)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.core.curriculum import check_overrides
+from verifiers_rl.core.errors import unknown_keys
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import Sampler, derive_seed
 from verifiers_rl.envs.environment import Environment, Row, Trajectory
@@ -119,10 +120,10 @@ def _entry(item: Any, index: int, flag: str, built: bool = False) -> MixtureEntr
     where = f"{flag} entry {index}"
     if not isinstance(item, Mapping):
         raise MixtureError(f"{where} is a {type(item).__name__}; expected a mapping like {{\"env\": \"reverse_text\"}}.")
-    unknown = sorted(set(item) - set(ENTRY_KEYS))
-    if unknown:
-        raise MixtureError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}; an entry takes "
-                           f"{', '.join(ENTRY_KEYS)} (an environment's own limits go in its env_args).")
+    refusal = unknown_keys(item, ENTRY_KEYS, where, f"an entry takes {', '.join(ENTRY_KEYS)} (an environment's own "
+                           "limits go in its env_args).")
+    if refusal:
+        raise MixtureError(refusal)
     spec = item.get("env")
     if built and isinstance(spec, Environment):
         if item.get("env_args"):
