@@ -130,3 +130,26 @@ def test_evaluation_counts_an_episode_of_several_branches_once(tiny_model_dir, t
     records = [record for s in result.samples for record in s.records()]
     assert len(records) == 12 and {r["sample"] for r in records if r["row"] == 0} == {0, 1, 2}
     assert "9 episodes (12 rollouts)" in result.table()
+
+
+def test_training_reward_metrics_count_an_episode_once():
+    """The step's reward, its std, rewards/<fn>/* and env/<name>/reward are over episodes (as the advantages,
+    evaluation and the curriculum): a three-branch episode counted three times would pull the mean towards it."""
+    import statistics
+
+    from verifiers_rl.training.batching import BatchingConfig, plan_batch
+    from verifiers_rl.training.step_batches import environment_metrics, rollout_metrics
+
+    rollouts = [r for r in branching_file() if r.group_id in ("g0", "g1")]  # episodes 0/1 of 1-3 branches each
+    for r in rollouts:
+        r.metrics, r.env = {"score": r.reward * 2}, "mix_a"
+    episodes = [episode[0].reward for episode in group_episodes(rollouts)]
+    per_branch = [r.reward for r in rollouts]
+    assert statistics.fmean(episodes) != statistics.fmean(per_branch)  # else the test could not fail
+    stats = plan_batch(rollouts, BatchingConfig(max_seq_len=8))[0].stats
+    assert stats.reward_mean == pytest.approx(statistics.fmean(episodes))
+    assert stats.reward_std == pytest.approx(statistics.stdev(episodes))
+    assert rollout_metrics(rollouts)["rewards/score/mean"] == pytest.approx(2 * statistics.fmean(episodes))
+    metrics = environment_metrics(rollouts, {})
+    assert metrics["env/mix_a/reward"] == pytest.approx(statistics.fmean(episodes))
+    assert metrics["env/mix_a/reward_std"] == pytest.approx(statistics.stdev(episodes))

@@ -573,12 +573,14 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
                                          members, part_shapes(parts, group)))
         micro_batches_all.extend(micro_batches)
         rank_batches.append(micro_batches)
-    reward_std = float(torch.tensor(rewards, dtype=torch.float64).std()) if len(rewards) > 1 else 0.0
+    # An episode of several branches is one sample of its reward, as in its advantage and in evaluation.
+    episode_rewards = [rewards[i] for i in episodes_of(rollouts, rewards)[0]]
+    reward_std = float(torch.tensor(episode_rewards, dtype=torch.float64).std()) if len(episode_rewards) > 1 else 0.0
     stats = BatchStats(
         num_sequences=len(sequences),
         real_tokens=sum(lengths),
         computed_tokens=sum(mb.computed_tokens for mb in micro_batches_all),
-        reward_mean=sum(rewards) / len(rewards),
+        reward_mean=sum(episode_rewards) / len(episode_rewards),
         reward_std=0.0 if math.isnan(reward_std) else reward_std,
         truncated_fraction=sum(s.truncated for s in sequences) / len(sequences),
         zero_std_fraction=zero_std_fraction(rollouts, rewards, config.scale_rewards, config.reward_functions),

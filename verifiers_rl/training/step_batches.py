@@ -19,7 +19,7 @@ from verifiers_rl.envs.rubric import ERRORS_METRIC
 from verifiers_rl.rollouts.generator import RolloutSource, as_batch
 from verifiers_rl.training.forward import attends_run_by_run, attention_cost, splits_packed_rows
 from verifiers_rl.training.progress import sample_lines
-from verifiers_rl.core.rollout import Rollout, append_rollouts, metric_values
+from verifiers_rl.core.rollout import Rollout, append_rollouts, group_episodes, metric_values
 from verifiers_rl.core.settings import settings_from
 
 logger = logging.getLogger(__name__)
@@ -53,17 +53,22 @@ def micro_batching_mode(requested: str, varlen: bool) -> str:
     return "packed" if varlen else "auto"
 
 
+def first_branches(rollouts: list[Rollout]) -> list[Rollout]:
+    """One rollout per episode (its first branch, which carries the episode's reward and metrics)."""
+    return [episode[0] for episode in group_episodes(rollouts)]
+
+
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """A batch's completion lengths, each reward function's values and what reward functions logged, under TRL's
     metric names: ``completions/{mean,min,max}_length`` (sampled tokens: mask 1, as TRL counts with an env mask),
     ``completions/{mean,min,max}_terminated_length`` (of the rollouts not truncated; 0 when none),
-    ``rewards/<name>/{mean,std}`` (over the rollouts that have the metric; std with Bessel's correction, as TRL's
-    ``nanstd``) and each ``log_metric`` name (its mean)."""
+    ``rewards/<name>/{mean,std}`` (over the episodes that have the metric, an episode of several branches once;
+    std with Bessel's correction, as TRL's ``nanstd``) and each ``log_metric`` name (its mean)."""
     lengths = [sum(r.completion_mask) for r in rollouts]
     out = length_metrics("completions/{}_length", lengths)
     out.update(length_metrics("completions/{}_terminated_length",
                               [n for n, r in zip(lengths, rollouts) if not r.truncated] or [0]))
-    for name, found in metric_values(rollouts).items():
+    for name, found in metric_values(first_branches(rollouts)).items():
         if name == ERRORS_METRIC:
             continue
         out[f"rewards/{name}/mean"] = statistics.fmean(found)
@@ -74,7 +79,7 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 
 def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dict[str, float]:
     """A mixture's batch per environment (``Rollout.env``; nothing for rollouts without one), under
-    ``env/<name>/``: ``reward``, ``reward_std`` (Bessel's correction, as the overall one), ``completions/*_length``,
+    ``env/<name>/``: ``reward``, ``reward_std`` (over episodes; Bessel's correction, as the overall one), ``completions/*_length``,
     ``completions/clipped_ratio`` (truncated fraction), ``reward_errors``, ``rollouts``; and, where dynamic sampling
     ran (``stats`` holds ``groups_dropped``), ``groups_dropped`` (0 for an environment none was dropped of)."""
     out: dict[str, float] = {}
@@ -83,7 +88,7 @@ def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dic
         if rollout.env is not None:
             by_env.setdefault(rollout.env, []).append(rollout)
     for name, members in by_env.items():
-        rewards = [r.reward for r in members]
+        rewards = [r.reward for r in first_branches(members)]
         prefix = f"env/{name}/"
         out[prefix + "reward"] = statistics.fmean(rewards)
         out[prefix + "reward_std"] = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
