@@ -5,8 +5,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 FINISH_REASONS = ("stop", "length")
 
@@ -55,6 +56,22 @@ def derive_seed(*parts: object) -> int:
     salted per process)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def epoch_order(size: int, epoch: int, seed: int, shuffle: bool = True) -> list[int]:
+    """The order of ``size`` dataset rows in epoch ``epoch``: a shuffle seeded by ``seed + epoch`` (the dataset's order
+    without ``shuffle``, TRL's shuffle_dataset=False). The generator's draws and a curriculum's both read it."""
+    order = list(range(size))
+    if shuffle:
+        random.Random(seed + epoch).shuffle(order)
+    return order
+
+
+def refill_sample(candidates: Sequence[int], count: int, seed: int, index: int, round_: int) -> list[int]:
+    """Dynamic sampling's refill rows of batch ``index``, round ``round_`` (one environment): ``count`` of
+    ``candidates`` (at most all of them), a sample seeded by the run's ``seed`` and the round, so a resume refills
+    alike."""
+    return random.Random(derive_seed(seed, "refill", index, round_)).sample(candidates, min(count, len(candidates)))
 
 
 @dataclass

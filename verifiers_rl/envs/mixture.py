@@ -16,7 +16,7 @@ import bisect
 import json
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,14 +309,16 @@ class MixtureEnv(Environment):
         """The entry a uniform draw ``u`` in [0, 1) picks by weight."""
         return min(bisect.bisect_right(self._cumulative, u), len(self.entries) - 1)
 
-    def draw_refill(self, index: int, round_: int, count: int, seed: int) -> list[int]:
+    def draw_refill(self, index: int, round_: int, count: int, seed: int,
+                    rows_of: Callable[[int], Sequence[int]] | None = None) -> list[int]:
         """Dynamic sampling's refill rows of batch ``index``, round ``round_``: each drawn by weight, then uniformly
-        within its entry, from its own seed (so a resumed run refills alike)."""
+        among its entry's ``rows_of(entry)`` (default: all of them; a curriculum leaves out those set aside), from its
+        own seed (so a resumed run refills alike)."""
+        rows_of = rows_of or self.entry_rows
         rows = []
         for j in range(count):
             draw = random.Random(derive_seed(seed, "mixture", "refill", index, round_, j))
-            entry = min(bisect.bisect_right(self._cumulative, draw.random()), len(self.entries) - 1)
-            rows.append(draw.randrange(self._starts[entry], self._starts[entry + 1]))
+            rows.append(draw.choice(rows_of(self.entry_by_weight(draw.random()))))
         return rows
 
     # --- evaluation -------------------------------------------------------------------------------------------------

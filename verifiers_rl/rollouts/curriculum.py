@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 import statistics
 from collections.abc import Sequence
 
 from verifiers_rl.core.curriculum import CurriculumSettings
 from verifiers_rl.core.rollout import Rollout, group_episodes
-from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.core.sampling import epoch_order, refill_sample
 
 logger = logging.getLogger(__name__)
 
@@ -72,11 +71,8 @@ class Curriculum:
                 self._orders.clear()  # orders are recomputed at will: a cache, not state
             if self.mixture:
                 self._orders[key] = self.environment.entry_order(entry, epoch, self.seed, self.shuffle)
-            else:
-                order = list(range(self._sizes[0]))
-                if self.shuffle:
-                    random.Random(self.seed + epoch).shuffle(order)  # the generator's own order without a curriculum
-                self._orders[key] = order
+            else:  # the generator's own order without a curriculum
+                self._orders[key] = epoch_order(self._sizes[0], epoch, self.seed, self.shuffle)
         return self._orders[key]
 
     def aside(self, row: int, epoch: int) -> bool:
@@ -128,14 +124,9 @@ class Curriculum:
         an entry's when every one is): as the draws without a curriculum (``MixtureEnv.draw_refill``, or a seeded
         sample), which they equal while nothing is set aside."""
         if not self.mixture:
-            drawable = self._drawable(0)
-            rows = random.Random(derive_seed(self.seed, "refill", index, round_)).sample(
-                drawable, min(count, len(drawable)))
+            rows = refill_sample(self._drawable(0), count, self.seed, index, round_)
         else:
-            rows = []
-            for j in range(count):
-                draw = random.Random(derive_seed(self.seed, "mixture", "refill", index, round_, j))
-                rows.append(draw.choice(self._drawable(self.environment.entry_by_weight(draw.random()))))
+            rows = self.environment.draw_refill(index, round_, count, self.seed, rows_of=self._drawable)
         return [self._drawn(row, self.epoch(self.entry_of(row))) for row in rows]
 
     def _drawable(self, entry: int) -> list[int]:

@@ -11,14 +11,15 @@ import asyncio
 import hashlib
 import logging
 import math
-import random
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.core.curriculum import CurriculumSettings
+from verifiers_rl.core.sampling import derive_seed, epoch_order
+from verifiers_rl.core.settings import settings_from
 from verifiers_rl.core.rollout import (NOT_SAMPLED, Rollout, RolloutFormatError, group_by_id, group_episodes,
                                       read_rollouts)
 from verifiers_rl.rollouts.curriculum import build_curriculum
@@ -353,10 +354,8 @@ class AsyncGenerator:
             position = index * self.prompts_per_batch + k
             epoch, offset = divmod(position, len(self.rows))
             while len(self._order) <= epoch * len(self.rows) + offset:
-                order = list(range(len(self.rows)))
-                if self.shuffle:
-                    random.Random(self.seed + len(self._order) // len(self.rows)).shuffle(order)
-                self._order.extend(order)
+                self._order.extend(epoch_order(len(self.rows), len(self._order) // len(self.rows), self.seed,
+                                               self.shuffle))
             row_index = self._order[epoch * len(self.rows) + offset]
             picked.append((position, row_index))
         return picked
@@ -423,7 +422,7 @@ def make_source(args, given: RolloutSource | None, environment, engine) -> Rollo
     (an ``RLConfig``) says, ``given``, or a replay of ``args.rollouts_path``."""
     filter_groups = args.filter_groups == "zero_variance"
     if environment is None:
-        if given is not None and (args.curriculum_easy_above is not None or args.curriculum_hard_below is not None):
+        if given is not None and settings_from(args, CurriculumSettings).active:
             raise ValueError("--curriculum_easy_above / --curriculum_hard_below steer live generation from an "
                              "environment; a rollout_source generates nothing to steer. Leave them unset.")
         return given or ReplaySource(args.rollouts_path, args.rollouts_per_step, filter_groups=filter_groups)

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 
 from verifiers_rl.core.rollout import Rollout
-from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.core.sampling import derive_seed, refill_sample
 from verifiers_rl.envs.environment import RolloutError, RolloutRefused
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as before the split
@@ -145,7 +144,7 @@ class GroupRollouts:
         draw_refill = getattr(self.environment, "draw_refill", None)
         if draw_refill is not None:
             return draw_refill(index, rounds, count, self.seed)
-        return random.Random(derive_seed(self.seed, "refill", index, rounds)).sample(range(len(self.rows)), count)
+        return refill_sample(range(len(self.rows)), count, self.seed, index, rounds)
 
 
 def count_by_environment(stats: dict[str, float], dropped: list[list[Rollout]]) -> None:
