@@ -106,14 +106,18 @@ class Range:
         if value is None or value in self.also:
             return
         if not (value > self.low or (value == self.low and not self.strict)):
-            lowest = " or ".join([str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"])
-            raise ValueError(f"{name} must be {lowest}, got {value}.")
+            raise ValueError(f"{name} must be {self._lowest()}, got {value}.")
         if self.high is not None and (value > self.high or (value == self.high and self.strict_high)):
-            raise ValueError(f"{name} must be {'<' if self.strict_high else '<='} {self.high:g}, got {value}.")
+            raise ValueError(f"{name} must be {self._highest()}, got {value}.")
+
+    def _lowest(self) -> str:
+        return " or ".join([str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"])
+
+    def _highest(self) -> str:
+        return f"{'<' if self.strict_high else '<='} {self.high:g}"
 
     def __str__(self) -> str:
-        text = " or ".join([str(v) for v in self.also] + [f"{'>' if self.strict else '>='} {self.low:g}"])
-        return text + (f" and {'<' if self.strict_high else '<='} {self.high:g}" if self.high is not None else "")
+        return self._lowest() + (f" and {self._highest()}" if self.high is not None else "")
 
 
 AT_LEAST_ONE, NON_NEGATIVE, POSITIVE = Range(1), Range(0), Range(0, strict=True)

@@ -8,17 +8,15 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
-from verifiers_rl.core.choices import AT_LEAST_ONE, NON_NEGATIVE, Range
+from verifiers_rl.core.choices import AT_LEAST_ONE, NON_NEGATIVE, Range, field_ranges
 from verifiers_rl.core.errors import unknown_keys
 
 # A pass rate is a fraction: easy at or above a level in (0, 1] (1: every rollout passed), hard at or below one in
 # [0, 1) (0: none did). easy_above 0 or hard_below 1 would set every prompt aside.
 EASY_RANGE = Range(0, strict=True, high=1)
 HARD_RANGE = Range(0, high=1, strict_high=True)
-RANGES = {"window": AT_LEAST_ONE, "easy_above": EASY_RANGE, "hard_below": HARD_RANGE,
-          "set_aside_epochs": NON_NEGATIVE}
 
 
 @dataclass(frozen=True)
@@ -28,11 +26,12 @@ class CurriculumSettings:
     above ``easy_above`` (easy) or at or below ``hard_below`` (hard) sets the prompt aside for ``set_aside_epochs``
     epochs of its environment's rows (0: for good); None turns that side off."""
 
-    window: int = field(default=1, metadata={"from": "curriculum_window"})
+    # Ranges in the types, as RLConfig's --curriculum_* fields declare them (field_ranges reads both).
+    window: Annotated[int, AT_LEAST_ONE] = field(default=1, metadata={"from": "curriculum_window"})
     pass_reward: float = field(default=1.0, metadata={"from": "curriculum_pass_reward"})
-    easy_above: float | None = field(default=None, metadata={"from": "curriculum_easy_above"})
-    hard_below: float | None = field(default=None, metadata={"from": "curriculum_hard_below"})
-    set_aside_epochs: int = field(default=1, metadata={"from": "curriculum_set_aside_epochs"})
+    easy_above: Annotated[float | None, EASY_RANGE] = field(default=None, metadata={"from": "curriculum_easy_above"})
+    hard_below: Annotated[float | None, HARD_RANGE] = field(default=None, metadata={"from": "curriculum_hard_below"})
+    set_aside_epochs: Annotated[int, NON_NEGATIVE] = field(default=1, metadata={"from": "curriculum_set_aside_epochs"})
 
     @property
     def active(self) -> bool:
@@ -41,6 +40,7 @@ class CurriculumSettings:
 
     def check(self, where: str = "", name=lambda key: f"--curriculum_{key}") -> None:
         """Raise ValueError naming the setting (``name(key)``, after ``where``) whose value cannot work."""
+        ranges = field_ranges(CurriculumSettings)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             integer = f.name in ("window", "set_aside_epochs")
@@ -51,8 +51,8 @@ class CurriculumSettings:
                     not integer and not math.isfinite(value)):
                 kind = "an integer" if integer else "a finite number" + (" or null (off)" if optional else "")
                 raise ValueError(f"{where}{name(f.name)} must be {kind}, got {value!r}.")
-            if f.name in RANGES:
-                RANGES[f.name].check(f"{where}{name(f.name)}", value)
+            if f.name in ranges:
+                ranges[f.name].check(f"{where}{name(f.name)}", value)
         if self.easy_above is not None and self.hard_below is not None and not self.hard_below < self.easy_above:
             raise ValueError(f"{where}{name('hard_below')} ({self.hard_below:g}) must be below "
                              f"{name('easy_above')} ({self.easy_above:g}): a prompt cannot be both easy and hard.")
