@@ -36,6 +36,7 @@ WHEELS=(
     tqdm==4.70.1                # datasets: >=4.66.3
     idna==3.20                  # httpx2: >=3.18
     anyio==4.16.0               # httpx2: >=4.10
+    pytest-timeout==2.4.0       # pytest.ini's timeout: the dev extra's >=2.4,<2.5
 )
 DEEPSPEED=deepspeed==0.19.8     # sdist only on PyPI: built here into a py3-none-any wheel
 
