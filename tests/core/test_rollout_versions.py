@@ -10,6 +10,7 @@ import pytest
 
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout, RolloutFormatError, read_rollouts, write_rollouts
+from verifiers_rl.core.sampling import RolloutSampling, Sample, set_completion_versions
 from verifiers_rl.rollouts.generator import ReplaySource
 from verifiers_rl.training.batching import BatchingConfig
 from verifiers_rl.training.step_batches import StepBatches
@@ -56,3 +57,32 @@ def test_staleness_is_the_oldest_sampled_tokens(tmp_path):
     assert rank_batch.stats.extra["staleness_max"] == 3 and rank_batch.stats.extra["staleness_mean"] == 2
     assert [r.completion_versions for r in read_rollouts(args.save_rollouts_path)] == [
         [3, 3, -1, -1, 5, 5], [5, 5, -1, -1, 5, 5]]
+
+
+def test_recorded_versions_reach_the_trained_tokens_in_order():
+    # Two model calls of 2 tokens each, the second after a weight load: turn by turn, env tokens NOT_SAMPLED.
+    sampling = RolloutSampling(seed=1)
+    sampling.record_versions([3, 3]), sampling.record_versions([4, 5])
+    rollout = multi_turn()
+    set_completion_versions(rollout, sampling)
+    assert rollout.completion_versions == [3, 3, NOT_SAMPLED, NOT_SAMPLED, 4, 5]
+    rollout.validate()
+
+
+def test_unmatched_counts_give_every_trained_token_the_oldest_version():
+    # A truncated or re-tokenised completion: which token came from which call is unknown, so the oldest holds.
+    sampling = RolloutSampling()
+    sampling.record_versions([4, 3, 5])
+    rollout = multi_turn()
+    set_completion_versions(rollout, sampling)
+    assert rollout.completion_versions == [3, 3, NOT_SAMPLED, NOT_SAMPLED, 3, 3]
+    untouched, already = multi_turn(), multi_turn([1, 1, -1, -1, 1, 1])
+    set_completion_versions(untouched, RolloutSampling())  # an engine that records nothing
+    set_completion_versions(already, sampling)
+    assert untouched.completion_versions is None and already.completion_versions == [1, 1, -1, -1, 1, 1]
+
+
+def test_a_samples_versions_are_checked_against_its_tokens():
+    Sample([1, 2], [-0.1, -0.2], "stop", versions=[0, 1]).validate(4)
+    with pytest.raises(ValueError, match="2 token ids but 1 versions"):
+        Sample([1, 2], [-0.1, -0.2], "stop", versions=[0]).validate(4)

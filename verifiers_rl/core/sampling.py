@@ -6,8 +6,10 @@ import contextlib
 import contextvars
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence
+
+from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout
 
 FINISH_REASONS = ("stop", "length")
 
@@ -18,11 +20,14 @@ class Sample:
 
     ``token_ids`` may end with an eos or stop token; ``logprobs`` holds the sampler's log-prob of each token;
     ``finish_reason`` is ``"stop"`` (eos or a stop token) or ``"length"`` (hit ``max_new_tokens``).
+    ``versions``: the policy version that sampled each token, where the engine knows it per token (one decoding
+    across a weight load holds two); None where the engine does not say.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    versions: list[int] | None = None
 
     def validate(self, max_new_tokens: int) -> None:
         """Raise ValueError if the sample breaks the sampler contract for a call with ``max_new_tokens``."""
@@ -37,6 +42,10 @@ class Sample:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(
                 f"The sampler returned finish_reason={self.finish_reason!r}; expected one of {FINISH_REASONS}."
+            )
+        if self.versions is not None and len(self.versions) != len(self.token_ids):
+            raise ValueError(
+                f"The sampler returned {len(self.token_ids)} token ids but {len(self.versions)} versions."
             )
 
 
@@ -83,18 +92,46 @@ class RolloutSampling:
     tokens do not depend on which other requests an engine batches it with, or on any global random state (a
     resumed run regenerates exactly what the uninterrupted run generated). ``None`` samples from the engine's
     global random state. ``temperature``: overrides the engine's sampling temperature (0 = greedy), e.g. for
-    evaluation; ``None`` keeps the engine's.
+    evaluation; ``None`` keeps the engine's. ``versions``: the policy version of every token the rollout's model
+    calls sampled, in call order (engines append through ``record_versions``; ``set_completion_versions`` reads it).
     """
 
     seed: int | None = None
     temperature: float | None = None
     calls: int = 0
+    versions: list[int] = field(default_factory=list)
 
     def next_seed(self) -> int | None:
         if self.seed is None:
             return None
         self.calls += 1
         return derive_seed(self.seed, self.calls - 1)
+
+    def record_versions(self, versions: Sequence[int]) -> None:
+        """Append the policy versions of one model call's sampled tokens (an engine calls it in ``sample``)."""
+        self.versions.extend(int(v) for v in versions)
+
+
+def set_completion_versions(rollout: Rollout, sampling: RolloutSampling | None) -> None:
+    """Set ``rollout.completion_versions`` from the versions ``sampling`` recorded while it was built.
+
+    When the rollout's trained tokens (``completion_mask`` 1) are as many as the tokens recorded, the i-th trained
+    token gets the i-th recorded version. Otherwise (a truncated or re-tokenised completion, several branches of one
+    episode, a worker that sampled tokens of its own) which token came from which call is unknown, and every
+    trained token gets the OLDEST recorded version: conservative, a staleness bound then counts the whole completion
+    as old as its oldest token. Environment tokens (mask 0) get ``NOT_SAMPLED``. Nothing is set when nothing was
+    recorded (an engine that does not say), nor when the rollout already carries versions.
+    """
+    if sampling is None or not sampling.versions or rollout.completion_versions is not None:
+        return
+    recorded = sampling.versions
+    trained = sum(1 for m in rollout.completion_mask if m)
+    if trained == len(recorded):
+        drawn = iter(recorded)
+        rollout.completion_versions = [next(drawn) if m else NOT_SAMPLED for m in rollout.completion_mask]
+    else:
+        oldest = min(recorded)
+        rollout.completion_versions = [oldest if m else NOT_SAMPLED for m in rollout.completion_mask]
 
 
 _ROLLOUT_SAMPLING: contextvars.ContextVar[RolloutSampling | None] = contextvars.ContextVar(
