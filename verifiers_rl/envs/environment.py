@@ -13,7 +13,8 @@ from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.choices import RESERVED_TEMPLATE_KWARGS, check_chat_template_kwargs  # noqa: F401
 from verifiers_rl.envs.messages import Messages, check_messages
 from verifiers_rl.envs.rubric import Rubric
-from verifiers_rl.core.sampling import RolloutSampling, Sampler, derive_seed, sampling_for_rollout
+from verifiers_rl.core.sampling import (RolloutSampling, Sampler, derive_seed, sampling_for_rollout,
+                                        set_completion_versions)
 
 logger = logging.getLogger(__name__)
 
@@ -285,4 +286,6 @@ class Environment(ABC):
     async def _rollout_under(self, sampling: RolloutSampling, sampler: Sampler, row: Row, group_id) -> Rollout:
         # Inside the rollout's own task (gather made one), so the setting is this rollout's alone.
         with sampling_for_rollout(sampling):
-            return await self.rollout(sampler, row, group_id)
+            rollout = await self.rollout(sampler, row, group_id)
+        set_completion_versions(rollout, sampling)  # the versions its model calls recorded, turn by turn
+        return rollout

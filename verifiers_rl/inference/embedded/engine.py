@@ -7,7 +7,8 @@ the engine's own (not ``generate``): a finished row leaves the batch, and after 
 CPU steps through ``llama_decode``, a Llama or Qwen2 model on a GPU through ``graph_decode``'s captured step
 (transformers' forward otherwise).
 Weight loads are staged and applied at once (``staged_weights``). ``generate_continuous`` decodes a list of requests
-with continuous batching instead (``running_batch``: rows admitted into the running batch as others finish).
+with continuous batching instead (``running_batch``: rows admitted into the running batch as others finish), and
+with ``continuous_rows`` the engine serves every ``sample`` that way (``decode_loop``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch
 from verifiers_rl.compat import without_zero3_init
 from verifiers_rl.inference.kernels.cpu_matmul import PackedWeights, cpu_linears, packs_available, weight_major
 from verifiers_rl.core.modeling import sequence_logprobs, unwrap
-from verifiers_rl.core.engine import EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids
+from verifiers_rl.core.engine import (EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids,
+                                      rollout_sampling)
 from verifiers_rl.inference.embedded.batch_decode import BatchDecoder
 from verifiers_rl.inference.kernels.llama_decode import supports as llama_decode_supports
+from verifiers_rl.inference.embedded.decode_loop import DecodeLoop, LoadGate
 from verifiers_rl.inference.embedded.request_batcher import Request, RequestBatcher
 from verifiers_rl.inference.embedded.running_batch import DecodeRequest, RunningBatch, RunningBatchStats
 from verifiers_rl.inference.embedded.staged_weights import StagedWeights
@@ -79,9 +82,16 @@ class RowSampler:
     def add_row(self, temperature: float, seed: int | None) -> int:
         """A new row (``RunningBatch`` admits rows as others finish); its index."""
         self.temperatures = torch.cat([self.temperatures, torch.tensor([float(temperature)])])
-        self.generators.append(None if seed is None else torch.Generator(device=self.device).manual_seed(seed))
+        self.generators.append(None)
         self.pad = torch.cat([self.pad.long(), torch.zeros(1, dtype=torch.long)])
+        self.set_row(len(self.generators) - 1, temperature, seed)
         return len(self.generators) - 1
+
+    def set_row(self, row: int, temperature: float, seed: int | None) -> None:
+        """Row ``row`` samples anew for another request (a finished one's row reused)."""
+        self.temperatures[row] = float(temperature)
+        self.generators[row] = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+        self.pad[row] = 0
 
     def distribution(self, input_ids: torch.Tensor, scores: torch.Tensor, rows: list[int]):
         """(l, noisy scores) for the batch rows ``rows`` (``input_ids`` and ``scores`` hold just those rows): l as
@@ -162,6 +172,10 @@ class EmbeddedEngine:
             generation, k = 0). On a worker thread (k >= 1) it does not: a capture makes any device-wide
             synchronisation another thread makes meanwhile fail (``torch.cuda.synchronize``, a ``cudaFree``), and
             training runs beside it there.
+        continuous_rows: 0 (default): ``sample`` calls batch by batch, as above. N >= 1: served continuously
+            (``decode_loop``: one running batch of at most N rows on its own thread, requests from any loop joining
+            between steps, weight loads landing between steps, ``Sample.versions`` per token); prompt roots, CUDA
+            graphs and ``generate_in_loop_thread`` do not apply there.
 
     Log-probs are those of the distribution each token was drawn from (``RowSampler``: the penalised, tempered,
     filtered and renormalised softmax; with the default ``sampling``, the full softmax at the sampling temperature;
@@ -181,6 +195,7 @@ class EmbeddedEngine:
         cpu_matmuls: Literal["auto", "packed", "weight_major", "linear"] = "auto",
         llama_decode: bool = True,
         cuda_graphs: bool = True,
+        continuous_rows: int = 0,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -240,6 +255,12 @@ class EmbeddedEngine:
         self._closed = False
         self._lock = threading.Lock()  # one decode or one weight load at a time
         self._batcher = RequestBatcher(self._generate, max_batch_size, in_loop_thread=generate_in_loop_thread)
+        if not isinstance(continuous_rows, int) or continuous_rows < 0:
+            raise ValueError(f"continuous_rows (--continuous_batching_rows) must be an int >= 0 (0: batch by batch), "
+                             f"got {continuous_rows!r}.")
+        self.continuous_rows = continuous_rows
+        self._loop = DecodeLoop(self._running_batch, self._continuous_step, continuous_rows) if continuous_rows else None
+        self._load_gate = LoadGate()
 
     # --- sampling -----------------------------------------------------------------------------------------------
 
@@ -247,13 +268,21 @@ class EmbeddedEngine:
         """Sample one completion of ``prompt_ids`` (default length: ``sampling.max_new_tokens``).
 
         Calls made concurrently in one event loop are decoded as one batch; an error in it is raised
-        in every caller of that batch.
+        in every caller of that batch. With ``continuous_rows``, calls from any loop join the running batch
+        (``decode_loop``). The calling rollout's ``RolloutSampling`` records the version of each token.
         """
         check_open(self._closed)
         max_new_tokens = self.sampling.new_tokens(max_new_tokens)
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
+        rollout = rollout_sampling()
         temperature, seed = self.sampling.for_this_call()
-        return await self._batcher.submit(prompt_ids, max_new_tokens, temperature, seed)
+        if self._loop is not None:
+            sample = await self._loop.submit(DecodeRequest(prompt_ids, max_new_tokens, temperature, seed))
+        else:
+            sample = await self._batcher.submit(prompt_ids, max_new_tokens, temperature, seed)
+        if rollout is not None:
+            rollout.record_versions(sample.versions)
+        return sample
 
     @torch.no_grad()
     def _generate(self, requests: list[Request]) -> list[Sample]:
@@ -281,45 +310,59 @@ class EmbeddedEngine:
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
             linear = self._linear()
             with cpu_linears(self.model, linear):
-                return self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests], sampler,
-                                    root, linear)
+                samples = self._decode(input_ids, attention_mask, prompts, [r.max_new_tokens for r in requests],
+                                       sampler, root, linear)
+            for sample in samples:  # the lock held: no load between the decode and this
+                sample.versions = [self.policy_version] * len(sample.token_ids)
+            return samples
+
+    def _running_batch(self, max_rows: int | None = None) -> RunningBatch:
+        """An empty running batch (``generate_continuous``'s, or the decode loop's of ``continuous_rows`` rows)."""
+        s = self.sampling
+        with self._lock:
+            check_open(self._closed)
+            device = self.model.get_input_embeddings().weight.device
+            sampler = RowSampler([], [], s.top_k, s.top_p, s.min_p, s.repetition_penalty, device=device)
+            return RunningBatch(self.model, self.eos_token_ids, sampler, max_rows or self.continuous_rows,
+                                self.pad_token_id, llama_decode=self.llama_decode, linear=self._linear(),
+                                version=lambda: self.policy_version)
+
+    @torch.no_grad()
+    def _continuous_step(self, batch: RunningBatch) -> dict[int, Sample]:
+        """One step of a running batch under the lock, after any weight load waiting for it."""
+        self._load_gate.wait_turn()
+        with self._lock:
+            check_open(self._closed)
+            linear = self._linear()  # packs refreshed after a load; the same callable the lean step holds
+            with cpu_linears(self.model, linear):
+                finished = batch.step()
+            self.requests_served += len(finished)
+            return finished
 
     @torch.no_grad()
     def generate_continuous(self, requests: list[DecodeRequest], max_rows: int,
                             between_steps: Callable[[], None] | None = None) -> ContinuousRun:
         """Decode ``requests`` with continuous batching (``RunningBatch``): at most ``max_rows`` rows decode
-        together, and a waiting request joins the running batch as soon as a row finishes, so a long completion does
-        not leave the batch nearly empty. Each request samples what it samples decoded alone under its seed.
-
-        Each decode step holds the engine's lock, so a weight load (``load_weights`` from another thread, or from
+        together, and a waiting request joins the running batch as soon as a row finishes. Each request samples what
+        it samples decoded alone under its seed. A weight load (``load_weights`` from another thread, or from
         ``between_steps``, called between two steps) applies between steps without draining the rows in flight:
         their later tokens are sampled by the new weights over the keys/values the old ones computed, and
-        ``ContinuousRun.versions`` records the version of every token. ``sample``'s batching is unaffected."""
+        ``ContinuousRun.versions`` records the version of every token."""
         s = self.sampling
         if any(not r.temperature >= 0 for r in requests):
             raise ValueError("A DecodeRequest's temperature must be >= 0 (0: greedy).")
         requests = [DecodeRequest(check_token_ids(r.prompt_ids, self.vocab_size), s.new_tokens(r.max_new_tokens),
                                   r.temperature, r.seed) for r in requests]
-        with self._lock:
-            check_open(self._closed)
-            device = self.model.get_input_embeddings().weight.device
-            sampler = RowSampler([], [], s.top_k, s.top_p, s.min_p, s.repetition_penalty, device=device)
-            batch = RunningBatch(self.model, self.eos_token_ids, sampler, max_rows, self.pad_token_id,
-                                 llama_decode=self.llama_decode, linear=self._linear(),
-                                 version=lambda: self.policy_version)
+        batch = self._running_batch(max_rows)
         for request in requests:
             batch.add(request)
         samples: dict[int, Sample] = {}
         while not batch.done:
-            with self._lock:
-                check_open(self._closed)
-                linear = self._linear()  # packs refreshed after a load; the same callable the lean step holds
-                with cpu_linears(self.model, linear):
-                    samples.update(batch.step())
+            samples.update(self._continuous_step(batch))
             if between_steps is not None and not batch.done:
                 between_steps()
-        self.requests_served += len(requests)
-        return ContinuousRun([samples[i] for i in range(len(requests))], batch.versions, batch.stats)
+        ordered = [samples[i] for i in range(len(requests))]
+        return ContinuousRun(ordered, [sample.versions for sample in ordered], batch.stats)
 
     def _linear(self):
         """The linear layers' product while generating (``cpu_matmuls``); packs refreshed first (under the lock:
@@ -352,7 +395,7 @@ class EmbeddedEngine:
         check_open(self._closed)
         with weights.staging:  # one load at a time (the staging copies are reused); the lock order: this, then _lock
             staged = weights.stage(named_tensors)
-            with self._lock:
+            with self._load_gate.loading(), self._lock:
                 check_open(self._closed)
                 weights.apply(staged)
                 self.policy_version = int(version)
@@ -377,7 +420,7 @@ class EmbeddedEngine:
         return str(next(self.model.parameters()).dtype)
 
     def health(self) -> dict:
-        pending = self._batcher.pending()
+        pending = self._batcher.pending() + (self._loop.pending() if self._loop is not None else 0)
         return {
             "engine": "embedded-hf",
             "model": self.model_name,
@@ -388,13 +431,13 @@ class EmbeddedEngine:
             "prefills_shared": self._decoder.prefills_shared if self._decoder else 0,
             "root_tokens_shared": self._decoder.root_tokens_shared if self._decoder else 0,
             "pending": pending,
+            "continuous": None if self._loop is None else {"rows": self.continuous_rows, **self._loop.counters()},
         }
 
     def close(self) -> None:
         """Free the model; waiting and later ``sample`` calls raise ``EngineClosedError``."""
+        if self._loop is not None:
+            self._loop.close()  # its thread stops after the step in progress and fails what it holds
         with self._lock:
             self._closed = True
-            self.model = None
-            self._decoder = None
-            self._weights = None
-            self._packs = None
+            self.model = self._decoder = self._weights = self._packs = None

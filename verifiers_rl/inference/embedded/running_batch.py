@@ -11,8 +11,9 @@ Decode steps run through the lean Llama step (``llama_decode``) where the engine
 rebuilt at each admission, else through transformers' forward on a ``DynamicCache``; never through a captured CUDA
 graph (its shapes are fixed). Models whose cache layers are not plain full-attention layers (sliding windows) are
 refused. Weights loaded between two steps apply to the next step (the lean step reads the model's parameters at each
-call); the rows in flight keep the keys/values the earlier weights computed, and ``versions`` records which version
-drew each token.
+call); the rows in flight keep the keys/values the earlier weights computed, and each ``Sample.versions`` records
+which version drew each token. A batch may serve for a whole run (``decode_loop``): a finished or cancelled
+request's state is dropped, and its sampler row is reused by the next admitted one.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class RunningBatchStats:
 class RunningBatch:
     """Decodes the requests ``add`` queues, at most ``max_rows`` at a time; ``step`` admits, then decodes one token.
 
-    ``sampler``: an empty ``RowSampler`` (rows are added per request); ``linear``: the lean step's linear layers
-    (``EmbeddedEngine._linear``); ``version``: the engine's policy version, recorded for every token in
-    ``versions`` (the weights that sampled it). Call ``step`` with the engine's weights held still (its lock).
+    ``sampler``: an empty ``RowSampler`` (a row per running request, reused once it finishes); ``linear``: the lean
+    step's linear layers (``EmbeddedEngine._linear``); ``version``: the engine's policy version, recorded for every
+    token in its ``Sample.versions`` (the weights that sampled it). Call ``step`` and ``cancel`` with the engine's
+    weights held still (its lock).
     """
 
     def __init__(self, model, eos_token_ids: list[int], sampler: RowSampler, max_rows: int, pad_token_id: int, *,
@@ -79,10 +81,14 @@ class RunningBatch:
         self.llama_decode, self.linear, self.version = llama_decode, linear, version
         self.device = model.get_input_embeddings().weight.device
         self.queue: deque[tuple[int, DecodeRequest]] = deque()
-        self.requests: list[DecodeRequest] = []
-        self.tokens: list[list[int]] = []
-        self.logprobs: list[list[float]] = []
-        self.versions: list[list[int]] = []
+        # Per request not yet finished, by request id (dropped when it finishes or is cancelled).
+        self.requests: dict[int, DecodeRequest] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.logprobs: dict[int, list[float]] = {}
+        self.versions: dict[int, list[int]] = {}
+        self.slots: dict[int, int] = {}  # the sampler row of each admitted request
+        self._free_slots: list[int] = []
+        self._next_id = 0
         self.stats = RunningBatchStats()
         self.rows: list[int] = []  # request ids of the running rows, in the order of the tensors below
         self.context = self.mask = None  # [rows, width]: prompt + tokens, left-padded; 1 on real tokens
@@ -91,13 +97,43 @@ class RunningBatch:
         self._last_logits_only = {"logits_to_keep": 1} if keeps else {}
 
     def add(self, request: DecodeRequest) -> int:
-        """Queue ``request``; its id (the index of its ``Sample`` among this batch's)."""
-        rid = len(self.requests)
-        self.requests.append(request)
-        self.tokens.append([]), self.logprobs.append([]), self.versions.append([])
-        self.sampler.add_row(request.temperature, request.seed)
+        """Queue ``request``; its id (ids count up from 0 in the order requests are added)."""
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.requests[rid] = request
+        self.tokens[rid], self.logprobs[rid], self.versions[rid] = [], [], []
         self.queue.append((rid, request))
         return rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop request ``rid``: out of the queue, or its row out of the running batch (nothing if it finished)."""
+        if rid in self.rows:
+            self._keep([i for i, other in enumerate(self.rows) if other != rid])
+        else:
+            self.queue = deque(item for item in self.queue if item[0] != rid)
+        self._forget(rid)
+
+    @property
+    def pending(self) -> int:
+        """Requests queued or decoding."""
+        return len(self.queue) + len(self.rows)
+
+    def _slot(self, rid: int) -> int:
+        """A sampler row for request ``rid`` (a finished request's, where one is free), seeded by its request."""
+        request = self.requests[rid]
+        if self._free_slots:
+            slot = self._free_slots.pop()
+            self.sampler.set_row(slot, request.temperature, request.seed)
+        else:
+            slot = self.sampler.add_row(request.temperature, request.seed)
+        self.slots[rid] = slot
+        return slot
+
+    def _forget(self, rid: int) -> None:
+        for table in (self.requests, self.tokens, self.logprobs, self.versions):
+            table.pop(rid, None)
+        slot = self.slots.pop(rid, None)
+        if slot is not None:
+            self._free_slots.append(slot)
 
     @property
     def done(self) -> bool:
@@ -121,29 +157,37 @@ class RunningBatch:
             logits = self.model(input_ids=step_ids[:, None], attention_mask=self.mask, position_ids=positions[:, None],
                                 past_key_values=self.kv, use_cache=True, **self._last_logits_only).logits[:, -1]
         self._set_padding()
-        drawn, logps = self.sampler.draw(self.context, logits, self.rows)
+        drawn, logps = self.sampler.draw(self.context, logits, [self.slots[rid] for rid in self.rows])
         running = self._record(self.rows, drawn, logps, finished)
         self.context = torch.cat([self.context, drawn[:, None]], dim=1)
         self.mask = F.pad(self.mask, (0, 1), value=1)
         if len(running) < len(self.rows):
-            index = torch.tensor(running, dtype=torch.long, device=self.device)
-            if isinstance(self.kv, LlamaDecoder):
-                self.kv.keep(index)
-            else:
-                self.kv.batch_select_indices(index)
-            self.context, self.mask = self.context[index], self.mask[index]
-            self.rows = [self.rows[i] for i in running]
+            self._keep(running)
         return finished
+
+    def _keep(self, positions: list[int]) -> None:
+        """Keep only the running rows at ``positions`` (the others finished or were cancelled)."""
+        if not positions:
+            self.rows, self.context, self.mask, self.kv = [], None, None, None
+            return
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if isinstance(self.kv, LlamaDecoder):
+            self.kv.keep(index)
+        else:
+            self.kv.batch_select_indices(index)
+        self.context, self.mask = self.context[index], self.mask[index]
+        self.rows = [self.rows[i] for i in positions]
 
     def _record(self, rows: list[int], drawn: torch.Tensor, logps: torch.Tensor, finished: dict) -> list[int]:
         """Append each row's token; rows that finish go to ``finished``; the positions of those still running."""
         running, version = [], self.version()
         for i, (rid, token, logp) in enumerate(zip(rows, drawn.tolist(), logps.tolist())):
             self.tokens[rid].append(token), self.logprobs[rid].append(logp), self.versions[rid].append(version)
-            if token in self.eos_token_ids:
-                finished[rid] = Sample(self.tokens[rid], self.logprobs[rid], "stop")
-            elif len(self.tokens[rid]) == self.requests[rid].max_new_tokens:
-                finished[rid] = Sample(self.tokens[rid], self.logprobs[rid], "length")
+            stop = token in self.eos_token_ids
+            if stop or len(self.tokens[rid]) == self.requests[rid].max_new_tokens:
+                finished[rid] = Sample(self.tokens[rid], self.logprobs[rid], "stop" if stop else "length",
+                                       self.versions[rid])
+                self._forget(rid)
             else:
                 running.append(i)
         return running
@@ -151,7 +195,8 @@ class RunningBatch:
     def _set_padding(self) -> None:
         """Each running row's left padding, for the repetition penalty's context (it changes as rows join)."""
         if self.sampler.repetition_penalty != 1:
-            self.sampler.pad[self.rows] = (self.mask.shape[1] - self.mask.sum(-1)).cpu()
+            slots = [self.slots[rid] for rid in self.rows]
+            self.sampler.pad[slots] = (self.mask.shape[1] - self.mask.sum(-1)).cpu()
 
     def _admit(self, finished: dict[int, Sample]) -> None:
         """Prefill queued requests (each distinct prompt once) and draw their first tokens until ``max_rows`` rows
@@ -186,7 +231,7 @@ class RunningBatch:
                              "(EmbeddedEngine.sample).")
         count = len(ids)
         context = input_ids.expand(count, -1)
-        drawn, logps = self.sampler.draw(context, logits.expand(count, -1), ids)
+        drawn, logps = self.sampler.draw(context, logits.expand(count, -1), [self._slot(rid) for rid in ids])
         running = self._record(ids, drawn, logps, finished)
         if not running:
             return None
