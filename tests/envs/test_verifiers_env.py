@@ -8,6 +8,7 @@ import copy
 import pytest
 import verifiers as vf
 
+from verifiers_rl.core.rollout import NOT_SAMPLED
 from verifiers_rl.envs import RolloutError, RolloutSampling, load_environment, sampling_for_rollout
 from verifiers_rl.envs.adapters.verifiers_env import VerifiersEnv
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
@@ -92,6 +93,8 @@ def test_rollouts_train_the_sampled_ids_and_the_rubric_rewards(tokenizer, engine
         assert "<|im_start|>user\nGo on (1).<|im_end|>\n<|im_start|>assistant\n" in text and "Go on (2)." in text
     for r in rollouts:
         assert len(r.prompt_ids) + len(r.completion_ids) <= env.max_seq_len
+        # The engine's per-token versions reach the record (issue 37): sampled tokens, not the environment's.
+        assert r.completion_versions == [engine.policy_version if m else NOT_SAMPLED for m in r.completion_mask]
         r.validate()
 
 

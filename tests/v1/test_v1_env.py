@@ -63,6 +63,8 @@ def test_a_group_is_the_engines_samples_under_the_groups_seeds_with_the_tasksets
         for i, rollout in enumerate(rollouts):
             assert rollout.prompt_ids == list(expected_prompt) and rollout.group_id == "g"
             assert rollout.completion_mask == [1] * len(rollout.completion_ids)  # one model turn, all sampled
+            # the endpoint's calls recorded the engine's version of each token in the episode's RolloutSampling
+            assert rollout.completion_versions == [engine.policy_version] * len(rollout.completion_ids)
 
             async def alone():  # episode i's one model call samples with derive_seed(derive_seed(77, i), 0)
                 with sampling_for_rollout(RolloutSampling(seed=derive_seed(77, i))):

@@ -187,11 +187,13 @@ class RewardFunctionsEnv(Environment):
     async def rollout_group(self, sampler: Sampler, row: Row, group_id, n: int, *, seed: int | None = None,
                             temperature: float | None = None) -> list[Rollout]:
         """``n`` rollouts of ``row``, generated concurrently and scored together (one call per reward function)."""
-        from verifiers_rl.core.sampling import sampling_for_rollout
+        from verifiers_rl.core.sampling import sampling_for_rollout, set_completion_versions
 
         async def one(sampling):
             with sampling_for_rollout(sampling):
-                return await self._unscored(sampler, row, group_id)
+                rollout = await self._unscored(sampler, row, group_id)
+            set_completion_versions(rollout, sampling)
+            return rollout
 
         samplings = self.group_samplings(n, seed, temperature)
         return await self._score(row, list(await asyncio.gather(*(one(s) for s in samplings))))

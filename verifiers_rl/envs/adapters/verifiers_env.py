@@ -24,7 +24,7 @@ from typing import Any
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.envs.environment import Environment, RolloutError, Row
 from verifiers_rl.envs.rubric import Rubric
-from verifiers_rl.core.sampling import RolloutSampling, Sampler, sampling_for_rollout
+from verifiers_rl.core.sampling import RolloutSampling, Sampler, sampling_for_rollout, set_completion_versions
 from verifiers_rl.envs.tools import current_tool_mode
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,10 @@ class VerifiersEnv(Environment):
             raise RolloutError(
                 f"{self.name}: the verifiers rubric failed on dataset row {row.index}: {describe_error(error)}"
             ) from error
-        return [self._to_rollout(state, row, group_id) for state in states]
+        rollouts = [self._to_rollout(state, row, group_id) for state in states]
+        for rollout, sampling in zip(rollouts, samplings):
+            set_completion_versions(rollout, sampling)  # the versions its model calls recorded, turn by turn
+        return rollouts
 
     async def _vf_rollout(self, sampling: RolloutSampling, client, row: VerifiersRow):
         # Inside the rollout's own task (gather made one): the environment's model calls inherit this setting.

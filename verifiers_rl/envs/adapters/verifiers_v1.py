@@ -24,7 +24,7 @@ from typing import Any
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.envs.environment import Environment, RolloutError, RolloutRefused, Row
 from verifiers_rl.envs.rubric import Rubric
-from verifiers_rl.core.sampling import RolloutSampling, Sampler
+from verifiers_rl.core.sampling import RolloutSampling, Sampler, set_completion_versions
 
 logger = logging.getLogger(__name__)
 
@@ -271,8 +271,11 @@ class V1Env(Environment):
             stops = sorted({str(trace["stop_condition"]) for trace in answer["traces"]})
             raise RolloutError(f"{where}: the episode failed: {'; '.join(answer['errors']) or 'no error given'} "
                                f"(stop condition {', '.join(stops) or 'none'})")
-        return [self._to_rollout(trace, branch, row, group_id, episode)
-                for trace, branch in trainable_branches(answer["traces"], where)]
+        rollouts = [self._to_rollout(trace, branch, row, group_id, episode)
+                    for trace, branch in trainable_branches(answer["traces"], where)]
+        for rollout in rollouts:  # the endpoint sampled its calls under ``sampling``, which recorded their versions
+            set_completion_versions(rollout, sampling)
+        return rollouts
 
     def _to_rollout(self, trace: dict, branch: dict, row: Row, group_id, episode: int | None) -> Rollout:
         """One trainable branch as a Rollout: the tokens up to its first sampled one are the prompt."""
