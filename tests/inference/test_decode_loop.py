@@ -247,3 +247,27 @@ def test_a_multi_turn_rollout_carries_each_turns_version(tiny_model_dir):
     assert len(turns) == 3 and turns[0] == [0] * len(turns[0]) and all(v == 1 for t in turns[1:] for v in t)
     rollout.validate()
     engine.close()
+
+
+def test_continuous_batching_rows_reaches_the_engine_and_is_refused_beside_a_vllm_server(tiny_model_dir):
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.inference.factory import build_engine, make_engine
+
+    def config(**kwargs):
+        return RLConfig(output_dir="/tmp/unused", report_to="none", max_completion_length=4, **kwargs)
+
+    engine = build_engine(config(continuous_batching_rows=3), tiny_model_dir, None)
+    try:
+        asyncio.run(engine.sample([5, 6, 7], 4))
+        assert engine.health()["continuous"]["rows"] == 3 and engine.health()["continuous"]["served"] == 1
+    finally:
+        engine.close()
+    assert build_engine(config(), tiny_model_dir, None).health()["continuous"] is None  # 0: batch by batch
+    with pytest.raises(ValueError, match=r"--continuous_batching_rows 2 .*a vLLM server \(--vllm_server_url\)"):
+        config(continuous_batching_rows=2, vllm_server_url="http://127.0.0.1:8000")
+    with pytest.raises(ValueError, match=r"continuous_rows=2 \(--continuous_batching_rows\)"):
+        make_engine(tiny_model_dir, None, SamplingConfig(), vllm_server_url="http://127.0.0.1:9", continuous_rows=2)
+    with pytest.raises(ValueError, match="continuous_batching_rows must be >= 0"):
+        config(continuous_batching_rows=-1)
+    with pytest.raises(ValueError, match=r"continuous_rows \(--continuous_batching_rows\) must be an int >= 0"):
+        EmbeddedEngine(tiny_model_dir, continuous_rows=-1)

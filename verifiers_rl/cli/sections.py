@@ -18,7 +18,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "Environment and data": ("env", "env_args", "tool_mode", "rollouts_path", "save_rollouts_path", "max_seq_len",
                              "max_completion_length", "overlong", "chat_template_kwargs"),
     "Generation": ("num_generations", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                   "generation_kwargs", "filter_groups", "max_refill_batches", "max_rollout_retries",
+                   "continuous_batching_rows", "generation_kwargs", "filter_groups", "max_refill_batches", "max_rollout_retries",
                    "max_failed_rollouts_fraction", "generation_timeout_s", "curriculum_easy_above",
                    "curriculum_hard_below", "curriculum_window", "curriculum_pass_reward",
                    "curriculum_set_aside_epochs"),

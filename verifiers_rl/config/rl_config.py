@@ -226,6 +226,15 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         },
     )
 
+    continuous_batching_rows: Annotated[int, NON_NEGATIVE] = field(
+        default=0,
+        metadata={
+            "help": "Embedded engine: serve every model call from one running decode batch of up to N rows on a "
+            "thread of its own; a request joins between two decode steps as rows finish, and a weight load lands "
+            "between two steps without draining the rows in flight (each token records the policy version that "
+            "sampled it). 0 = batch by batch. A vLLM server (--vllm_server_url) batches continuously itself."
+        },
+    )
     vllm_server_url: str | None = field(
         default=None,
         metadata={
@@ -461,6 +470,10 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 "`verifiers-rl vllm-serve --model MODEL --port PORT`)."
             )
         check_server_url(self.vllm_server_url, "vllm_server_url")
+        if self.vllm_server_url and self.continuous_batching_rows:
+            raise ValueError(f"--continuous_batching_rows {self.continuous_batching_rows} sets the embedded engine's "
+                             "running batch; a vLLM server (--vllm_server_url) already batches continuously. Leave "
+                             "--continuous_batching_rows 0.")
         if self.vllm_server_url and self.vllm_reconnect_timeout_s >= self.generation_timeout_s:
             # The trainer waits for a batch at most generation_timeout_s: a wait for the server must fit in it.
             raise ValueError(

@@ -15,11 +15,16 @@ from verifiers_rl.inference.vllm.http import server_urls
 
 def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: str | None = None,
                 vllm: dict[str, Any] | None = None, require_weight_sync: bool = True,
-                generate_in_loop_thread: bool = False, max_batch_size: int = 64, dtype: torch.dtype = torch.float32):
+                generate_in_loop_thread: bool = False, max_batch_size: int = 64, dtype: torch.dtype = torch.float32,
+                continuous_rows: int = 0):
     """A ``VLLMEngine`` client of ``vllm_server_url`` (a ``MultiServerEngine`` when it names several; checked now: it must answer and serve ``model``; a server still
     starting gets 30 s; ``vllm``: its other arguments), or the embedded HF engine on its own copy of ``model``'s
-    weights, on the GPU when there is one (``generate`` follows the embedding's device)."""
+    weights, on the GPU when there is one (``generate`` follows the embedding's device), serving continuously with
+    ``continuous_rows`` (``EmbeddedEngine``; a server batches continuously itself and refuses it)."""
     urls = server_urls(vllm_server_url)
+    if urls and continuous_rows:
+        raise ValueError(f"continuous_rows={continuous_rows} (--continuous_batching_rows) sets the embedded engine's "
+                         "running batch; a vLLM server already batches continuously. Leave it 0.")
     if len(urls) > 1:
         from verifiers_rl.inference.vllm.pool import MultiServerEngine
 
@@ -33,7 +38,7 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     from verifiers_rl.inference.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=max_batch_size, dtype=dtype,
-                            generate_in_loop_thread=generate_in_loop_thread)
+                            generate_in_loop_thread=generate_in_loop_thread, continuous_rows=continuous_rows)
     if torch.cuda.is_available():
         engine.model.to("cuda")
     return engine
@@ -75,4 +80,4 @@ def build_engine(config, model: str, tokenizer):
     # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
     return make_engine(model, tokenizer, sampling_settings(config), vllm_server_url=config.vllm_server_url,
                        vllm=keywords(vllm_settings(config)), generate_in_loop_thread=config.max_off_policy_steps == 0,
-                       dtype=dtype)
+                       dtype=dtype, continuous_rows=config.continuous_batching_rows)
