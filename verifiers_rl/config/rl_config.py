@@ -178,6 +178,13 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=1,
         metadata={"help": "k: generation runs up to k optimizer steps ahead of training (0 = synchronous)."},
     )
+    groups_in_flight: Annotated[int, NON_NEGATIVE] = field(
+        default=0,
+        metadata={"help": "Continuous generation: keep up to N groups (a prompt x num_generations) in flight, a batch "
+                          "made of the first finished whole groups, weights loaded while groups are in flight, a group "
+                          "whose oldest token is staler than max_off_policy_steps dropped and regenerated. 0 = "
+                          "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1."},
+    )
     generation_timeout_s: Annotated[float, POSITIVE] = field(
         default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error."}
     )
@@ -500,9 +507,26 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         if self.rollouts_path and curriculum.active:
             raise ValueError("--curriculum_easy_above / --curriculum_hard_below steer which prompts live generation "
                              "draws; a replay of --rollouts_path generates nothing to steer. Leave them unset.")
+        if self.groups_in_flight:
+            self._check_continuous_generation(curriculum.active)
         from verifiers_rl.rollouts.evaluation import EvalSettings
 
         EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)
+
+    def _check_continuous_generation(self, curriculum: bool) -> None:
+        """What --groups_in_flight N (continuous generation) does not combine with, refused by name."""
+        why = {
+            "--rollouts_path (replay)": (bool(self.rollouts_path), "a replay generates nothing"),
+            "--max_off_policy_steps 0": (self.max_off_policy_steps == 0, "groups are generated while the trainer "
+                                         "trains, so a batch is up to k >= 1 steps old; set k >= 1"),
+            "--filter_groups zero_variance": (self.filter_groups != "none", "its refill rounds are batch-at-a-time"),
+            "--curriculum_easy_above / --curriculum_hard_below": (curriculum, "its per-batch state assumes batches "
+                                                                  "generated as a unit"),
+        }
+        for flag, (given, reason) in why.items():
+            if given:
+                raise ValueError(f"--groups_in_flight {self.groups_in_flight} (continuous generation) does not combine "
+                                 f"with {flag}: {reason}. Use --groups_in_flight 0 (batch at a time) for it.")
 
 
 # GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.

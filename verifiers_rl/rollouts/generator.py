@@ -145,6 +145,26 @@ class GenerationTimeout(GenerationError):
     """No batch arrived in time: the engine or an environment is stuck."""
 
 
+class PositionDraws:
+    """Which dataset row the group at each position of the run samples (position p: the p-th group drawn): the
+    environment's own draw where it has one (a mixture draws its entries by weight), else the rows in a seeded
+    shuffle per epoch. A function of the position and the seed alone, so batch-at-a-time and continuous generation
+    draw the same rows, and a resumed run draws what the uninterrupted one drew."""
+
+    def __init__(self, environment, size: int, seed: int, shuffle: bool):
+        self.draw_rows = getattr(environment, "draw_rows", None)
+        self.size, self.seed, self.shuffle = size, seed, shuffle
+        self._order: list[int] = []  # the epochs' orders one after another, as far as drawn
+
+    def rows_at(self, positions: list[int]) -> list[int]:
+        """The row index of each of ``positions``."""
+        if self.draw_rows is not None:
+            return list(self.draw_rows(positions, self.seed, self.shuffle))
+        while len(self._order) <= max(positions, default=-1):
+            self._order.extend(epoch_order(self.size, len(self._order) // self.size, self.seed, self.shuffle))
+        return [self._order[position] for position in positions]
+
+
 class AsyncGenerator:
     """Produces batches of rollouts ``max_off_policy_steps`` (k) batches ahead, on a thread of the main process.
 
@@ -206,7 +226,7 @@ class AsyncGenerator:
         self._batch_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._order: list[int] = []
+        self.draws = PositionDraws(environment, len(rows), seed, shuffle)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         # rollouts/curriculum.py: the state after every generated batch; a batch works on a copy (its draft), which
@@ -344,21 +364,9 @@ class AsyncGenerator:
 
     # --- the generator thread -----------------------------------------------------------------------------------
 
-    def _rows_of(self, index: int) -> list[tuple[int, dict]]:
-        draw_rows = getattr(self.environment, "draw_rows", None)
-        if draw_rows is not None:  # the environment orders its own rows (a mixture draws its entries by weight)
-            positions = [index * self.prompts_per_batch + k for k in range(self.prompts_per_batch)]
-            return list(zip(positions, draw_rows(positions, self.seed, self.shuffle)))
-        picked = []
-        for k in range(self.prompts_per_batch):
-            position = index * self.prompts_per_batch + k
-            epoch, offset = divmod(position, len(self.rows))
-            while len(self._order) <= epoch * len(self.rows) + offset:
-                self._order.extend(epoch_order(len(self.rows), len(self._order) // len(self.rows), self.seed,
-                                               self.shuffle))
-            row_index = self._order[epoch * len(self.rows) + offset]
-            picked.append((position, row_index))
-        return picked
+    def _rows_of(self, index: int) -> list[tuple[int, int]]:
+        positions = [index * self.prompts_per_batch + k for k in range(self.prompts_per_batch)]
+        return list(zip(positions, self.draws.rows_at(positions)))
 
     def _wait_for_version(self, index: int) -> bool:
         needed = self.required_version(index)
@@ -419,15 +427,29 @@ class AsyncGenerator:
 
 def make_source(args, given: RolloutSource | None, environment, engine) -> RolloutSource:
     """The run's rollout source (main process): live generation from ``environment`` through ``engine`` as ``args``
-    (an ``RLConfig``) says, ``given``, or a replay of ``args.rollouts_path``."""
+    (an ``RLConfig``) says (batch at a time, or continuous with ``--groups_in_flight``), ``given``, or a replay of
+    ``args.rollouts_path``."""
     filter_groups = args.filter_groups == "zero_variance"
     if environment is None:
         if given is not None and settings_from(args, CurriculumSettings).active:
             raise ValueError("--curriculum_easy_above / --curriculum_hard_below steer live generation from an "
                              "environment; a rollout_source generates nothing to steer. Leave them unset.")
+        if given is not None and args.groups_in_flight:
+            raise ValueError(f"--groups_in_flight {args.groups_in_flight} sets how live generation from an environment "
+                             "runs; a rollout_source makes its own batches. Leave it 0.")
         return given or ReplaySource(args.rollouts_path, args.rollouts_per_step, filter_groups=filter_groups)
     if engine is None:
         raise ValueError("Generating from an environment needs an inference engine on the main process.")
+    if args.groups_in_flight:  # RLConfig refused what continuous generation does not combine with
+        from verifiers_rl.rollouts.continuous import ContinuousGenerator  # it builds on this module
+
+        return ContinuousGenerator(
+            environment, engine, rollouts_per_step=args.rollouts_per_step, num_generations=args.num_generations,
+            groups_in_flight=args.groups_in_flight, max_off_policy_steps=args.max_off_policy_steps,
+            timeout_s=args.generation_timeout_s, seed=args.seed, steps_per_batch=args.num_iterations,
+            max_rollout_retries=args.max_rollout_retries,
+            max_failed_rollouts_fraction=args.max_failed_rollouts_fraction, shuffle=args.shuffle_dataset,
+        )
     return AsyncGenerator(
         environment, engine, rollouts_per_step=args.rollouts_per_step, num_generations=args.num_generations,
         max_off_policy_steps=args.max_off_policy_steps, timeout_s=args.generation_timeout_s, seed=args.seed,

@@ -60,7 +60,7 @@ class GroupRollouts:
         ``max_rollout_retries`` times, then dropped (a ``RolloutRefused`` at once: the same seeds refuse again). Counted in the batch's ``rollouts_failed`` (failed attempts) and
         ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
         them) fails the batch with the last error. ``on_group(row, group)`` sees each generated group (a curriculum)."""
-        results = await asyncio.gather(*(self._group(row, group_id, seed) for group_id, row, seed in picks))
+        results = await asyncio.gather(*(self.attempt(row, group_id, seed) for group_id, row, seed in picks))
         if on_group is not None:
             for (_, row, _), (group, _, _) in zip(picks, results):
                 if group is not None:
@@ -87,8 +87,9 @@ class GroupRollouts:
                            index, dropped, len(results), failures)
         return groups
 
-    async def _group(self, row, group_id: str, seed: int) -> tuple[list[Rollout] | None, int, Exception | None]:
-        """(the group or None, failed attempts, the last error)."""
+    async def attempt(self, row, group_id: str, seed: int) -> tuple[list[Rollout] | None, int, Exception | None]:
+        """One group of ``row``, retried as ``of`` says: (the group or None when dropped, failed attempts, the last
+        error). Raises what a retry cannot mend (the inference server is gone)."""
         error = None
         for attempt in range(self.max_rollout_retries + 1):
             try:

@@ -37,6 +37,7 @@ from verifiers_rl.training.run_state import (
 )
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import agreed_max, main_process_outcome
+from verifiers_rl.rollouts.continuous import ContinuousGenerator
 from verifiers_rl.rollouts.generator import AsyncGenerator
 from verifiers_rl.training.step_batches import StepBatches
 from verifiers_rl.training.weight_stream import gathered
@@ -51,8 +52,9 @@ class RunCheckpoints:
     ``zero_stage`` is 0 outside DeepSpeed; ``reference`` returns the bare reference model when it changes during
     the run (``sync_ref_model``), else None."""
 
-    def __init__(self, args: RLConfig, accelerator, steps: StepBatches, generator: AsyncGenerator | None,
-                 model: Callable[[], object], zero_stage: int, reference: Callable[[], object | None] = lambda: None):
+    def __init__(self, args: RLConfig, accelerator, steps: StepBatches,
+                 generator: AsyncGenerator | ContinuousGenerator | None, model: Callable[[], object], zero_stage: int,
+                 reference: Callable[[], object | None] = lambda: None):
         self.args = args
         self.reference = reference
         self.accelerator = accelerator
@@ -110,8 +112,14 @@ class RunCheckpoints:
                                       "--sync_ref_model, whose reference model stays the initial one. Resume it "
                                       "without --sync_ref_model, or start a new run.")
             if self.generator is not None:
+                positions = {} if saved.generator is None else {"positions": saved.generator}
+                if positions and not isinstance(self.generator, ContinuousGenerator):
+                    raise CheckpointError(
+                        f"{path} was written under continuous generation (--groups_in_flight "
+                        f"{saved.generator.get('groups_in_flight', 'N')}): it keeps finished groups and the prompts "
+                        "in flight, not whole batches. Resume it with --groups_in_flight N (N >= 1).")
                 self.generator.restore(saved.next_batch, load_pending(path, saved), self._curriculum_of(path),
-                                       str(path))
+                                       str(path), **positions)
             self._truncate_saved_rollouts(saved)
             return str(path), saved
 
@@ -244,5 +252,10 @@ class RunCheckpoints:
             target = self.args.save_rollouts_path
             if target and os.path.exists(target):
                 state.save_rollouts = {"path": os.path.abspath(target), "bytes": os.path.getsize(target)}
-            pending, curriculum = self.generator.snapshot() if self.generator is not None else ({}, None)
+            pending, curriculum = {}, None
+            if isinstance(self.generator, ContinuousGenerator):  # continuous: the positions in flight, taken together
+                pending, curriculum, state.generator = self.generator.checkpoint_state()
+                state.generator["groups_in_flight"] = self.args.groups_in_flight
+            elif self.generator is not None:
+                pending, curriculum = self.generator.snapshot()
             save_run_state(folder, state, pending, curriculum)

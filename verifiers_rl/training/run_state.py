@@ -8,7 +8,8 @@ HF's ``checkpoint-N/`` holds the model, tokenizer, optimizer, scheduler, RNG sta
 - ``curriculum.json`` (a difficulty curriculum only): its state after the batches generated so far, pending ones
   included (each environment's draw cursor, each prompt's recent pass fractions, the prompts set aside);
 - ``pending/batch-<b>.jsonl``: batches a live run had generated ahead but not trained yet (sampled by weights older
-  than the checkpoint's, so they cannot be regenerated after a resume);
+  than the checkpoint's, so they cannot be regenerated after a resume); under continuous generation one file of the
+  finished groups not yet trained, and the state file lists the positions in flight (generated again on resume);
 - ``rank_batch-<r>.safetensors`` + ``rank_batch-<r>.json``: each rank's slice of a batch that is part-way through its ``num_iterations`` updates (its
   proximal log-probs come from weights older than the checkpoint's).
 - ``reference_model.safetensors`` (``--sync_ref_model`` only): the reference model, which moves towards the policy
@@ -67,6 +68,9 @@ class RunState:
     source: dict[str, Any]  # {"kind": "replay", "path", "sha256"} or {"kind": "live", "environment", "rows_sha256", ...}
     pending_batches: list[int] = field(default_factory=list)
     save_rollouts: dict[str, Any] | None = None  # {"path", "bytes"}: the rollouts file's length at the checkpoint
+    # Continuous generation (--groups_in_flight): {"next_position", "in_flight": [[position, retry], ...]}; its
+    # pending groups are one pending batch. None: batch at a time.
+    generator: dict[str, Any] | None = None
     format: int = STATE_FORMAT
 
     def mid_batch(self) -> bool:

@@ -1,10 +1,11 @@
 """Weight sync: the trainer's policy into the inference engine after every optimizer step, then a probe.
 
 ``EngineWeightSync.sync(version)`` waits for the batches an older version must generate (the exact schedule),
-streams the gathered weights into the engine under the generator's batch lock, and every
-``weight_sync_probe_every``-th sync compares the engine's log-probs of a fixed sequence with the trainer's. Every rank
-calls it: ZeRO-3 gathers and the probe's forward are collective; an engine error on the main process reaches every
-rank once the gathers are done, instead of a hang.
+streams the gathered weights into the engine under the generator's batch lock (continuous generation,
+``--groups_in_flight``: neither wait nor lock, the engine loads between decode steps while groups are in flight), and
+every ``weight_sync_probe_every``-th sync compares the engine's log-probs of a fixed sequence with the trainer's.
+Every rank calls it: ZeRO-3 gathers and the probe's forward are collective; an engine error on the main process
+reaches every rank once the gathers are done, instead of a hang.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from transformers import TrainerCallback
 
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import main_process_outcome
+from verifiers_rl.rollouts.continuous import ContinuousGenerator
 from verifiers_rl.rollouts.generator import AsyncGenerator
 from verifiers_rl.core.engine import SupportsPromptLogprobs
 from verifiers_rl.core.modeling import default_probe_tolerance, sequence_logprobs
@@ -44,7 +46,8 @@ class EngineWeightSync:
     rank), else the bare model on the main process alone. ``log(name, value)`` records a step metric.
     """
 
-    def __init__(self, args: RLConfig, accelerator, engine, generator: AsyncGenerator | None, tokenizer,
+    def __init__(self, args: RLConfig, accelerator, engine, generator: AsyncGenerator | ContinuousGenerator | None,
+                 tokenizer,
                  gather_model: Callable[[], torch.nn.Module], bare_model: Callable[[], torch.nn.Module],
                  zero3: bool, log: Callable[[str, float], None], timed: Callable[[float], None] = lambda s: None):
         self.args = args

@@ -1,0 +1,169 @@
+"""Continuous generation (``--groups_in_flight``, rollouts/continuous.py): batches of whole finished groups drawn and
+seeded as batch at a time, a group older than the staleness bound dropped, counted and generated again under a new
+seed, and a checkpoint's finished groups and positions in flight resumed so that every position is trained once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from verifiers_rl.envs import Rubric, SingleTurnEnv
+from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+from verifiers_rl.rollouts.continuous import ContinuousGenerator, position_of
+from verifiers_rl.rollouts.generator import AsyncGenerator
+
+P, G = 2, 4  # prompts per batch, rollouts per group
+
+
+def length_reward(completion) -> float:
+    return float(len(completion[-1]["content"]))
+
+
+class GatedEnv(SingleTurnEnv):
+    """Row 0's rollouts, once sampled, wait until the gate opens (a slow tool or judge after the model's turn, so
+    their tokens keep the version that sampled them); the rest finish at once."""
+
+    gate_open = False
+
+    async def generate(self, sampler, prompt, prompt_ids, state):
+        trajectory = await super().generate(sampler, prompt, prompt_ids, state)
+        deadline = time.monotonic() + 60
+        while state["info"]["row"] == 0 and not self.gate_open:
+            assert time.monotonic() < deadline, "the gate was never opened"
+            await asyncio.sleep(0.01)
+        return trajectory
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=5))
+    return tokenizer, engine
+
+
+def environment(tokenizer, gated: bool = False) -> SingleTurnEnv:
+    rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(12)]
+    kind = GatedEnv if gated else SingleTurnEnv
+    return kind(rows, Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="gated")
+
+
+def continuous(env, engine, total: int, in_flight: int = 3) -> ContinuousGenerator:
+    engine.policy_version = 0
+    generator = ContinuousGenerator(env, engine, rollouts_per_step=P * G, num_generations=G,
+                                    groups_in_flight=in_flight, max_off_policy_steps=1, seed=3, timeout_s=60,
+                                    shuffle=False)
+    generator.total_batches = total
+    return generator
+
+
+def step(generator, index: int):
+    """Batch ``index``, then the weight load after its optimizer step (the version; the weights stay the same)."""
+    batch = generator.batch(index)
+    generator.engine.policy_version = index + 1
+    generator.weights_updated()
+    return batch
+
+
+def groups(rollouts) -> dict:
+    found: dict = {}
+    for rollout in rollouts:
+        found.setdefault(rollout.group_id, []).append(rollout)
+    return found
+
+
+def wait_for_pending(generator, group_id: str) -> list:
+    deadline = time.monotonic() + 60
+    while True:
+        waiting = [r for rollouts in generator.pending().values() for r in rollouts if r.group_id == group_id]
+        if waiting:
+            return waiting
+        assert time.monotonic() < deadline, f"{group_id} never finished"
+        time.sleep(0.02)
+
+
+def test_batches_are_whole_finished_groups_drawn_and_seeded_as_batch_at_a_time(parts):
+    tokenizer, engine = parts
+    generator = continuous(environment(tokenizer), engine, total=4)
+    try:
+        batches = [step(generator, index) for index in range(4)]
+    finally:
+        generator.close()
+    reference = AsyncGenerator(environment(tokenizer), engine, rollouts_per_step=P * G, num_generations=G,
+                               max_off_policy_steps=0, seed=3, shuffle=False)
+    engine.policy_version = 0
+    expected = {position_of(gid)[0]: sorted(r.completion_ids for r in members)
+                for index in range(4) for gid, members in groups(reference.batch(index).rollouts).items()}
+    trained = {}
+    for index, batch in enumerate(batches):
+        found = groups(batch.rollouts)
+        assert len(found) == P and all(len(members) == G for members in found.values())  # whole groups
+        for gid, members in found.items():
+            assert members[0].completion_versions is not None
+            assert min(r.oldest_version() for r in members) >= generator.required_version(index)
+            trained[position_of(gid)[0]] = sorted(r.completion_ids for r in members)
+        assert batch.stats["groups_stale_dropped"] == 0 and batch.stats["staleness/token_max"] <= 1
+        fractions = [batch.stats[f"staleness/token_fraction_{age}"] for age in (0, 1)]
+        assert sum(fractions) == pytest.approx(1.0)
+    # Positions 0..7 once each, and each group's tokens are what batch-at-a-time sampled at that position.
+    assert trained == expected
+
+
+def test_a_group_older_than_the_bound_is_dropped_counted_and_generated_again(parts):
+    tokenizer, engine = parts
+    env = environment(tokenizer, gated=True)
+    generator = continuous(env, engine, total=5)
+    try:
+        early = [step(generator, index) for index in range(2)]  # position 0 (row 0) waits, started at version 0
+        assert "p0" not in {r.group_id for batch in early for r in batch.rollouts}
+        env.gate_open = True
+        stale = wait_for_pending(generator, "p0")  # finished: sampled by version 0, older than batch 2's bound (1)
+        assert {r.oldest_version() for r in stale} == {0}
+        later = [step(generator, index) for index in range(2, 5)]
+    finally:
+        generator.close()
+    assert later[0].stats["groups_stale_dropped"] == 1
+    assert sum(batch.stats["groups_stale_dropped"] for batch in early + later) == 1
+    trained = [r for batch in early + later for r in batch.rollouts]
+    ids = [gid for gid in groups(trained)]
+    assert "p0" not in ids and ids.count("p0-retry1") == 1  # generated again, trained once
+    retried = groups(trained)["p0-retry1"]
+    assert sorted(r.completion_ids for r in retried) != sorted(r.completion_ids for r in stale)  # a new seed
+    assert sorted(position_of(gid)[0] for gid in ids) == list(range(10))
+    for index, batch in enumerate(early + later):
+        assert min(r.oldest_version() for r in batch.rollouts) >= generator.required_version(index)
+
+
+def test_a_checkpoint_keeps_finished_groups_and_positions_in_flight_and_a_resume_trains_each_once(parts):
+    tokenizer, engine = parts
+    env = environment(tokenizer, gated=True)  # row 0 never finishes before the checkpoint
+    first = continuous(env, engine, total=4)
+    try:
+        before = [step(first, index) for index in range(2)]
+        deadline = time.monotonic() + 60
+        while not first.pending():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        pending, curriculum, positions = first.checkpoint_state()
+    finally:
+        first.close()
+    assert curriculum is None and [0, 0] in positions["in_flight"]  # position 0, first generation
+    saved = [r.group_id for rollouts in pending.values() for r in rollouts]
+
+    resumed = continuous(environment(tokenizer), engine, total=4)
+    resumed.restore(2, pending, None, positions=positions)
+    engine.policy_version = 2  # the resumed run loads the checkpoint's weights first
+    try:
+        after = [step(resumed, index) for index in range(2, 4)]
+    finally:
+        resumed.close()
+    trained = [gid for batch in before + after for gid in groups(batch.rollouts)]
+    assert sorted(position_of(gid)[0] for gid in trained) == list(range(8))  # nothing lost, nothing twice
+    assert "p0" in groups([r for batch in after for r in batch.rollouts])  # regenerated under its own seed
+    assert set(saved) <= set(trained) or any(b.stats["groups_stale_dropped"] for b in after)
+    # A checkpoint of batch-at-a-time generation continues after its pending batches.
+    plain = continuous(environment(tokenizer), engine, total=4)
+    plain.restore(2, {2: before[0].rollouts})
+    assert plain.checkpoint_state()[2] == {"next_position": 6, "in_flight": []}

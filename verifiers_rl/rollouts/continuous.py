@@ -1,0 +1,366 @@
+"""Continuous generation (``--groups_in_flight N``): groups are generated one by one, up to N at once, and a batch is
+made of the first finished whole groups, so a long episode holds up only its own group, never a whole batch.
+
+Positions are drawn in the order and with the seeds of batch-at-a-time generation (position p: the row
+``PositionDraws`` gives, seed ``derive_seed(seed, "train", p)``), but a batch holds groups in the order they
+finished, and weights are loaded while groups are in flight (the engine orders a load between its decode steps), so
+a group's tokens may come from several policy versions (``Rollout.completion_versions``). Staleness is bounded as
+in the exact schedule: batch b trains only groups whose oldest sampled token is from version
+``required_version(b)`` or newer; an older group is dropped, counted (``groups_stale_dropped``) and its position
+generated again under a new seed (derived from the retry count). What is exact and what is not across a resume:
+docs/durability.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout, group_by_id
+from verifiers_rl.core.sampling import derive_seed
+from verifiers_rl.rollouts.generator import Batch, GenerationTimeout, PositionDraws, _close_loop
+from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts
+
+logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as batch at a time
+
+
+@dataclass
+class FinishedGroup:
+    """A generated group waiting for its batch: its rollouts, and when it started and finished (None: restored from
+    a checkpoint)."""
+
+    rollouts: list[Rollout]
+    failures: int = 0  # failed attempts before it was generated (``rollouts_failed``)
+    started: float | None = None
+    finished: float | None = None
+
+    def oldest_version(self) -> int:
+        return min(rollout.oldest_version() for rollout in self.rollouts)
+
+
+def group_id_of(position: int, retry: int) -> str:
+    """A group's id: its position, and how many times it was generated again after being dropped as stale."""
+    return f"p{position}" if retry == 0 else f"p{position}-retry{retry}"
+
+
+def group_seed(seed: int, position: int, retry: int) -> int:
+    """The seed of position ``position``'s ``retry``-th generation: batch-at-a-time's at first, then new draws."""
+    return derive_seed(seed, "train", position) if retry == 0 else derive_seed(seed, "train", position, "stale", retry)
+
+
+def stamp_versions(rollouts: list[Rollout], version: int) -> None:
+    """Where the environment recorded no per-token versions: every sampled token gets ``version``, the policy's when
+    the group started (the oldest it can have been sampled by, so staleness is never under-counted)."""
+    for rollout in rollouts:
+        if rollout.completion_versions is None:
+            rollout.completion_versions = [version if m else NOT_SAMPLED for m in rollout.completion_mask]
+        if rollout.policy_version is None:  # the oldest token's (a rollout's staleness is its oldest token's)
+            rollout.policy_version = version if rollout.oldest_version() is None else rollout.oldest_version()
+
+
+def staleness_stats(rollouts: list[Rollout], trained_version: int, bound: int) -> dict[str, float]:
+    """Per sampled token, the optimizer steps between the version that sampled it and ``trained_version``: mean,
+    max and the fraction at each staleness 0..``bound`` (``staleness/token_*``)."""
+    ages = [trained_version - v for r in rollouts for v, m in zip(r.completion_versions or (), r.completion_mask)
+            if m and v != NOT_SAMPLED]
+    counts = Counter(ages)
+    stats = {f"staleness/token_fraction_{age}": counts[age] / max(len(ages), 1)
+             for age in sorted(set(range(bound + 1)) | set(counts))}
+    if ages:
+        stats.update({"staleness/token_mean": sum(ages) / len(ages), "staleness/token_max": float(max(ages))})
+    return stats
+
+
+class ContinuousGenerator:
+    """Keeps up to ``groups_in_flight`` groups in flight as asyncio tasks on its own thread and hands out batches of
+    ``prompts_per_batch`` finished groups (the rollout-source interface of ``AsyncGenerator``).
+
+    Never more than k = ``max_off_policy_steps`` batches ahead: with the engine at version v, groups are started
+    only while the groups handed out, waiting and in flight number fewer than (v // m + k + 1) batches' worth (m =
+    ``steps_per_batch``), since a group started at v fits no batch after v // m + k. ``hold_weights`` holds nothing
+    and ``wait_for_older_batches`` returns at once: a weight load does not wait for a batch. A checkpoint keeps the
+    finished groups not yet trained (``pending``) and the positions in flight, generated again on resume.
+    """
+
+    def __init__(self, environment, engine, rollouts_per_step: int, num_generations: int, groups_in_flight: int,
+                 max_off_policy_steps: int = 1, timeout_s: float = 600.0, seed: int = 0, steps_per_batch: int = 1,
+                 max_rollout_retries: int = 2, max_failed_rollouts_fraction: float = 0.0, shuffle: bool = True):
+        if groups_in_flight < 1 or max_off_policy_steps < 1:
+            raise ValueError(f"Continuous generation needs --groups_in_flight >= 1 and --max_off_policy_steps >= 1 "
+                             f"(groups are generated while the trainer trains), got {groups_in_flight} and "
+                             f"{max_off_policy_steps}.")
+        rows = list(environment.dataset)
+        if not rows:
+            raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")
+        self.environment, self.engine, self.rows = environment, engine, rows
+        self.prompts_per_batch = rollouts_per_step // num_generations
+        self.num_generations = num_generations
+        self.groups_in_flight = groups_in_flight
+        self.max_off_policy_steps = max_off_policy_steps
+        self.steps_per_batch = steps_per_batch
+        self.timeout_s, self.seed = timeout_s, seed
+        self.max_failed_rollouts_fraction = max_failed_rollouts_fraction
+        self.max_rollout_retries = max_rollout_retries
+        self.draws = PositionDraws(environment, len(rows), seed, shuffle)
+        self.groups = GroupRollouts(environment, engine, rows, num_generations, self.prompts_per_batch, seed, 0,
+                                    max_rollout_retries, max_failed_rollouts_fraction)
+        self.curriculum = None  # refused in this mode (RLConfig)
+        self.total_batches: int | None = None  # batches the run will train on; no group is started beyond them
+        self._condition = threading.Condition()  # guards everything below that both threads touch
+        self._finished: list[FinishedGroup] = []  # in the order they finished
+        self._in_flight: dict[int, int] = {}  # position -> retry, started
+        self._redo: list[tuple[int, int]] = []  # (position, retry) to start first: stale drops, restored positions
+        self._next_position = 0
+        self._handed = 0  # batches handed out
+        self._counts: dict[str, float] = {}  # since the last batch: stale drops, failed attempts, groups dropped
+        self._errors: list[Exception] = []  # of the groups dropped since the last batch
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    def __len__(self) -> int:
+        return max(len(self.rows) // self.prompts_per_batch, 1)
+
+    def required_version(self, index: int) -> int:
+        """The oldest policy version batch ``index`` may train a token of."""
+        return max(0, index - self.max_off_policy_steps) * self.steps_per_batch
+
+    # --- the trainer's side -------------------------------------------------------------------------------------
+
+    def batch(self, index: int) -> Batch:
+        """Batch ``index`` (batches are handed out in order): the first ``prompts_per_batch`` finished groups within
+        the staleness bound; waits at most ``timeout_s``; re-raises what went wrong in generation."""
+        if index != self._handed:
+            raise ValueError(f"Continuous generation hands out batches in order: batch {self._handed} is next, "
+                             f"batch {index} was asked for.")
+        self.start()
+        deadline = time.monotonic() + self.timeout_s
+        with self._condition:
+            while True:
+                self._drop_stale(index)
+                self._check_failures(index)
+                if len(self._finished) >= self.prompts_per_batch:
+                    break
+                if self._error is not None:
+                    raise GenerationError(
+                        f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise GenerationTimeout(
+                        f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({len(self._finished)} of "
+                        f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight; engine policy "
+                        f"version {self.engine.policy_version}); the engine or an environment is stuck.")
+                self._condition.wait(timeout=min(remaining, 1.0))
+            taken = self._finished[: self.prompts_per_batch]
+            del self._finished[: self.prompts_per_batch]
+            stats = {name: self._counts.get(name, 0.0)
+                     for name in ("groups_stale_dropped", "rollouts_failed", "groups_dropped_on_error")}
+            stats["rollouts_failed"] += sum(group.failures for group in taken)
+            stats["groups_in_flight"] = float(len(self._in_flight))
+            self._counts, self._errors = {}, []
+            self._handed += 1
+        self._wake_loop()
+        rollouts = [rollout for group in taken for rollout in group.rollouts]
+        stats.update(staleness_stats(rollouts, index * self.steps_per_batch,
+                                     self.max_off_policy_steps * self.steps_per_batch))
+        times = [(group.started, group.finished) for group in taken]
+        generation_s = (None if any(t is None for pair in times for t in pair)
+                        else max(end for _, end in times) - min(start for start, _ in times))
+        return Batch(index, rollouts, stats, generation_s)
+
+    def _drop_stale(self, index: int) -> None:
+        """(Holding the condition.) Drop the waiting groups older than batch ``index``'s bound; their positions are
+        generated again under new seeds."""
+        bound = self.required_version(index)
+        stale = [group for group in self._finished if group.oldest_version() < bound]
+        if not stale:
+            return
+        self._finished = [group for group in self._finished if group.oldest_version() >= bound]
+        for group in stale:
+            position, retry = position_of(group.rollouts[0].group_id)
+            self._redo.append((position, retry + 1))
+        self._counts["groups_stale_dropped"] = self._counts.get("groups_stale_dropped", 0.0) + len(stale)
+        logger.info("Batch %d: %d group(s) older than policy version %d dropped, generated again.", index, len(stale),
+                    bound)
+        self._wake_loop()
+
+    def _check_failures(self, index: int) -> None:
+        """(Holding the condition.) Stop with the last error when more groups were dropped on errors since the last
+        batch than ``max_failed_rollouts_fraction`` of the batch allows, or a batch's worth of them."""
+        dropped = int(self._counts.get("groups_dropped_on_error", 0))
+        attempted = self.prompts_per_batch + dropped
+        if dropped and (dropped > self.max_failed_rollouts_fraction * attempted or dropped >= self.prompts_per_batch):
+            raise GenerationError(
+                f"Batch {index}: {dropped} groups failed {self.max_rollout_retries + 1} time(s) each "
+                f"(--max_rollout_retries {self.max_rollout_retries}) or were refused, more than "
+                f"--max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} groups "
+                f"generated for it. Last error: {self._errors[-1]}") from self._errors[-1]
+
+    def wait_for_older_batches(self, version: int) -> None:
+        """Nothing to wait for: weights are loaded while groups are in flight."""
+
+    def hold_weights(self):
+        """A context that holds nothing: a load does not wait for a batch (the engine orders it between decode
+        steps)."""
+        return contextlib.nullcontext()
+
+    def weights_updated(self) -> None:
+        """A newer version may start more groups."""
+        with self._condition:
+            self._condition.notify_all()
+        self._wake_loop()
+
+    # --- checkpoints --------------------------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> tuple[dict[int, list[Rollout]], None, dict]:
+        """Taken together: the finished groups not yet handed out (as one pending batch, the next one's index), no
+        curriculum, and the positions: the next to draw and those in flight with their retry counts."""
+        with self._condition:
+            pending = {self._handed: [r for group in self._finished for r in group.rollouts]} if self._finished else {}
+            in_flight = sorted([*self._in_flight.items(), *self._redo])
+            return pending, None, {"next_position": self._next_position, "in_flight": [list(p) for p in in_flight]}
+
+    def pending(self) -> dict[int, list[Rollout]]:
+        return self.checkpoint_state()[0]
+
+    def snapshot(self) -> tuple[dict[int, list[Rollout]], None]:
+        return self.checkpoint_state()[:2]
+
+    def restore(self, next_batch: int, pending: dict[int, list[Rollout]], curriculum: dict | None = None,
+                where: str = "the checkpoint", positions: dict | None = None) -> None:
+        """Continue a run whose next batch is ``next_batch``: the ``pending`` groups wait for their batches, and the
+        ``positions`` in flight are generated again under their seeds. A checkpoint of batch-at-a-time generation
+        (``positions`` None) continues after its pending batches."""
+        if self._thread is not None:
+            raise RuntimeError("restore() must come before the generator starts.")
+        rollouts = [rollout for index in sorted(pending) for rollout in pending[index]]
+        self._finished = [FinishedGroup(members) for members in group_by_id(rollouts)]
+        self._handed = next_batch
+        if positions is None:
+            self._next_position = (next_batch + len(pending)) * self.prompts_per_batch
+        else:
+            self._next_position = int(positions["next_position"])
+            self._redo = [(int(p), int(r)) for p, r in positions["in_flight"]]
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="verifiers_rl-generator", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop generating: cancel the groups in flight and join the thread."""
+        self._stop.set()
+        with self._condition:
+            self._condition.notify_all()
+        loop, task = self._loop, self._main_task
+        if loop is not None and task is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(task.cancel)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                logger.warning("The generator thread did not stop within %.0f s (a generate call is still running).",
+                               timeout_s)
+            self._thread = None
+
+    # --- the generator thread -----------------------------------------------------------------------------------
+
+    def _wake_loop(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake.set)
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._main_task = self._loop.create_task(self._main())
+            self._loop.run_until_complete(self._main_task)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank
+            with self._condition:
+                self._error = error
+                self._condition.notify_all()
+        finally:
+            self._main_task = None
+            _close_loop(self._loop)
+
+    async def _main(self) -> None:
+        self._wake = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        while not self._stop.is_set():
+            self._wake.clear()
+            for position, retry in self._to_start():
+                task = asyncio.get_running_loop().create_task(self._roll(position, retry))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.5)
+
+    def _to_start(self) -> list[tuple[int, int]]:
+        """The (position, retry) pairs to start now: slots free and within k batches of the engine's version."""
+        with self._condition:
+            if self._error is not None:
+                return []
+            limit = (self.engine.policy_version // self.steps_per_batch + self.max_off_policy_steps + 1)
+            if self.total_batches is not None:
+                limit = min(limit, self.total_batches)
+            alive = self._handed * self.prompts_per_batch + len(self._finished) + len(self._in_flight) + len(self._redo)
+            starts = []
+            while len(self._in_flight) < self.groups_in_flight and (
+                    self._redo or alive < limit * self.prompts_per_batch):
+                if self._redo:
+                    position, retry = self._redo.pop(0)
+                else:
+                    position, retry = self._next_position, 0
+                    self._next_position += 1
+                    alive += 1
+                self._in_flight[position] = retry
+                starts.append((position, retry))
+            return starts
+
+    async def _roll(self, position: int, retry: int) -> None:
+        """Generate one group and queue it (or count it dropped); an error no retry mends stops the generator."""
+        version, started = self.engine.policy_version, time.perf_counter()
+        try:
+            row = self.rows[self.draws.rows_at([position])[0]]
+            group, failures, error = await self.groups.attempt(row, group_id_of(position, retry),
+                                                               group_seed(self.seed, position, retry))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as failure:  # noqa: BLE001 - raised where the trainer waits for a batch
+            with self._condition:
+                self._error = failure
+                self._condition.notify_all()
+            return
+        with self._condition:
+            self._in_flight.pop(position, None)
+            if group is None:
+                self._counts["groups_dropped_on_error"] = self._counts.get("groups_dropped_on_error", 0.0) + 1
+                self._counts["rollouts_failed"] = self._counts.get("rollouts_failed", 0.0) + failures
+                self._errors.append(error)
+            else:
+                stamp_versions(group, version)
+                self._finished.append(FinishedGroup(group, failures, started, time.perf_counter()))
+            self._condition.notify_all()
+        self._wake.set()
+
+
+def position_of(group_id: str) -> tuple[int, int]:
+    """(position, retry) of a continuous group's id (``group_id_of``), or of a batch-at-a-time one (``b<i>-p<p>``,
+    retry 0)."""
+    text = str(group_id)
+    retry = 0
+    if "-retry" in text:
+        text, retry_text = text.rsplit("-retry", 1)
+        retry = int(retry_text)
+    return int(text.rsplit("p", 1)[1]), retry
