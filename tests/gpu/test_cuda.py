@@ -321,3 +321,42 @@ def test_the_engine_on_the_gpu_samples_through_captured_steps(tiny_model_dir, mo
     for captured, plain in zip(samples[True], samples[False], strict=True):
         assert captured.token_ids == plain.token_ids
         torch.testing.assert_close(torch.tensor(captured.logprobs), torch.tensor(plain.logprobs), rtol=0, atol=1e-4)
+
+
+def test_the_continuous_engine_serves_two_loops_and_an_in_flight_load_on_the_gpu(tiny_model_dir):
+    """``continuous_rows`` on the GPU (its decode loop's own thread, each row's noise from a CUDA generator):
+    requests from two event loops on two threads draw the seeded tokens the batch-by-batch engine draws alone
+    (fp32, log-probs within 1e-4), and a weight load from this thread lands between two steps of rows in flight."""
+    import asyncio
+
+    from tests.inference.test_continuous_batching import alone, requests_of
+    from tests.inference.test_decode_loop import in_thread, joined, perturbed_weights, seeded, wait_until
+    from verifiers_rl.inference import SamplingConfig
+    from verifiers_rl.inference.factory import make_engine
+
+    sampling = SamplingConfig(max_new_tokens=64)
+    engine = make_engine(tiny_model_dir, None, sampling, continuous_rows=3)
+    reference = make_engine(tiny_model_dir, None, sampling)
+    assert engine.model.get_input_embeddings().weight.device.type == "cuda"
+    requests = requests_of(500)
+    try:
+        loops = [in_thread(lambda part=part, delay=delay: asyncio.gather(
+            *(seeded(engine, *request, delay=delay * i) for i, request in enumerate(part))))
+            for part, delay in ((requests[0::2], 0.01), (requests[1::2], 0.013))]
+        got = [None] * len(requests)
+        got[0::2], got[1::2] = joined(*loops[0]), joined(*loops[1])
+        for (prompt, max_new_tokens, temperature, seed), (sample, recorded) in zip(requests, got):
+            want = alone(reference, prompt, max_new_tokens, temperature, seed)
+            assert sample.token_ids == want.token_ids and recorded == [0] * len(sample.token_ids)
+            torch.testing.assert_close(torch.tensor(sample.logprobs), torch.tensor(want.logprobs), rtol=0, atol=1e-4)
+        assert engine.health()["continuous"]["admissions"] >= 1
+        engine.eos_token_ids[:] = [-1]  # rows decode to their length: in flight at the load
+        long = [(prompt, 48, temperature, seed) for prompt, _, temperature, seed in requests[:3]]
+        wave = in_thread(lambda: asyncio.gather(*(seeded(engine, *request) for request in long)))
+        wait_until(lambda: engine.health()["continuous"]["steps"] >= 10)
+        engine.load_weights([(name, tensor.cuda()) for name, tensor in perturbed_weights(engine)], version=1)
+        for sample, recorded in joined(*wave):
+            assert recorded == sample.versions == sorted(sample.versions) and 0 < sample.versions.index(1) < 40
+    finally:
+        engine.close()
+        reference.close()

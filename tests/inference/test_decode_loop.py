@@ -93,7 +93,8 @@ def test_requests_from_two_event_loops_join_one_running_batch_and_sample_what_th
 
 def perturbed_weights(engine):
     gen = torch.Generator().manual_seed(0)
-    return [(name, param + 0.2 * torch.randn(param.shape, generator=gen)) for name, param in engine.model.named_parameters()]
+    return [(name, param.cpu() + 0.2 * torch.randn(param.shape, generator=gen))
+            for name, param in engine.model.named_parameters()]
 
 
 def test_a_weight_load_from_another_thread_lands_between_steps_without_draining_the_rows(tiny_model_dir):
