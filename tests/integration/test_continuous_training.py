@@ -1,4 +1,4 @@
-"""Continuous generation through the trainer (one process, the embedded engine): a run trains batches of whole
+"""Continuous generation through the trainer (one process, the embedded engine serving continuously): a run trains batches of whole
 finished groups with their staleness logged, a checkpoint keeps the finished groups not yet trained and the
 positions in flight, and the resumed run trains every position of the uninterrupted run exactly once."""
 
@@ -25,10 +25,15 @@ def train(model_dir, out, rollouts, resume=None):
                     max_seq_len=64, max_off_policy_steps=1, groups_in_flight=3, logging_steps=1,
                     gradient_checkpointing=False, disable_tqdm=True, save_rollouts_path=str(rollouts),
                     print_samples_every=0, weight_sync_probe_tokens=0)
+    # The engine serves continuously too (--continuous_batching_rows): loads land between its decode steps.
+    engine = EmbeddedEngine(model_dir, tokenizer, continuous_rows=6)
     trainer = RLTrainer(model_dir, args, processing_class=tokenizer, environment=load_toy(tokenizer, num_examples=8),
-                        engine=EmbeddedEngine(model_dir, tokenizer))
+                        engine=engine)
     assert isinstance(trainer.generator, ContinuousGenerator)
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        engine.close()
     return [entry for entry in trainer.state.log_history if "groups_stale_dropped" in entry]
 
 

@@ -1,7 +1,8 @@
 """Durable runs: a resumed run ends with the parameters of the run left uninterrupted (replay under one process, DDP
 and ZeRO-3, part-way through a num_iterations batch; live at k = 0 and k = 1), SIGTERM finishes the step, writes a
-checkpoint and stops every rank (one process and a real 2-process DDP launch, then resumed), checkpoints are
-complete or absent, and a resume that does not fit the run is a clear error.
+checkpoint and stops every rank (one process and a real 2-process DDP launch, then resumed; under continuous
+generation it loses no group and trains none twice), checkpoints are complete or absent, and a resume that does not
+fit the run is a clear error.
 
 Every run is the real ``examples/train.py``, as a user launches it.
 """
@@ -21,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from verifiers_rl.training.run_state import CheckpointError, check_fits, load_run_state, publish, resolve_checkpoint
-from verifiers_rl.core.rollout import read_rollouts, write_rollouts
+from verifiers_rl.core.rollout import group_by_id, read_rollouts, write_rollouts
+from verifiers_rl.rollouts.continuous import position_of
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
 from tests.helpers.launches import (COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, final_parameters,
@@ -196,6 +198,30 @@ def test_sigterm_checkpoints_stops_and_the_resumed_run_equals_the_uninterrupted_
     # The rollouts file lost what was appended after the checkpoint and holds every batch once, as the
     # uninterrupted run's does.
     assert rollouts.read_bytes() == (tmp_path / "full.jsonl").read_bytes()
+
+
+@pytest.mark.distributed
+def test_sigterm_under_continuous_generation_loses_no_group_and_trains_none_twice(tiny_model_dir, tmp_path):
+    """--groups_in_flight: the checkpoint SIGTERM writes keeps the finished groups not yet trained and the positions in
+    flight; the resumed run (the embedded engine serving continuously) trains every position of the run once."""
+    args = ["--model", tiny_model_dir, *LIVE, "--max_off_policy_steps", "1", "--groups_in_flight", "3",
+            "--continuous_batching_rows", "6", "--max_steps", "8", "--save_strategy", "no"]
+    out, rollouts = tmp_path / "stopped", tmp_path / "stopped.jsonl"
+    process = start([sys.executable], out, args + ["--save_rollouts_path", str(rollouts)], tmp_path / "stopped.log")
+    status, _ = stop_after_step(process, tmp_path / "stopped.log", step=3)
+    assert status == 128 + signal.SIGTERM, (tmp_path / "stopped.log").read_text()[-3000:]
+    (checkpoint,) = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    saved = load_run_state(checkpoint)
+    assert saved.generator is not None and (saved.pending_batches or saved.generator["in_flight"])
+    log = run([sys.executable], out, args + ["--save_rollouts_path", str(rollouts), "--resume_from_checkpoint", "latest"],
+              tmp_path / "resumed.log")
+    assert logged_steps(log)[0] == saved.global_step + 1
+    trained = read_rollouts(rollouts)
+    assert len(trained) == 8 * 8
+    groups = group_by_id(trained)
+    assert all(len(members) == 4 for members in groups)  # whole groups, none trained twice under one id
+    # every position once: none lost at the stop, none trained twice
+    assert sorted(position_of(members[0].group_id)[0] for members in groups) == list(range(16))
 
 
 # --- checkpoints are complete or absent; bad resumes --------------------------------------------------------------
