@@ -1,0 +1,458 @@
+"""Long-tailed episodes through the trainer: batch-at-a-time against continuous generation (and TRL), at equal work.
+
+The workload (``long_tail_env.py``): a dataset of ``--rows`` prompts, each asking for a FIXED number of completion
+tokens. ``longtail``: ``--tail_fraction`` (10%) of the prompts ask for ``--tail_factor`` (8) x ``--median_tokens``,
+the others for lengths spread evenly over [median/2, 3 median/2]; ``uniform``: every prompt the long-tail mean (the
+same total tokens). ``single``: one model turn; ``multi``: ``--turns`` model turns (the row's length split evenly over
+them, the user saying "Go on." between them), the same tail. The model's eos is suppressed (the embedded engine's
+eos list is replaced by an id no token has) and each turn asks the engine for exactly its length; a sample of any
+other length stops the benchmark (the sides would not do equal work). Learning rate 0: the policy stays the starting
+model, so every side samples from the same weights. The reward (the share of distinct characters) only gives groups
+some variance.
+
+Sides, one after the other in this one process, the same model folder, seeds and prompts:
+
+- ``batch``: ``RLTrainer`` as today by default: ``max_off_policy_steps`` k = 1, batch b generated as a unit (the
+  engine decodes the batch's requests together, a finished row leaves, none joins; the next batch starts when the
+  slowest episode of this one ends);
+- ``continuous``: the same with ``--groups_in_flight N`` and ``--continuous_batching_rows R`` (up to N groups in
+  flight, the engine admitting new rows into its running batch as others finish, weights loaded between decode
+  steps; a batch = the first finished whole groups). Skipped, with a line saying so, while ``RLConfig`` lacks those
+  fields;
+- ``groups`` (not run by default, ``--sides ... groups``): ``--groups_in_flight N`` alone, the engine batching the
+  requests it is sent as today: what the generator's part brings without the engine's;
+- ``trl``: TRL's ``GRPOTrainer`` (``use_vllm=False``: ``generate`` on the policy itself, synchronous), single-turn
+  only, the same prompts in our generator's order, each row held to the same length by a logits processor (eos masked
+  until the row's last token, which is an eos: the same completion tokens, eos included, as our row's). TRL cannot
+  run our multi-turn environment, so it has no ``multi`` row.
+
+Checked before any table, per run: every trained rollout sampled exactly the tokens its row asks (our sides) and
+every TRL step's completion lengths are its rows' (TRL); a row trained on two sides has the same length on both.
+The continuous side trains the first groups to FINISH, so over a short run it may train other rows than ``batch``
+(short ones first); tokens/s counts each side's own trained tokens.
+
+Columns: ``s/step``: wall time between optimizer steps (``on_step_end`` to ``on_step_end``, generation, training and
+the weight load inside) over the ``--steps`` after ``--warmup``, median and min-max; ``tokens/s``: sampled completion
+tokens trained per second (environment tokens between turns not counted); ``rows/step``: the mean rows a decode step
+ran over the timed window (occupancy; continuous: the engine's ``RunningBatchStats.rows_per_step``; batch: from each
+engine batch's sample lengths, a batch stepping until its longest row ends; TRL: rows not yet finished, though
+``generate`` computes every row of the batch until the longest ends); a row's first token comes from its prompt's
+forward and is not a decode step; ``lag``: the staleness histogram, the share of trained tokens sampled 0, 1, ...
+optimizer steps before the weights that train them; ``stale groups dropped``: groups the continuous generator
+dropped as older than ``max_off_policy_steps`` allows and generated again (work done and not trained); ``x batch``:
+the side's tokens/s over batch's, same run. A last table gathers those ratios.
+
+Run (tiny random Llama hidden 256 x 4 layers, 8 prompts x 4 samples per step, median 16 tokens, 2 warm-up + 8
+timed steps per side, 2 torch threads: about 4 minutes on 2 quiet cores; ``--quick``, a smoke test of every side
+and table: under 2 minutes):
+
+    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --json long_tail.json
+    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --quick
+    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --workloads single --lengths longtail --sides batch continuous
+
+Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+for path in (ROOT, HERE):  # run from anywhere without PYTHONPATH; timing.py and long_tail_env.py beside it
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoTokenizer, PrinterCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from verifiers_rl.config.rl_config import RLConfig  # noqa: E402
+from verifiers_rl.core.models import build_tiny_model, resolve_model, smollm2_dir  # noqa: E402
+from verifiers_rl.core.rollout import NOT_SAMPLED  # noqa: E402
+from verifiers_rl.envs.parsers import Parser  # noqa: E402
+from verifiers_rl.inference.embedded import running_batch  # noqa: E402
+from verifiers_rl.inference.factory import build_engine  # noqa: E402
+from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
+from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
+from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
+from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
+
+SIDES = ("batch", "continuous", "groups", "trl")
+DEFAULT_SIDES = ["batch", "continuous", "trl"]
+FIELDS = {"continuous": ("groups_in_flight", "continuous_batching_rows"), "groups": ("groups_in_flight",)}
+NO_TOKEN = -1  # an eos id no token has: every row decodes its asked length
+DECODE_ROWS: list[int] = []  # rows of every decode step the engine ran in the current run (see instrument())
+
+
+def missing_fields(side: str) -> list[str]:
+    """The RLConfig fields ``side`` needs that this checkout's RLConfig lacks."""
+    names = {f.name for f in dataclasses.fields(RLConfig)}
+    return [name for name in FIELDS.get(side, ()) if name not in names]
+
+
+def steps_of(lengths: list[int]) -> list[int]:
+    """Rows per decode step of one batch decoded to its end: it steps until its longest row ends (each row's first
+    token from its prompt's forward), row r runs in its first length_r - 1 steps."""
+    return [sum(n - 1 > step for n in lengths) for step in range(max(lengths, default=1) - 1)]
+
+
+def instrument(engine) -> None:
+    """Count the rows of every decode step: the batch engine's batches from their sample lengths (its ``_decode``
+    seam), the running batch's from its own ``stats.rows_per_step`` (every ``RunningBatch.step``, wherever built)."""
+    if hasattr(engine, "_decode"):
+        decode = engine._decode
+
+        def counted(*args, **kwargs):
+            samples = decode(*args, **kwargs)
+            DECODE_ROWS.extend(steps_of([len(s.token_ids) for s in samples]))
+            return samples
+
+        engine._decode = counted
+    if not getattr(running_batch.RunningBatch.step, "counted", False):
+        step = running_batch.RunningBatch.step
+
+        def counted_step(self):
+            before = len(self.stats.rows_per_step)
+            out = step(self)
+            DECODE_ROWS.extend(self.stats.rows_per_step[before:])
+            return out
+
+        counted_step.counted = True
+        running_batch.RunningBatch.step = counted_step
+
+
+class RunRecorder(StepRecorder):
+    """Per step: the trained rollouts' rows and sampled tokens, the staleness of every trained token, and where the
+    decode-step counter stood (ours); TRL's completion lengths per generation (filled in by ``run_trl``)."""
+
+    def __init__(self, warmup: int):
+        super().__init__()
+        self.warmup = warmup
+        self.trainer = None
+        self.tokens: list[int] = []  # sampled completion tokens trained at each step
+        self.rows: dict[int, int] = {}  # row -> sampled tokens of each of its rollouts
+        self.lag: Counter = Counter()  # over the timed steps: versions between a token's sampler and trainer
+        self.decode_mark = 0  # DECODE_ROWS's length when the timed steps began
+        self.trl_lengths: list[list[int]] = []  # TRL: completion lengths of each generation
+        self.stale_dropped = 0.0  # continuous: groups dropped as staler than the bound (regenerated), timed steps
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        DECODE_ROWS.clear()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        super().on_step_end(args, state, control, **kwargs)
+        if state.global_step == self.warmup:
+            self.decode_mark = len(DECODE_ROWS)
+        if self.trainer is None:  # TRL: sampled on-policy, lengths recorded per generation
+            self.tokens.append(sum(self.trl_lengths[-1]))
+            if state.global_step > self.warmup:
+                self.lag[0] += self.tokens[-1]
+            return
+        trained = state.global_step - 1  # the version of the weights this step trained
+        total = 0
+        for rollout in self.trainer.steps.latest_rollouts:
+            sampled = sum(rollout.completion_mask)
+            asked = int(rollout.metrics["asked_tokens"])
+            if sampled != asked:
+                raise SystemExit(f"step {state.global_step}: a rollout of row {int(rollout.metrics['row'])} sampled "
+                                 f"{sampled} tokens, its row asks {asked}: the comparison is void")
+            self.rows[int(rollout.metrics["row"])] = sampled
+            total += sampled
+            if state.global_step > self.warmup:
+                versions = rollout.completion_versions or [
+                    rollout.policy_version if m else NOT_SAMPLED for m in rollout.completion_mask]
+                self.lag.update(trained - v for v, m in zip(versions, rollout.completion_mask)
+                                if m and v != NOT_SAMPLED)
+        self.tokens.append(total)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=logs, **kwargs)
+        if logs and state.global_step > self.warmup:
+            self.stale_dropped += float(logs.get("groups_stale_dropped", 0.0))
+
+    def decode_rows(self) -> list[int]:
+        return DECODE_ROWS[self.decode_mark:]
+
+
+def common(args, out: str, env) -> dict:
+    """What our trainer and TRL's share (vs_trl.py's settings at learning rate 0)."""
+    return dict(
+        output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, max_steps=args.warmup + args.steps, learning_rate=0.0, lr_scheduler_type="constant",
+        warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0,
+        per_device_train_batch_size=args.prompts * args.num_generations, gradient_accumulation_steps=1,
+        num_generations=args.num_generations, max_completion_length=env.max_new_tokens, temperature=1.0, top_k=0,
+        top_p=1.0, num_iterations=1, beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group",
+        gradient_checkpointing=False, seed=0,
+    )
+
+
+def run_ours(args, model_dir, tokenizer, env, side: str, out: str) -> RunRecorder:
+    values = {"groups_in_flight": args.groups_in_flight, "continuous_batching_rows": args.continuous_rows}
+    extra = {name: values[name] for name in FIELDS.get(side, ())}
+    config = RLConfig(**common(args, out, env), rollouts_per_step=args.prompts * args.num_generations,
+                      max_seq_len=env.max_seq_len, max_off_policy_steps=args.k, generation_timeout_s=300.0,
+                      **extra)
+    engine = build_engine(config, model_dir, tokenizer)
+    if not hasattr(engine, "eos_token_ids"):
+        raise SystemExit(f"{type(engine).__name__}: no eos list to suppress; this benchmark runs the embedded engine")
+    engine.eos_token_ids[:] = [NO_TOKEN]  # the list its decoders hold: every row decodes its asked length
+    instrument(engine)
+    recorder = RunRecorder(args.warmup)
+    trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=env, engine=engine)
+    trainer.add_callback(recorder)  # last: a step ends once the engine holds its weights
+    recorder.trainer = trainer
+    try:
+        trainer.train()
+    finally:
+        engine.close()
+    return recorder
+
+
+def trl_variety(completions, **kwargs) -> list[float]:
+    """long_tail_env.variety in TRL's calling convention (conversational completions)."""
+    parser = Parser()
+    out = []
+    for completion in completions:
+        text = parser.parse_answer(completion) or ""
+        out.append(len(set(text)) / max(len(text), 1))
+    return out
+
+
+def run_trl(args, model_dir, tokenizer, env, out: str) -> tuple[RunRecorder, list[list[int]]]:
+    """TRL on our generator's prompts in its order; also the lengths each of its generations must have."""
+    order = AsyncGenerator(env, engine=None, rollouts_per_step=args.prompts * args.num_generations,
+                           num_generations=args.num_generations, seed=0)
+    batches = [[env.dataset[i] for _, i in order._rows_of(b)] for b in range(args.warmup + args.steps)]
+    totals = {row.info["row"]: sum(row.info["lengths"]) for row in env.dataset}
+    expected = [sorted(totals[row.info["row"]] for row in batch for _ in range(args.num_generations))
+                for batch in batches]
+    dataset = Dataset.from_list([{"prompt": row.prompt} for batch in batches for row in batch])
+    config = GRPOConfig(**common(args, out, env), steps_per_generation=1, use_vllm=False, shuffle_dataset=False,
+                        log_completions=False, mask_truncated_completions=False)
+    recorder = RunRecorder(args.warmup)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=trl_variety, args=config, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[recorder])
+    trainer.remove_callback(PrinterCallback)
+    gen = trainer.model.generation_config.eos_token_id
+    eos = sorted({*([gen] if isinstance(gen, int) else gen or []), tokenizer.eos_token_id} - {None})
+    force_lengths(trainer.model, tokenizer, totals, eos)
+    generate = trainer._generate_and_score_completions
+
+    def recorded(*a, **kw):
+        result = generate(*a, **kw)
+        lengths = [int(m.sum()) for m in result["completion_mask"]]
+        recorder.trl_lengths.append(lengths)
+        DECODE_ROWS.extend(steps_of(lengths))
+        return result
+
+    trainer._generate_and_score_completions = recorded
+    trainer.train()
+    return recorder, expected
+
+
+def check_equal(runs: dict, expected_trl) -> None:
+    """A row trained on two of our sides has the same length on both; TRL's generations have their rows' lengths."""
+    ours = {side: r.rows for side, r in runs.items() if side != "trl"}
+    for a in ours:
+        for b in ours:
+            bad = [row for row in ours[a].keys() & ours[b].keys() if ours[a][row] != ours[b][row]]
+            if bad:
+                raise SystemExit(f"rows {bad[:10]} have different lengths on {a} and {b}: the comparison is void")
+    if "trl" in runs:
+        got = [sorted(lengths) for lengths in runs["trl"].trl_lengths]
+        if got != expected_trl[: len(got)] or len(got) != len(expected_trl):
+            raise SystemExit("TRL's completion lengths are not its rows' asked lengths: the comparison is void")
+
+
+def summarise(args, recorder: RunRecorder) -> dict:
+    timed = recorder.intervals()[args.warmup:]
+    tokens = recorder.tokens[args.warmup:]
+    rows = recorder.decode_rows()
+    lag_total = sum(recorder.lag.values()) or 1
+    return {
+        "step_s": timed, "tokens_per_step": tokens, "step_s_median": statistics.median(timed), "step_s_min": min(timed),
+        "step_s_max": max(timed), "tokens": sum(tokens), "tokens_per_s": sum(tokens) / sum(timed),
+        "decode_steps": len(rows), "rows_per_step": statistics.mean(rows) if rows else float("nan"),
+        "lag": {int(k): v / lag_total for k, v in sorted(recorder.lag.items())},
+        "rows_trained": len(recorder.rows) if recorder.trainer is not None else None,
+        "groups_stale_dropped": recorder.stale_dropped,
+        "cores": recorder.cores(args.warmup),
+    }
+
+
+def run_case(args, model_dir, tokenizer, turns: int, lengths: str, sides: list[str], flip: bool) -> dict:
+    def env():
+        return build_env(tokenizer, args.rows, args.median_tokens, args.tail_fraction, args.tail_factor, lengths,
+                         turns)
+
+    case = "single" if turns == 1 else f"multi ({turns} turns)"
+    runs, expected_trl = {}, None
+    for side in (sides[::-1] if flip else sides):
+        log(f"[{case}, {lengths}] [{side}] {args.warmup} warm-up + {args.steps} timed steps (load {load()}) ...")
+        out = tempfile.mkdtemp(prefix=f"bench_long_tail_{side}_")
+        with contextlib.redirect_stdout(sys.stderr):  # the trainers' progress lines; the tables go to stdout
+            if side == "trl":
+                runs[side], expected_trl = run_trl(args, model_dir, tokenizer, env(), out)
+            else:
+                runs[side] = run_ours(args, model_dir, tokenizer, env(), side, out)
+        timed = runs[side].intervals()[args.warmup:]
+        log(f"[{case}, {lengths}] [{side}] {sum(timed):.1f} s for {len(timed)} steps "
+            f"({', '.join(f'{s:.2f}' for s in timed)}); load {load()}")
+    check_equal(runs, expected_trl)
+    totals = [sum(r.info["lengths"]) for r in env().dataset]
+    return {"workload": case, "turns": turns, "lengths": lengths,
+            "asked": {"median": statistics.median(totals), "mean": statistics.mean(totals), "max": max(totals)},
+            "sides": {side: summarise(args, runs[side]) for side in sides}}
+
+
+def print_case(result: dict) -> None:
+    asked = result["asked"]
+    print(f"\n**{result['workload']}, {result['lengths']}** (tokens per episode: median {asked['median']:.0f}, "
+          f"mean {asked['mean']:.1f}, max {asked['max']})\n")
+    print("| side | s/step (median) | s/step (min-max) | tokens trained | tokens/s | x batch (tokens/s) | "
+          "decode steps | rows/step | lag (share of trained tokens) | stale groups dropped | rows trained | "
+          "cores busy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    base = result["sides"].get("batch")
+    for side, s in result["sides"].items():
+        ratio = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
+        lag = ", ".join(f"{k}: {v:.0%}" for k, v in s["lag"].items())
+        print(f"| {side} | {s['step_s_median']:.2f} | {s['step_s_min']:.2f}-{s['step_s_max']:.2f} | {s['tokens']} | "
+              f"{s['tokens_per_s']:.1f} | {ratio} | {s['decode_steps']} | {s['rows_per_step']:.2f} | {lag} | "
+              f"{s['groups_stale_dropped']:.0f} | "
+              f"{'-' if s['rows_trained'] is None else s['rows_trained']} | {s['cores']:.2f} |")
+
+
+def print_ratios(results: list[dict]) -> None:
+    """Each side's completion tokens/s and median s/step over batch's, measured in the same run."""
+    others = [side for side in SIDES if side != "batch" and any(side in r["sides"] for r in results)]
+    if not others or not any("batch" in r["sides"] for r in results):
+        return
+    print("\nAgainst batch-at-a-time, same run (tokens/s ratio; median s/step ratio, batch / side):\n")
+    print("| workload | lengths | " + " | ".join(f"{side} / batch tokens/s | batch / {side} s/step" for side in others)
+          + " |")
+    print("|---|---|" + "---:|---:|" * len(others))
+    for r in results:
+        base = r["sides"].get("batch")
+        if base is None:
+            continue
+        cells = []
+        for side in others:
+            s = r["sides"].get(side)
+            cells += ["n/a", "n/a"] if s is None else [f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                                                       f"{base['step_s_median'] / s['step_s_median']:.2f}x"]
+        print(f"| {r['workload']} | {r['lengths']} | " + " | ".join(cells) + " |")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny",
+                        help="'tiny' (a random Llama of --hidden x --layers), 'smollm2' or a model folder")
+    parser.add_argument("--hidden", type=int, default=256, help="tiny model only")
+    parser.add_argument("--layers", type=int, default=4, help="tiny model only")
+    parser.add_argument("--workloads", nargs="+", choices=["single", "multi"], default=["single", "multi"])
+    parser.add_argument("--lengths", nargs="+", choices=["longtail", "uniform"], default=["longtail", "uniform"])
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=DEFAULT_SIDES,
+                        help="groups (not by default): --groups_in_flight alone, the engine batching as today")
+    parser.add_argument("--turns", type=int, default=3, help="model turns of the multi-turn workload")
+    parser.add_argument("--rows", type=int, default=80, help="prompts in the dataset")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per optimizer step")
+    parser.add_argument("--num_generations", type=int, default=4)
+    parser.add_argument("--median_tokens", type=int, default=16)
+    parser.add_argument("--tail_fraction", type=float, default=0.1)
+    parser.add_argument("--tail_factor", type=int, default=8)
+    parser.add_argument("--k", type=int, default=1, help="max_off_policy_steps of our sides")
+    parser.add_argument("--groups_in_flight", type=int, default=None, help="continuous: default 2 x --prompts")
+    parser.add_argument("--continuous_rows", type=int, default=None,
+                        help="continuous: --continuous_batching_rows, default the rollouts of one step")
+    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per side")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each side's run")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--json", default=None, help="also write every number (and each step's time) here")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smoke test of every side and table: tiny model 64 x 2, 20 rows, 4 x 2 per step, "
+                        "median 8, 1 warm-up + 2 timed steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.rows, args.prompts, args.num_generations = 64, 2, 20, 4, 2
+        args.median_tokens, args.warmup, args.steps = 8, 1, 2
+    args.groups_in_flight = args.groups_in_flight or 2 * args.prompts
+    args.continuous_rows = args.continuous_rows or args.prompts * args.num_generations
+    if min(args.rows, args.prompts, args.num_generations, args.steps, args.turns, args.threads) < 1:
+        parser.error("--rows, --prompts, --num_generations, --steps, --turns and --threads must be >= 1")
+    if args.median_tokens < 2 or args.warmup < 0 or args.k < 1:
+        parser.error("--median_tokens must be >= 2, --warmup >= 0, --k >= 1 (continuous generation needs k >= 1)")
+    if not 0 <= args.tail_fraction <= 1 or args.tail_factor < 1:
+        parser.error("--tail_fraction must be in [0, 1] and --tail_factor >= 1")
+    if args.rows < args.prompts:
+        parser.error("--rows must be >= --prompts (one step's prompts)")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    log(f"load average at start: {load()}")
+    if args.model == "tiny":
+        model_dir = os.path.join(tempfile.mkdtemp(prefix="bench_long_tail_"), "model")
+        build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers)
+        name = f"random Llama hidden {args.hidden} x {args.layers} layers"
+    else:
+        model_dir = str(smollm2_dir()) if args.model == "smollm2" else resolve_model(args.model)
+        name = args.model
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    sides = list(args.sides)
+    notes = []
+    for side in [s for s in sides if missing_fields(s)]:
+        sides.remove(side)
+        notes.append(f"{side}: not run, RLConfig has no {' / '.join(missing_fields(side))} yet")
+    results = []
+    for turns in [1 if w == "single" else args.turns for w in args.workloads]:
+        case_sides = [s for s in sides if s != "trl" or turns == 1]
+        if turns > 1 and "trl" in sides:
+            notes.append("trl: single-turn only (TRL's GRPOTrainer cannot run our multi-turn environment)")
+        for lengths in args.lengths:
+            results.append(run_case(args, model_dir, tokenizer, turns, lengths, case_sides, len(results) % 2 == 1))
+    elapsed = time.perf_counter() - started
+    log(f"load average at end: {load()}")
+    print(f"\nLong-tail benchmark through the trainer: {name}, {args.rows} prompts, {args.prompts} prompts x "
+          f"{args.num_generations} samples per step, median {args.median_tokens} tokens, {args.tail_fraction:.0%} of "
+          f"prompts at {args.tail_factor}x, learning rate 0, eos suppressed (every row decodes its asked length, "
+          f"checked), our sides k = {args.k}, continuous: groups_in_flight {args.groups_in_flight}, "
+          f"continuous_batching_rows {args.continuous_rows}; {args.steps} timed steps after {args.warmup} warm-up per "
+          f"side, {args.threads} torch threads, CPU ({os.cpu_count()} cores). Total {elapsed:.0f} s; load average at "
+          f"end {load()}.")
+    for note in dict.fromkeys(notes):
+        print(f"- {note}")
+    for result in results:
+        print_case(result)
+    print_ratios(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "notes": list(dict.fromkeys(notes)), "seconds": elapsed,
+                       "cpu_count": os.cpu_count(), "load_average_end": os.getloadavg(), "results": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
