@@ -18,8 +18,10 @@ import torch
 from verifiers_rl.inference import VLLMEngine
 from verifiers_rl.core.engine import free_port
 from verifiers_rl.core.rollout import read_rollouts
+from verifiers_rl.rollouts.continuous import position_of
 
-from tests.vllm_backend.launching import PREEMPTIBLE, PROBE, ROOT, ddp_command, hf_prompt_logprobs, launch_env  # noqa: E402
+from tests.vllm_backend.launching import (PREEMPTIBLE, PROBE, ROOT, RUNNER, ddp_command, hf_prompt_logprobs,  # noqa: E402
+                                         launch_env)
 
 
 @pytest.mark.parametrize("config, transfer", [("ddp_cpu.yaml", "files"), ("zero3_cpu.yaml", "gloo")])
@@ -60,6 +62,33 @@ def test_two_process_training_generates_through_vllm_and_syncs_weights(untied, t
     engine.close()
     torch.testing.assert_close(served, hf_prompt_logprobs(tmp_path / "model", PROBE), atol=1e-4, rtol=0)
     assert (served - hf_prompt_logprobs(untied.model_dir, PROBE)).abs().max() > 1e-3
+
+
+def test_continuous_generation_trains_through_vllm(untied, tmp_path):
+    # --groups_in_flight: groups stream through the server while weights are loaded into it (one process, k = 1).
+    # The server records no per-token versions, so a group's tokens carry the version it started under (the oldest).
+    untied.dirty = True
+    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+               "--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
+               "--num_generations", "4", "--max_seq_len", "128", "--max_off_policy_steps", "1",
+               "--groups_in_flight", "3", "--max_steps", "3", "--learning_rate", "0.05", "--logging_steps", "1",
+               "--print_samples_every", "0", "--report_to", "none", "--save_strategy", "no",
+               "--vllm_weight_transfer", "files", "--output_dir", str(tmp_path / "out"),
+               "--save_rollouts_path", str(tmp_path / "rollouts.jsonl")]
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")] == [
+        "step 1/3", "step 2/3", "step 3/3"]
+    assert "Weight sync probe FAILED" not in output
+    rollouts = read_rollouts(tmp_path / "rollouts.jsonl")
+    assert len(rollouts) == 3 * 8
+    for index in range(3):
+        batch = rollouts[index * 8:(index + 1) * 8]
+        ids = [r.group_id for r in batch]
+        assert len(set(ids)) == 2 and all(ids.count(i) == 4 for i in ids)  # two whole groups
+        assert min(r.oldest_version() for r in batch) >= max(0, index - 1)  # within k = 1 of its step
+    assert sorted({position_of(r.group_id)[0] for r in rollouts}) == list(range(6))
 
 
 def _parameter_names(folder) -> list[str]:

@@ -40,7 +40,8 @@ class FinishedGroup:
     finished: float | None = None
 
     def oldest_version(self) -> int:
-        return min(rollout.oldest_version() for rollout in self.rollouts)
+        """Its oldest sampled token's version (0 where a restored record says none: as old as can be)."""
+        return min((v for v in (r.oldest_version() for r in self.rollouts) if v is not None), default=0)
 
 
 def group_id_of(position: int, retry: int) -> str:
