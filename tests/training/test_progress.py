@@ -23,6 +23,11 @@ def test_step_line_shows_present_metrics_in_order_and_skips_absent_ones():
     # A checkpoint or an evaluation after the previous step shows as its own part of the step.
     logs["between_steps_time"] = 2.0
     assert " | sync 0.9s | log/save/eval 2.0s | step 5.4s" in format_step_line(12, 60, logs)
+    # Continuous generation's stale drops show when there were some.
+    logs["groups_stale_dropped"] = 0.0
+    assert "stale_dropped" not in format_step_line(12, 60, logs)
+    logs["groups_stale_dropped"] = 2.0
+    assert " | staleness 1 | stale_dropped 2 | gen 3.1s" in format_step_line(12, 60, logs)
     # Replay without sampler log-probs: no is_ratio, no generation timing.
     assert format_step_line(1, 2, {"reward": 1.0}) == "step 1/2 | reward 1.000"
 

@@ -26,6 +26,7 @@ STEP_FIELDS = (
     ("reward_errors", "reward_errors", "{:.0f}"),
     ("rollouts_failed", "rollouts_failed", "{:.0f}"),
     ("groups_dropped_on_error", "groups_dropped", "{:.0f}"),
+    ("groups_stale_dropped", "stale_dropped", "{:.0f}"),  # continuous generation: older than the bound
     ("weight_sync_probe_gap", "probe_gap", "{:.1e}"),
     ("generation_time", "gen", "{:.1f}s"),
     ("wait_time", "wait", "{:.1f}s"),
@@ -34,7 +35,7 @@ STEP_FIELDS = (
     ("between_steps_time", "log/save/eval", "{:.1f}s"),
     ("step_time", "step", "{:.1f}s"),
 )
-_SHOWN_WHEN_NONZERO = {"between_steps_time", "rollouts_failed", "groups_dropped_on_error"}
+_SHOWN_WHEN_NONZERO = {"between_steps_time", "rollouts_failed", "groups_dropped_on_error", "groups_stale_dropped"}
 
 
 @dataclass
