@@ -259,7 +259,8 @@ class EmbeddedEngine:
             raise ValueError(f"continuous_rows (--continuous_batching_rows) must be an int >= 0 (0: batch by batch), "
                              f"got {continuous_rows!r}.")
         self.continuous_rows = continuous_rows
-        self._loop = DecodeLoop(self._running_batch, self._continuous_step, continuous_rows) if continuous_rows else None
+        self._loop = DecodeLoop(self._running_batch, self._continuous_step, continuous_rows) \
+            if continuous_rows else None
         self._load_gate = LoadGate()
 
     # --- sampling -----------------------------------------------------------------------------------------------

@@ -7,13 +7,16 @@ drawn, and they join the running rows. Rows are right-aligned (left padding, mas
 batch pads the running rows on the left. Each row samples with its own seeded generator (``RowSampler``), so a row
 admitted mid-way draws the tokens it would draw decoded alone under the same seed (log-probs to float rounding).
 
-Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, its key/value buffers
-rebuilt at each admission, else through transformers' forward on a ``DynamicCache``; never through a captured CUDA
-graph (its shapes are fixed). Models whose cache layers are not plain full-attention layers (sliding windows) are
-refused. Weights loaded between two steps apply to the next step (the lean step reads the model's parameters at each
-call); the rows in flight keep the keys/values the earlier weights computed, and each ``Sample.versions`` records
-which version drew each token. A batch may serve for a whole run (``decode_loop``): a finished or cancelled
-request's state is dropped, and its sampler row is reused by the next admitted one.
+Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, else through transformers'
+forward on a ``DynamicCache`` (rebuilt at each admission); never through a captured CUDA graph (its shapes are
+fixed). The lean step's key/value buffers hold ``max_rows`` rows: a newcomer whose prompt fits left of the running
+rows' newest position, with room for its tokens, is written into a free row (no rebuild); a leaving row's place is
+taken by the last running row. Otherwise (a longer prompt, no room left, or the columns no row reads grown to half
+the width) the buffers are rebuilt, those columns dropped. Models whose cache layers are not plain full-attention
+layers (sliding windows) are refused. Weights loaded between two steps apply to the next step (the lean step reads
+the model's parameters at each call); the rows in flight keep the keys/values the earlier weights computed, and each
+``Sample.versions`` records which version drew each token. A batch may serve for a whole run (``decode_loop``): a
+finished or cancelled request's state is dropped, and its sampler row is reused by the next admitted one.
 """
 
 from __future__ import annotations
@@ -56,9 +59,11 @@ class Newcomers:
 @dataclass
 class RunningBatchStats:
     """``admissions``: rows that joined a batch already decoding; ``rows_per_step``: rows each decode step ran;
-    ``waiting_per_step``: requests still queued at each step."""
+    ``waiting_per_step``: requests still queued at each step; ``rebuilds``: key/value buffers rebuilt to admit rows
+    (the lean step; the others admitted into free rows)."""
 
     admissions: int = 0
+    rebuilds: int = 0
     rows_per_step: list[int] = field(default_factory=list)
     waiting_per_step: list[int] = field(default_factory=list)
 
@@ -170,10 +175,19 @@ class RunningBatch:
         if not positions:
             self.rows, self.context, self.mask, self.kv = [], None, None, None
             return
-        index = torch.tensor(positions, dtype=torch.long, device=self.device)
         if isinstance(self.kv, LlamaDecoder):
-            self.kv.keep(index)
-        else:
+            # The rows past the new count move into the leaving rows' places: only they are copied.
+            count, kept = len(positions), set(positions)
+            holes = [p for p in range(count) if p not in kept]
+            movers = [p for p in positions if p >= count]
+            order = list(range(count))
+            for hole, mover in zip(holes, movers):
+                order[hole] = mover
+            self.kv.fill_holes(torch.tensor(holes, dtype=torch.long, device=self.device),
+                               torch.tensor(movers, dtype=torch.long, device=self.device), count)
+            positions = order
+        index = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if not isinstance(self.kv, LlamaDecoder):
             self.kv.batch_select_indices(index)
         self.context, self.mask = self.context[index], self.mask[index]
         self.rows = [self.rows[i] for i in positions]
@@ -242,15 +256,17 @@ class RunningBatch:
 
     def _current_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(self.kv, LlamaDecoder):
-            length = self.kv.length
-            return [(k[:, :, :length], v[:, :, :length]) for k, v in zip(self.kv.keys, self.kv.values)]
+            rows, length = self.kv.rows, self.kv.length
+            return [(k[:rows, :, :length], v[:rows, :, :length]) for k, v in zip(self.kv.keys, self.kv.values)]
         return [(layer.keys, layer.values) for layer in self.kv.layers]
 
     def _join(self, groups: list[Newcomers]) -> None:
         """The running rows and the newcomers as one right-aligned batch (left padding, masked), its keys/values
-        rebuilt for the decode step."""
+        rebuilt for the decode step (unless they fit into the lean step's free rows)."""
         from transformers import DynamicCache
 
+        if self._join_in_place(groups):
+            return
         parts, masks = list(groups), [torch.ones_like(group.context) for group in groups]
         if self.rows:
             # Columns no running row uses any more (the left padding of rows that left) are dropped.
@@ -271,7 +287,41 @@ class RunningBatch:
         cache = DynamicCache(ddp_cache_data=[(torch.cat([k for k, _ in layer]), torch.cat([v for _, v in layer]))
                                              for layer in layers])
         if self.llama_decode:
+            # Room for the tokens left, and as many again: later newcomers then fit without a rebuild.
             left = max(self.requests[rid].max_new_tokens - len(self.tokens[rid]) for rid in self.rows)
-            self.kv = LlamaDecoder(self.model, cache, width + left, self.linear)
+            self.kv = LlamaDecoder(self.model, cache, width + 2 * left, self.linear, max_rows=self.max_rows)
+            self.stats.rebuilds += 1
         else:
             self.kv = cache
+
+    def _join_in_place(self, groups: list[Newcomers]) -> bool:
+        """Write the newcomers' keys/values into the lean step's free rows, right-aligned with the running rows
+        (left padding zeroed: a masked position must hold no NaN, 0 x NaN is NaN); False where they do not fit."""
+        kv = self.kv
+        if not isinstance(kv, LlamaDecoder) or not self.rows:
+            return False
+        length, capacity = kv.length, kv.keys[0].shape[2]
+        ids = [rid for group in groups for rid in group.ids]
+        left = max(self.requests[rid].max_new_tokens - len(self.tokens[rid]) for rid in ids)
+        longest = max(group.context.shape[1] - 1 for group in groups)
+        used = min(int((self.mask.sum(0) > 0).nonzero()[0]), length - longest)  # the first column any row reads
+        # A rebuild drops the columns no row reads: once they are half the width, every step's attention pays more.
+        if (kv.rows + len(ids) > kv.keys[0].shape[0] or length + left > capacity or longest > length
+                or used > length // 2):
+            return False
+        contexts, masks, row = [self.context], [self.mask], kv.rows
+        for group in groups:
+            prompt, end = group.context.shape[1] - 1, row + len(group.ids)
+            for keys, values, (k, v) in zip(kv.keys, kv.values, group.kv):
+                keys[row:end, :, : length - prompt].zero_()
+                values[row:end, :, : length - prompt].zero_()
+                keys[row:end, :, length - prompt : length] = k
+                values[row:end, :, length - prompt : length] = v
+            pad = length - prompt
+            contexts.append(F.pad(group.context, (pad, 0), value=self.pad_token_id))
+            masks.append(F.pad(torch.ones_like(group.context), (pad, 0), value=0))
+            row = end
+        kv.rows = row
+        self.context, self.mask = torch.cat(contexts), torch.cat(masks)
+        self.rows = self.rows + ids
+        return True

@@ -51,9 +51,12 @@ class LlamaDecoder:
         capacity: the most positions any row will hold (prompt width + most new tokens).
         linear: the linear layers' product (``cpu_matmul``: ``weight_major``, a ``PackedWeights``' ``linear``);
             None: ``F.linear``.
+        max_rows: rows the buffers hold (default: the cache's); a step computes the first ``rows`` of them, so
+            rows can join (``RunningBatch`` writes their keys/values into the free ones) without new buffers.
     """
 
-    def __init__(self, model: torch.nn.Module, cache, capacity: int, linear: Linear | None = None):
+    def __init__(self, model: torch.nn.Module, cache, capacity: int, linear: Linear | None = None,
+                 max_rows: int | None = None):
         self.model = model
         self.linear = linear or (lambda x, layer: F.linear(x, layer.weight, layer.bias))
         self.layers = model.model.layers
@@ -61,18 +64,28 @@ class LlamaDecoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         first = cache.layers[0].keys
-        rows, self.length = first.shape[0], first.shape[2]
-        shape = (rows, self.kv_heads, capacity, self.head_dim)
+        self.rows, self.length = first.shape[0], first.shape[2]
+        shape = (max(self.rows, max_rows or 0), self.kv_heads, capacity, self.head_dim)
         self.keys = [first.new_empty(shape) for _ in self.layers]
         self.values = [first.new_empty(shape) for _ in self.layers]
         for keys, values, layer in zip(self.keys, self.values, cache.layers):
-            keys[:, :, : self.length] = layer.keys
-            values[:, :, : self.length] = layer.values
+            keys[: self.rows, :, : self.length] = layer.keys
+            values[: self.rows, :, : self.length] = layer.values
 
     def keep(self, index: torch.Tensor) -> None:
         """Keep only the batch rows ``index`` (finished rows leave)."""
         self.keys = [keys.index_select(0, index) for keys in self.keys]
         self.values = [values.index_select(0, index) for values in self.values]
+        self.rows = len(index)
+
+    def fill_holes(self, holes: torch.Tensor, movers: torch.Tensor, rows: int) -> None:
+        """Keep the first ``rows`` rows, row ``movers[i]`` (at or past ``rows``) copied into the leaving row
+        ``holes[i]``: the leaving rows' buffers are reused in place, only the moved rows copied."""
+        if len(holes):
+            for keys, values in zip(self.keys, self.values):
+                keys[holes] = keys[movers]
+                values[holes] = values[movers]
+        self.rows = rows
 
     @torch.no_grad()
     def step(self, token_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -92,6 +105,8 @@ class LlamaDecoder:
         h = self.model.model.embed_tokens(token_ids)
         cos, sin = self.model.model.rotary_emb(h, positions)  # [rows, head_dim]: broadcast over heads below
         for layer, keys, values in zip(self.layers, self.keys, self.values):
+            if keys.shape[0] != rows:  # buffers with free rows (``max_rows``): the running ones only
+                keys, values = keys[:rows], values[:rows]
             attention, mlp = layer.self_attn, layer.mlp
             a = layer.input_layernorm(h)
             q, k = apply_rotary_pos_emb(self.linear(a, attention.q_proj).view(rows, self.heads, self.head_dim),
