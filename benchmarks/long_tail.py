@@ -32,19 +32,25 @@ The continuous side trains the first groups to FINISH, so over a short run it ma
 (short ones first); tokens/s counts each side's own trained tokens.
 
 Columns: ``s/step``: wall time between optimizer steps (``on_step_end`` to ``on_step_end``, generation, training and
-the weight load inside) over the ``--steps`` after ``--warmup``, median and min-max; ``tokens/s``: sampled completion
-tokens trained per second (environment tokens between turns not counted); ``rows/step``: the mean rows a decode step
-ran over the timed window (occupancy; continuous: the engine's ``RunningBatchStats.rows_per_step``; batch: from each
-engine batch's sample lengths, a batch stepping until its longest row ends; TRL: rows not yet finished, though
-``generate`` computes every row of the batch until the longest ends); a row's first token comes from its prompt's
-forward and is not a decode step; ``lag``: the staleness histogram, the share of trained tokens sampled 0, 1, ...
-optimizer steps before the weights that train them; ``stale groups dropped``: groups the continuous generator
-dropped as older than ``max_off_policy_steps`` allows and generated again (work done and not trained); ``x batch``:
-the side's tokens/s over batch's, same run. A last table gathers those ratios.
+the weight load inside) over the ``--steps`` after ``--warmup``, median and min-max; ``wait s`` / ``train s``: the
+step's median time waiting for its batch and training (ours as the trainer logs them, ``wait_time`` and
+``train_time``; TRL: its generation, and the rest of its step); ``sync s``: ours, the weight load after the step,
+which batch-at-a-time holds until the engine has finished the batch it is generating (a wait for generation too): a
+side whose wait and sync are ~0 is bound by training, where faster generation cannot shorten its steps;
+``tokens/s``: sampled completion tokens trained per second (environment tokens between turns not counted);
+``rows/step``: the mean rows a decode step ran over the timed window (occupancy; continuous: the engine's
+``RunningBatchStats.rows_per_step``; batch: from each engine batch's sample lengths, a batch stepping until its
+longest row ends; TRL: rows not yet finished, though ``generate`` computes every row of the batch until the longest
+ends); a row's first token comes from its prompt's forward and is not a decode step; ``lag``: the staleness
+histogram, the share of trained tokens sampled 0, 1, ... optimizer steps before the weights that train them; ``stale
+groups dropped``: groups the continuous generator dropped as older than ``max_off_policy_steps`` allows and
+generated again (work done and not trained); ``x batch``: the side's tokens/s over batch's, same run. A last table
+gathers those ratios.
 
 Run (tiny random Llama hidden 256 x 4 layers, 8 prompts x 4 samples per step, median 16 tokens, 2 warm-up + 8
-timed steps per side, 2 torch threads: about 4 minutes on 2 quiet cores; ``--quick``, a smoke test of every side
-and table: under 2 minutes):
+timed steps per side, 2 torch threads: an estimated 3-5 minutes on 2 quiet cores, most of it TRL's ``generate``;
+not yet timed on a quiet machine, and far longer on a busy one, TRL's steps most; ``--quick``, a smoke test of every
+side and table: under 2 minutes):
 
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --json long_tail.json
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --quick
@@ -149,7 +155,9 @@ class RunRecorder(StepRecorder):
         self.lag: Counter = Counter()  # over the timed steps: versions between a token's sampler and trainer
         self.decode_mark = 0  # DECODE_ROWS's length when the timed steps began
         self.trl_lengths: list[list[int]] = []  # TRL: completion lengths of each generation
+        self.trl_gen_s: list[float] = []  # TRL: seconds of each generation (and scoring)
         self.stale_dropped = 0.0  # continuous: groups dropped as staler than the bound (regenerated), timed steps
+        self.parts: dict[str, list[float]] = {"wait": [], "train": [], "weight_sync": []}  # timed steps, as logged
 
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
@@ -185,6 +193,9 @@ class RunRecorder(StepRecorder):
         super().on_log(args, state, control, logs=logs, **kwargs)
         if logs and state.global_step > self.warmup:
             self.stale_dropped += float(logs.get("groups_stale_dropped", 0.0))
+            for part in self.parts:
+                if f"{part}_time" in logs:
+                    self.parts[part].append(float(logs[f"{part}_time"]))
 
     def decode_rows(self) -> list[int]:
         return DECODE_ROWS[self.decode_mark:]
@@ -256,7 +267,9 @@ def run_trl(args, model_dir, tokenizer, env, out: str) -> tuple[RunRecorder, lis
     generate = trainer._generate_and_score_completions
 
     def recorded(*a, **kw):
+        started = time.perf_counter()
         result = generate(*a, **kw)
+        recorder.trl_gen_s.append(time.perf_counter() - started)
         lengths = [int(m.sum()) for m in result["completion_mask"]]
         recorder.trl_lengths.append(lengths)
         DECODE_ROWS.extend(steps_of(lengths))
@@ -286,6 +299,11 @@ def summarise(args, recorder: RunRecorder) -> dict:
     tokens = recorder.tokens[args.warmup:]
     rows = recorder.decode_rows()
     lag_total = sum(recorder.lag.values()) or 1
+    parts = recorder.parts
+    if recorder.trainer is None:  # TRL generates, then trains: its wait is its generation
+        gen = recorder.trl_gen_s[args.warmup:]
+        parts = {"wait": gen, "train": [step - g for step, g in zip(timed, gen)], "weight_sync": []}
+    median = lambda values: statistics.median(values) if values else float("nan")  # noqa: E731
     return {
         "step_s": timed, "tokens_per_step": tokens, "step_s_median": statistics.median(timed), "step_s_min": min(timed),
         "step_s_max": max(timed), "tokens": sum(tokens), "tokens_per_s": sum(tokens) / sum(timed),
@@ -293,6 +311,8 @@ def summarise(args, recorder: RunRecorder) -> dict:
         "lag": {int(k): v / lag_total for k, v in sorted(recorder.lag.items())},
         "rows_trained": len(recorder.rows) if recorder.trainer is not None else None,
         "groups_stale_dropped": recorder.stale_dropped,
+        "wait_s_median": median(parts["wait"]), "train_s_median": median(parts["train"]),
+        "sync_s_median": median(parts["weight_sync"]),
         "cores": recorder.cores(args.warmup),
     }
 
@@ -326,15 +346,17 @@ def print_case(result: dict) -> None:
     asked = result["asked"]
     print(f"\n**{result['workload']}, {result['lengths']}** (tokens per episode: median {asked['median']:.0f}, "
           f"mean {asked['mean']:.1f}, max {asked['max']})\n")
-    print("| side | s/step (median) | s/step (min-max) | tokens trained | tokens/s | x batch (tokens/s) | "
-          "decode steps | rows/step | lag (share of trained tokens) | stale groups dropped | rows trained | "
-          "cores busy |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
+    print("| side | s/step (median) | s/step (min-max) | wait s | sync s | train s | tokens trained | tokens/s | "
+          "x batch (tokens/s) | decode steps | rows/step | lag (share of trained tokens) | stale groups dropped | "
+          "rows trained | cores busy |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     base = result["sides"].get("batch")
+    nan = lambda v: "n/a" if v != v else f"{v:.2f}"  # noqa: E731  (NaN: TRL loads no weights)
     for side, s in result["sides"].items():
         ratio = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
         lag = ", ".join(f"{k}: {v:.0%}" for k, v in s["lag"].items())
-        print(f"| {side} | {s['step_s_median']:.2f} | {s['step_s_min']:.2f}-{s['step_s_max']:.2f} | {s['tokens']} | "
+        print(f"| {side} | {s['step_s_median']:.2f} | {s['step_s_min']:.2f}-{s['step_s_max']:.2f} | "
+              f"{s['wait_s_median']:.2f} | {nan(s['sync_s_median'])} | {s['train_s_median']:.2f} | {s['tokens']} | "
               f"{s['tokens_per_s']:.1f} | {ratio} | {s['decode_steps']} | {s['rows_per_step']:.2f} | {lag} | "
               f"{s['groups_stale_dropped']:.0f} | "
               f"{'-' if s['rows_trained'] is None else s['rows_trained']} | {s['cores']:.2f} |")
