@@ -1,8 +1,9 @@
 """A real vLLM server per tiny model (untied and tied embeddings), started once per session.
 
 The vLLM venv is created by ``scripts/install_vllm.sh`` when missing (~2 min, printed as it goes). Both servers
-start side by side (~30-40 s with ``--enforce-eager``) and are stopped at the end of the session; a test that
-kills one (tests/vllm_backend/test_zz_*.py run last) leaves the next user of the fixture a fresh one.
+start side by side (~30-40 s with ``--enforce-eager``) and are stopped at the end of the session. The tests that kill
+a server kill ``doomed``, a third one of its own; while a test that leaves it dead (a module's ``LEAVES_DOOMED_DEAD``)
+has a later user, one spare server starts beside it, which that user takes instead of a start of its own.
 
 Both servers need an API key (``API_KEY``, in ``$VLLM_API_KEY`` for the session), as a server reachable from other
 machines must: every client here, and every training run the tests launch, sends it.
@@ -10,6 +11,7 @@ machines must: every client here, and every training run the tests launch, sends
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import subprocess
@@ -25,6 +27,7 @@ from verifiers_rl.inference.vllm.server import VLLMServer, default_venv
 ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = 512
 API_KEY = f"test-key-{secrets.token_hex(8)}"
+_LOG_NUMBERS = itertools.count()
 
 
 def _install_vllm_venv() -> Path:
@@ -56,18 +59,31 @@ class Served:
     tied: bool
     server: VLLMServer
     dirty: bool = False  # the server holds other weights than model_dir's
+    spare: VLLMServer | None = None  # a launched server of model_dir, taken when this one is found dead
+    spares_left: int = 0  # how many more times a user will find it dead (one spare at a time: memory)
 
     @property
     def url(self) -> str:
         return self.server.url
 
     def ensure_running(self) -> "Served":
-        """Restart the server if a test killed it."""
+        """Restart the server if a test killed it (take the spare if one was launched)."""
         if self.server.process is None or self.server.process.poll() is not None or not self.server.healthy():
             self.server.stop()
-            self.server = _server(self.model_dir).start()
+            self.server, self.spare = self.spare or _server(self.model_dir).launch(), None
+            self.launch_spare()
+            try:
+                self.server.wait_ready()
+            except BaseException:
+                self.server.stop()
+                raise
             self.dirty = False
         return self
+
+    def launch_spare(self) -> None:
+        """Start the next spare (without waiting for it) if a user will need one."""
+        if self.spare is None and self.spares_left > 0:
+            self.spare, self.spares_left = _server(self.model_dir).launch(), self.spares_left - 1
 
     def restart_same_port(self) -> "Served":
         """Start a new server for model_dir at the address of this one (which a test killed), and wait for it."""
@@ -99,7 +115,7 @@ class Served:
 
 def _server(model_dir: str, port: int | None = None) -> VLLMServer:
     # The log stays beside the model (pytest keeps its last temporary folders) for a post-mortem.
-    log = Path(model_dir).with_suffix(f".{time.strftime('%H%M%S')}.server.log")
+    log = Path(model_dir).with_suffix(f".{time.strftime('%H%M%S')}-{next(_LOG_NUMBERS)}.server.log")
     # The gloo weight-transfer backend on: clients can then send weights either way (files or gloo).
     return VLLMServer(model_dir, port=port, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log,
                       weight_transfer="gloo", api_key=API_KEY)
@@ -152,13 +168,26 @@ def tied(vllm_servers) -> Served:
     return vllm_servers["tied"].ensure_running().restore()
 
 
+def _spares_needed(items) -> int:
+    """How many times a ``doomed`` user will find it dead: tests that leave it dead, but for the last user."""
+    users = [item for item in items if "doomed" in getattr(item, "fixturenames", ())]
+    return sum(bool(getattr(getattr(item, "module", None), "LEAVES_DOOMED_DEAD", False)) for item in users[:-1])
+
+
 @pytest.fixture(scope="session")
-def _doomed_server(vllm_servers):
+def _doomed_server(vllm_servers, request):
     base = vllm_servers["untied"]
     served = Served("doomed", base.model_dir, base.other_dir, base.tied, _server(base.model_dir))
-    served.server.start()
-    yield served
-    served.server.stop()
+    # Launched together: their starts overlap instead of following one another.
+    served.server.launch()
+    served.spares_left = _spares_needed(request.session.items)
+    served.launch_spare()
+    try:
+        served.server.wait_ready()
+        yield served
+    finally:
+        for server in filter(None, (served.server, served.spare)):
+            server.stop()
 
 
 @pytest.fixture

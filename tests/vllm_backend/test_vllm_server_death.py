@@ -20,6 +20,7 @@ from verifiers_rl.inference import SamplingConfig, VLLMEngine
 from verifiers_rl.inference.vllm.engine import VLLMError, VLLMUnavailableError
 from verifiers_rl.core.engine import free_port
 
+LEAVES_DOOMED_DEAD = True  # conftest.py starts a spare server for the next user of `doomed`
 DDP_DEADLINE_S = 120
 RECONNECT_S = 5  # the DDP run waits this long for the killed server, which never comes back
 
