@@ -100,6 +100,8 @@ from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = ["batch", "continuous", "trl"]
+DEFAULTS = dict(hidden=256, layers=4, rows=80, prompts=8, num_generations=4, median_tokens=16, steps=8, warmup=2)
+QUICK = dict(hidden=64, layers=2, rows=20, prompts=4, num_generations=2, median_tokens=8, steps=2, warmup=1)
 FIELDS = {"continuous": ("groups_in_flight", "continuous_batching_rows"), "groups": ("groups_in_flight",)}
 NO_TOKEN = -1  # an eos id no token has: every row decodes its asked length
 DECODE_ROWS: list[int] = []  # rows of every decode step the engine ran in the current run (see instrument())
@@ -387,36 +389,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny",
                         help="'tiny' (a random Llama of --hidden x --layers), 'smollm2' or a model folder")
-    parser.add_argument("--hidden", type=int, default=256, help="tiny model only")
-    parser.add_argument("--layers", type=int, default=4, help="tiny model only")
+    parser.add_argument("--hidden", type=int, default=None, help="tiny model only (256; --quick 64)")
+    parser.add_argument("--layers", type=int, default=None, help="tiny model only (4; --quick 2)")
     parser.add_argument("--workloads", nargs="+", choices=["single", "multi"], default=["single", "multi"])
     parser.add_argument("--lengths", nargs="+", choices=["longtail", "uniform"], default=["longtail", "uniform"])
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=DEFAULT_SIDES,
                         help="groups (not by default): --groups_in_flight alone, the engine batching as today")
-    parser.add_argument("--turns", type=int, default=3, help="model turns of the multi-turn workload")
-    parser.add_argument("--rows", type=int, default=80, help="prompts in the dataset")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per optimizer step")
-    parser.add_argument("--num_generations", type=int, default=4)
-    parser.add_argument("--median_tokens", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=None, help="model turns of the multi-turn workload (3)")
+    parser.add_argument("--rows", type=int, default=None, help="prompts in the dataset (80; --quick 20)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per optimizer step (8; --quick 4)")
+    parser.add_argument("--num_generations", type=int, default=None, help="(4; --quick 2)")
+    parser.add_argument("--median_tokens", type=int, default=None, help="(16; --quick 8)")
     parser.add_argument("--tail_fraction", type=float, default=0.1)
     parser.add_argument("--tail_factor", type=int, default=8)
     parser.add_argument("--k", type=int, default=1, help="max_off_policy_steps of our sides")
     parser.add_argument("--groups_in_flight", type=int, default=None, help="continuous: default 2 x --prompts")
     parser.add_argument("--continuous_rows", type=int, default=None,
                         help="continuous: --continuous_batching_rows, default the rollouts of one step")
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per side")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each side's run")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per side (8; --quick 2)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps at the start of each side's run (2; --quick 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--json", default=None, help="also write every number (and each step's time) here")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test of every side and table: tiny model 64 x 2, 20 rows, 4 x 2 per step, "
                         "median 8, 1 warm-up + 2 timed steps")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.rows, args.prompts, args.num_generations = 64, 2, 20, 4, 2
-        args.median_tokens, args.warmup, args.steps = 8, 1, 2
-    args.groups_in_flight = args.groups_in_flight or 2 * args.prompts
-    args.continuous_rows = args.continuous_rows or args.prompts * args.num_generations
+    unused = {"--hidden": args.model != "tiny" and (args.hidden, args.layers) != (None, None),
+              "--turns": "multi" not in args.workloads and args.turns is not None,
+              "--groups_in_flight": args.groups_in_flight is not None and not {"continuous", "groups"} & {*args.sides},
+              "--continuous_rows": "continuous" not in args.sides and args.continuous_rows is not None}
+    for flag, given in unused.items():
+        if given:
+            parser.error(f"{flag} does not act here: --hidden/--layers shape the tiny model only, --turns the multi "
+                         "workload, --groups_in_flight the continuous and groups sides, --continuous_rows the "
+                         "continuous side")
+    for name, value in (QUICK if args.quick else DEFAULTS).items():  # flags given keep their values
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.turns = 3 if args.turns is None else args.turns
+    if args.groups_in_flight is None:
+        args.groups_in_flight = 2 * args.prompts
+    if args.continuous_rows is None:
+        args.continuous_rows = args.prompts * args.num_generations
+    if args.groups_in_flight < 1 or args.continuous_rows < 1:
+        parser.error("--groups_in_flight and --continuous_rows must be >= 1 (0 is batch-at-a-time: the batch side)")
     if min(args.rows, args.prompts, args.num_generations, args.steps, args.turns, args.threads) < 1:
         parser.error("--rows, --prompts, --num_generations, --steps, --turns and --threads must be >= 1")
     if args.median_tokens < 2 or args.warmup < 0 or args.k < 1:
