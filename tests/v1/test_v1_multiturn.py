@@ -107,16 +107,15 @@ def game_of(rollout, tokenizer) -> tuple[list[str], list[str]]:
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_the_guessing_game_trains_at_temperature_1_and_saves_whole_games(tmp_path, model, request):
     # The default --max_failed_rollouts_fraction (0): one refused episode would stop the run in its first batch.
-    # One group (4 games) a step: each game under v1's default `null` harness is a subprocess (the slow part).
     model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "smollm2_model_dir")
     lines = run(["--model", model_dir, "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}),
-                 "--temperature", "1", "--rollouts_per_step", "4", "--num_generations", "4", "--max_seq_len", "256",
+                 "--temperature", "1", "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
                  "--max_completion_length", "12", "--max_steps", "2", "--print_samples_every", "0",
                  "--report_to", "none", "--save_rollouts_path", str(tmp_path / "games.jsonl")], tmp_path)
     assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == ["step 1/2", "step 2/2"]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rollouts = read_rollouts(tmp_path / "games.jsonl")
-    assert len(rollouts) == 8
+    assert len(rollouts) == 16
     for rollout in rollouts:
         replies, turns = game_of(rollout, tokenizer)
         game = int(re.search(r"Game (\d+):", tokenizer.decode(rollout.prompt_ids)).group(1))
