@@ -22,10 +22,9 @@ TEMPLATE = ROOT / "tests" / "v1" / "envs" / "reverse_v1.py"
 
 @pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
 def test_a_v1_environment_trains_through_the_vllm_server(untied, tmp_path):
-    # One group (4 episodes) a step: each episode under the `null` harness is a subprocess (the slow part).
     untied.dirty = True  # the run leaves its trained weights in the server
     command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
-               "--env", str(TEMPLATE), "--rollouts_per_step", "4", "--num_generations", "4",
+               "--env", str(TEMPLATE), "--rollouts_per_step", "8", "--num_generations", "4",
                "--max_seq_len", "128", "--max_completion_length", "8", "--max_off_policy_steps", "0",
                "--learning_rate", "0.05", "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none",
                "--max_steps", "2", "--vllm_weight_transfer", "files", "--save_strategy", "no",
@@ -39,10 +38,10 @@ def test_a_v1_environment_trains_through_the_vllm_server(untied, tmp_path):
     assert len(ratios) == 2 and all(abs(r - 1) < 1e-3 for r in ratios), lines
     state = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE_STATE "))[13:])
     assert state["engine"] == "VLLMEngine" and state["policy_version"] == 2
-    assert state["requests_served"] == 8  # one model call per episode, each a server request
+    assert state["requests_served"] == 16  # one model call per episode, each a server request
 
     seen = read_rollouts(tmp_path / "seen.jsonl")
-    assert len(seen) == 8 and [r.policy_version for r in seen] == [0] * 4 + [1] * 4
+    assert len(seen) == 16 and [r.policy_version for r in seen] == [0] * 8 + [1] * 8
     tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
     for rollout in seen:
         assert rollout.completion_mask == [1] * len(rollout.completion_ids) and len(rollout.completion_ids) <= 8
@@ -50,7 +49,7 @@ def test_a_v1_environment_trains_through_the_vllm_server(untied, tmp_path):
         reply = tokenizer.decode(rollout.completion_ids, skip_special_tokens=True).strip()
         assert rollout.reward == float(reply == word[::-1]) and rollout.metrics["reply_chars"] == len(reply)
     # The first batch was sampled by the model's own weights: the server's log-prob of every sampled token is HF's.
-    for rollout in seen[:4]:
+    for rollout in seen[:8]:
         sequence = rollout.prompt_ids + rollout.completion_ids
         hf = hf_prompt_logprobs(untied.model_dir, sequence)[len(rollout.prompt_ids) - 1:]
         assert float((hf - torch.tensor(rollout.completion_logprobs)).abs().max()) < 1e-4
@@ -68,7 +67,7 @@ def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp
     untied.dirty = True  # the run leaves its trained weights in the server
     command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
                "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}), "--temperature", "1",
-               "--rollouts_per_step", "4", "--num_generations", "4", "--max_seq_len", "256",
+               "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
                "--max_completion_length", "12", "--max_off_policy_steps", "0", "--logging_steps", "1",
                "--print_samples_every", "0", "--report_to", "none", "--max_steps", "2",
                "--vllm_weight_transfer", "files", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
@@ -81,7 +80,7 @@ def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp
     assert state["engine"] == "VLLMEngine"
     tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
     rollouts = read_rollouts(tmp_path / "games.jsonl")
-    assert len(rollouts) == 8
+    assert len(rollouts) == 16
     for rollout in rollouts:
         replies, turns = game_of(rollout, tokenizer)
         game = int(rollout.prompt[-1]["content"].split(":")[0].removeprefix("Game "))
