@@ -19,7 +19,7 @@ cat "$OUT/bringup.log"
 
 status=0
 echo "== tests/gpu ($TEST_S s at most)"
-timeout -k 10 "$TEST_S" python3 -m pytest -p no:cacheprovider -q -s -rA tests/gpu/test_cuda.py \
+timeout -k 10 "$TEST_S" python3 -m pytest -p no:cacheprovider -n 0 -q -s -rA tests/gpu/test_cuda.py \
     --junitxml "$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1 || status=1
 grep -E "^\[gpu\]|passed|failed|error|skipped" "$OUT/gpu_tests.log" | tail -80
 

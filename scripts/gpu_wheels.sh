@@ -37,6 +37,7 @@ WHEELS=(
     idna==3.20                  # httpx2: >=3.18
     anyio==4.16.0               # httpx2: >=4.10
     pytest-timeout==2.4.0       # pytest.ini's timeout: the dev extra's >=2.4,<2.5
+    pytest-xdist==3.8.0 execnet==2.1.2   # pytest.ini's -n: the dev extra's >=3.8,<3.9
 )
 DEEPSPEED=deepspeed==0.19.8     # sdist only on PyPI: built here into a py3-none-any wheel
 

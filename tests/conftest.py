@@ -1,5 +1,6 @@
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -41,3 +42,30 @@ def smollm2_model_dir():
     from verifiers_rl.core.models import smollm2_dir
 
     return str(smollm2_dir())
+
+
+TESTS = Path(__file__).resolve().parent
+# Groups that run longest go first, so neither worker is left alone with one at the end: the vLLM tier (one group),
+# verifiers v1's episodes, then the launched tiers, then the rest.
+FIRST = ("vllm_backend/", "v1/", "integration/", "system/")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group the tests for pytest.ini's two xdist workers (``--dist loadgroup``): a file's tests run on one worker (its
+    module fixtures are built once), the whole vLLM tier on one (its session servers start once, and two workers never
+    hold vLLM servers at the same time, which memory would not bear); the longest groups are handed out first."""
+
+    def folder(item) -> str:
+        return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
+
+    def group(item) -> str:
+        vllm = folder(item).startswith("vllm_backend/") or "vllm_servers" in getattr(item, "fixturenames", ())
+        return "vllm" if vllm else folder(item)
+
+    def rank(item) -> int:
+        name = "vllm_backend/" if group(item) == "vllm" else folder(item)
+        return next((i for i, prefix in enumerate(FIRST) if name.startswith(prefix)), len(FIRST))
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(group(item)))
+    items.sort(key=rank)  # stable: a file's tests keep their order
