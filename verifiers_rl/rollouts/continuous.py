@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout, group_by_id
 from verifiers_rl.core.sampling import derive_seed
-from verifiers_rl.rollouts.generator import Batch, GenerationTimeout, PositionDraws, _close_loop
+from verifiers_rl.rollouts.generator import Batch, GenerationTimeout, GeneratorThread, PositionDraws, _close_loop
 from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as batch at a time
@@ -77,7 +77,7 @@ def staleness_stats(rollouts: list[Rollout], trained_version: int, bound: int) -
     return stats
 
 
-class ContinuousGenerator:
+class ContinuousGenerator(GeneratorThread):
     """Keeps up to ``groups_in_flight`` groups in flight as asyncio tasks on its own thread and hands out batches of
     ``prompts_per_batch`` finished groups (the rollout-source interface of ``AsyncGenerator``).
 
@@ -124,7 +124,7 @@ class ContinuousGenerator:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._main_task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
 
     def __len__(self) -> int:
@@ -251,27 +251,6 @@ class ContinuousGenerator:
             self._next_position = int(positions["next_position"])
             self._redo = [(int(p), int(r)) for p, r in positions["in_flight"]]
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="verifiers_rl-generator", daemon=True)
-            self._thread.start()
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop generating: cancel the groups in flight and join the thread."""
-        self._stop.set()
-        with self._condition:
-            self._condition.notify_all()
-        loop, task = self._loop, self._main_task
-        if loop is not None and task is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(task.cancel)
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
-            if self._thread.is_alive():
-                logger.warning("The generator thread did not stop within %.0f s (a generate call is still running).",
-                               timeout_s)
-            self._thread = None
-
     # --- the generator thread -----------------------------------------------------------------------------------
 
     def _wake_loop(self) -> None:
@@ -283,8 +262,8 @@ class ContinuousGenerator:
     def _run(self) -> None:
         self._loop = asyncio.new_event_loop()
         try:
-            self._main_task = self._loop.create_task(self._main())
-            self._loop.run_until_complete(self._main_task)
+            self._task = self._loop.create_task(self._main())
+            self._loop.run_until_complete(self._task)
         except asyncio.CancelledError:
             pass
         except BaseException as error:  # noqa: BLE001 - handed to the trainer, which raises it on every rank
@@ -292,7 +271,7 @@ class ContinuousGenerator:
                 self._error = error
                 self._condition.notify_all()
         finally:
-            self._main_task = None
+            self._task = None
             _close_loop(self._loop)
 
     async def _main(self) -> None:
