@@ -44,28 +44,38 @@ def smollm2_model_dir():
     return str(smollm2_dir())
 
 
+
 TESTS = Path(__file__).resolve().parent
 # Groups that run longest go first, so neither worker is left alone with one at the end: the vLLM tier (one group),
 # verifiers v1's episodes, then the launched tiers, then the rest.
-FIRST = ("vllm_backend/", "v1/", "integration/", "system/")
+FIRST = ("tests/vllm_backend/", "tests/v1/", "tests/integration/", "tests/system/")
+
+
+def work_group(nodeid: str) -> str:
+    """The group of tests one xdist worker runs together: the whole vLLM tier (its session servers start once, and two
+    workers never hold vLLM servers at the same time, which memory would not bear), else the test's file (its module
+    fixtures are built once)."""
+    path = nodeid.split("::", 1)[0]
+    return "vllm" if path.startswith("tests/vllm_backend/") else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest.ini's two workers get whole groups (``work_group``), in collection order (longest first, below).
+    (xdist's own ``loadgroup`` marks no longer reach its scheduler under pytest 9.2, so the groups are made here.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """Group the tests for pytest.ini's two xdist workers (``--dist loadgroup``): a file's tests run on one worker (its
-    module fixtures are built once), the whole vLLM tier on one (its session servers start once, and two workers never
-    hold vLLM servers at the same time, which memory would not bear); the longest groups are handed out first."""
-
-    def folder(item) -> str:
-        return Path(str(item.fspath)).resolve().relative_to(TESTS).as_posix()
-
-    def group(item) -> str:
-        vllm = folder(item).startswith("vllm_backend/") or "vllm_servers" in getattr(item, "fixturenames", ())
-        return "vllm" if vllm else folder(item)
+    """The longest groups first (``FIRST``); stable, so a file's tests keep their order."""
 
     def rank(item) -> int:
-        name = "vllm_backend/" if group(item) == "vllm" else folder(item)
-        return next((i for i, prefix in enumerate(FIRST) if name.startswith(prefix)), len(FIRST))
+        path = Path(str(item.fspath)).resolve().relative_to(TESTS.parent).as_posix()
+        return next((i for i, prefix in enumerate(FIRST) if path.startswith(prefix)), len(FIRST))
 
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group(item)))
-    items.sort(key=rank)  # stable: a file's tests keep their order
+    items.sort(key=rank)
