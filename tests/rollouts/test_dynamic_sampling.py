@@ -56,7 +56,10 @@ def test_live_batches_keep_exactly_the_informative_groups_and_stay_full(tiny_mod
             record = gen.batch(index)
             batch = record.rollouts
             if k:
-                gen.engine.policy_version = index + 1  # as a weight load would (the next batch waits for it)
+                # as the trainer's weight load: after the batches the old version generates, never mid-batch
+                gen.wait_for_older_batches(index + 1)
+                with gen.hold_weights():
+                    gen.engine.policy_version = index + 1
                 gen.weights_updated()
             groups = groups_of(batch)
             assert len(batch) == 16 and len(groups) == 4  # the batch size holds
