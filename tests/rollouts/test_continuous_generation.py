@@ -1,11 +1,12 @@
 """Continuous generation (``--groups_in_flight``, rollouts/continuous.py): batches of whole finished groups drawn and
-seeded as batch at a time, a group older than the staleness bound dropped, counted and generated again under a new
-seed, and a checkpoint's finished groups and positions in flight resumed so that every position is trained once."""
+seeded as batch at a time, a long group sliding to the batch of its deadline (never dropped), a group older than the
+staleness bound all the same (a resumed one) dropped, counted and generated again under a new seed, and a checkpoint's finished groups and positions in flight resumed so that every position is trained once."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from transformers import AutoTokenizer
@@ -112,29 +113,59 @@ def test_batches_are_whole_finished_groups_drawn_and_seeded_as_batch_at_a_time(p
     assert trained == expected
 
 
-def test_a_group_older_than_the_bound_is_dropped_counted_and_generated_again(parts):
+def test_a_long_group_slides_to_its_deadline_and_holds_that_batch_never_dropped(parts):
     tokenizer, engine = parts
     env = environment(tokenizer, gated=True)
-    generator = continuous(env, engine, total=5)
+    generator = continuous(env, engine, total=4)
     try:
-        early = [step(generator, index) for index in range(2)]  # position 0 (row 0) waits, started at version 0
-        assert "p0" not in {r.group_id for batch in early for r in batch.rollouts}
-        env.gate_open = True
-        stale = wait_for_pending(generator, "p0")  # finished: sampled by version 0, older than batch 2's bound (1)
-        assert {r.oldest_version() for r in stale} == {0}
-        later = [step(generator, index) for index in range(2, 5)]
+        first = step(generator, 0)  # position 0 (row 0) waits: started at version 0, it is due by batch 1 (k = 1)
+        assert "p0" not in groups(first.rollouts)
+        with ThreadPoolExecutor(1) as pool:
+            second = pool.submit(generator.batch, 1)
+            deadline = time.monotonic() + 60
+            while sum(len(r) for r in generator.pending().values()) < P * G:  # a batch's worth finished meanwhile
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            time.sleep(0.5)
+            assert not second.done()  # batch 1 waits for the group due by it, not for the first finished groups
+            env.gate_open = True
+            second = second.result(timeout=60)
+        engine.policy_version = 2
+        generator.weights_updated()
+        later = [step(generator, index) for index in (2, 3)]
     finally:
         generator.close()
-    assert later[0].stats["groups_stale_dropped"] == 1
-    trained = [r for batch in early + later for r in batch.rollouts]
-    ids = [gid for gid in groups(trained)]
-    # Generated again and trained once (a later batch's bound may drop it again, as timing has it: a further retry).
-    (again,) = [gid for gid in ids if position_of(gid)[0] == 0]
-    assert again.startswith("p0-retry")
-    retried = groups(trained)[again]
-    assert sorted(r.completion_ids for r in retried) != sorted(r.completion_ids for r in stale)  # a new seed
-    assert sorted(position_of(gid)[0] for gid in ids) == list(range(10))
-    for index, batch in enumerate(early + later):
+    batches = [first, second, *later]
+    assert "p0" in groups(second.rollouts) and {r.oldest_version() for r in groups(second.rollouts)["p0"]} == {0}
+    trained = [gid for batch in batches for gid in groups(batch.rollouts)]
+    assert sorted(position_of(gid)[0] for gid in trained) == list(range(8)) and all("retry" not in gid for gid in trained)
+    for index, batch in enumerate(batches):
+        assert batch.stats["groups_stale_dropped"] == 0
+        assert min(r.oldest_version() for r in batch.rollouts) >= generator.required_version(index)
+
+
+def test_a_group_older_than_its_batch_allows_is_dropped_counted_and_generated_again(parts):
+    tokenizer, engine = parts
+    reference = AsyncGenerator(environment(tokenizer), engine, rollouts_per_step=P * G, num_generations=G,
+                               max_off_policy_steps=0, seed=3, shuffle=False)
+    engine.policy_version = 0
+    old = reference.batch(0).rollouts  # positions 0 and 1, sampled by version 0
+    generator = continuous(environment(tokenizer), engine, total=5)
+    generator.restore(3, {3: old})  # resumed at batch 3: its bound is version 2
+    engine.policy_version = 3
+    try:
+        later = [step(generator, index) for index in (3, 4)]
+    finally:
+        generator.close()
+    assert later[0].stats["groups_stale_dropped"] == 2
+    trained = groups([r for batch in later for r in batch.rollouts])
+    assert sorted(trained) == ["p0-retry1", "p1-retry1", "p8", "p9"]
+    before = groups(old)
+    for position in (0, 1):  # generated again under a new seed: other tokens
+        (was,) = [gid for gid in before if position_of(gid)[0] == position]
+        again = trained[f"p{position}-retry1"]
+        assert sorted(r.completion_ids for r in again) != sorted(r.completion_ids for r in before[was])
+    for index, batch in zip((3, 4), later):
         assert min(r.oldest_version() for r in batch.rollouts) >= generator.required_version(index)
 
 
@@ -143,7 +174,7 @@ def test_a_checkpoint_keeps_finished_groups_and_positions_in_flight_and_a_resume
     env = environment(tokenizer, gated=True)  # row 0 never finishes before the checkpoint
     first = continuous(env, engine, total=4)
     try:
-        before = [step(first, index) for index in range(2)]
+        before = [step(first, 0)]
         deadline = time.monotonic() + 60
         while not first.pending():
             assert time.monotonic() < deadline
@@ -155,16 +186,16 @@ def test_a_checkpoint_keeps_finished_groups_and_positions_in_flight_and_a_resume
     saved = [r.group_id for rollouts in pending.values() for r in rollouts]
 
     resumed = continuous(environment(tokenizer), engine, total=4)
-    resumed.restore(2, pending, None, positions=positions)
-    engine.policy_version = 2  # the resumed run loads the checkpoint's weights first
+    resumed.restore(1, pending, None, positions=positions)
+    engine.policy_version = 1  # the resumed run loads the checkpoint's weights first
     try:
-        after = [step(resumed, index) for index in range(2, 4)]
+        after = [step(resumed, index) for index in range(1, 4)]
     finally:
         resumed.close()
     trained = [gid for batch in before + after for gid in groups(batch.rollouts)]
     assert sorted(position_of(gid)[0] for gid in trained) == list(range(8))  # nothing lost, nothing twice
     assert "p0" in groups([r for batch in after for r in batch.rollouts])  # regenerated under its own seed
-    assert set(saved) <= set(trained) or any(b.stats["groups_stale_dropped"] for b in after)
+    assert set(saved) <= set(trained) and not any(b.stats["groups_stale_dropped"] for b in after)
     # A checkpoint of batch-at-a-time generation continues after its pending batches.
     plain = continuous(environment(tokenizer), engine, total=4)
     plain.restore(2, {2: before[0].rollouts})

@@ -1,14 +1,20 @@
 """Continuous generation (``--groups_in_flight N``): groups are generated one by one, up to N at once, and a batch is
-made of the first finished whole groups, so a long episode holds up only its own group, never a whole batch.
+made of finished whole groups, so a long episode holds up its own group and, at most, the batch of its deadline.
 
 Positions are drawn in the order and with the seeds of batch-at-a-time generation (position p: the row
 ``PositionDraws`` gives, seed ``derive_seed(seed, "train", p)``), but a batch holds groups in the order they
 finished, and weights are loaded while groups are in flight (the engine orders a load between its decode steps), so
 a group's tokens may come from several policy versions (``Rollout.completion_versions``). Staleness is bounded as
 in the exact schedule: batch b trains only groups whose oldest sampled token is from version
-``required_version(b)`` or newer; an older group is dropped, counted (``groups_stale_dropped``) and its position
-generated again under a new seed (derived from the retry count). What is exact and what is not across a resume:
-docs/durability.md.
+``required_version(b)`` or newer. A group started with the engine at version v is therefore due by batch
+``v // m + k`` (its deadline; m = ``steps_per_batch``, k = ``max_off_policy_steps``), and the scheduler never lets
+it miss it: a group starts only while every batch up to its deadline has room for the groups due by then (as many as
+batch-at-a-time keeps in flight), and a batch takes the finished groups with the earliest deadlines, waiting only
+while a group still running is due by a batch that taking later-due groups now would overfill. A long group thus
+slides to a later batch, up to its deadline, instead of being dropped (dropping it would bias training against long
+episodes; its next try would be as long). A group older than its batch's bound all the same (a resumed checkpoint's)
+is dropped, counted (``groups_stale_dropped``) and its position generated again under a new seed (derived from the
+retry count). What is exact and what is not across a resume: docs/durability.md.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class FinishedGroup:
     a checkpoint)."""
 
     rollouts: list[Rollout]
+    deadline: int  # the last batch it may join (``ContinuousGenerator.deadline``)
     failures: int = 0  # failed attempts before it was generated (``rollouts_failed``)
     started: float | None = None
     finished: float | None = None
@@ -115,6 +122,7 @@ class ContinuousGenerator(GeneratorThread):
         self._condition = threading.Condition()  # guards everything below that both threads touch
         self._finished: list[FinishedGroup] = []  # in the order they finished
         self._in_flight: dict[int, int] = {}  # position -> retry, started
+        self._due: dict[int, int] = {}  # position in flight -> its deadline
         self._redo: list[tuple[int, int]] = []  # (position, retry) to start first: stale drops, restored positions
         self._next_position = 0
         self._handed = 0  # batches handed out
@@ -134,6 +142,11 @@ class ContinuousGenerator(GeneratorThread):
         """The oldest policy version batch ``index`` may train a token of."""
         return max(0, index - self.max_off_policy_steps) * self.steps_per_batch
 
+    def deadline(self, version: int) -> int:
+        """The last batch a group sampled from version ``version`` on may join: b <= version // m + k, the inverse of
+        ``required_version``."""
+        return version // self.steps_per_batch + self.max_off_policy_steps
+
     # --- the trainer's side -------------------------------------------------------------------------------------
 
     def batch(self, index: int) -> Batch:
@@ -148,7 +161,8 @@ class ContinuousGenerator(GeneratorThread):
             while True:
                 self._drop_stale(index)
                 self._check_failures(index)
-                if len(self._finished) >= self.prompts_per_batch:
+                taken = self._choose(index)
+                if taken is not None:
                     break
                 if self._error is not None:
                     raise GenerationError(
@@ -157,11 +171,12 @@ class ContinuousGenerator(GeneratorThread):
                 if remaining <= 0:
                     raise GenerationTimeout(
                         f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({len(self._finished)} of "
-                        f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight; engine policy "
+                        f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight, "
+                        f"{sum(d <= index for d in self._due.values())} of them due by this batch; engine policy "
                         f"version {self.engine.policy_version}); the engine or an environment is stuck.")
                 self._condition.wait(timeout=min(remaining, 1.0))
-            taken = self._finished[: self.prompts_per_batch]
-            del self._finished[: self.prompts_per_batch]
+            chosen = {id(group) for group in taken}
+            self._finished = [group for group in self._finished if id(group) not in chosen]
             stats = {name: self._counts.get(name, 0.0)
                      for name in ("groups_stale_dropped", "rollouts_failed", "groups_dropped_on_error")}
             stats["rollouts_failed"] += sum(group.failures for group in taken)
@@ -176,6 +191,26 @@ class ContinuousGenerator(GeneratorThread):
         generation_s = (None if any(t is None for pair in times for t in pair)
                         else max(end for _, end in times) - min(start for start, _ in times))
         return Batch(index, rollouts, stats, generation_s)
+
+    def _choose(self, index: int) -> list[FinishedGroup] | None:
+        """(Holding the condition.) Batch ``index``'s groups: the ``prompts_per_batch`` finished ones with the
+        earliest deadlines (then in the order they finished), or None to wait. With G groups a batch and U(b) the
+        groups not yet handed out (finished or in flight) due by batch b, batches index..b hold (b - index + 1) G:
+        taking a group due after b is allowed only while the groups due by b still fit the batches after this one,
+        i.e. the taken groups due after b number at most (b - index + 1) G - U(b). Where no running group is due by
+        such a b, waiting cannot help (a resumed checkpoint's groups): the batch is taken, and a group that misses its
+        deadline is dropped as stale."""
+        size = self.prompts_per_batch
+        if len(self._finished) < size:
+            return None
+        taken = sorted(self._finished, key=lambda group: group.deadline)[:size]  # a stable sort: finish order
+        due = [group.deadline for group in self._finished] + list(self._due.values())
+        for b in range(index, max(due)):
+            later = sum(group.deadline > b for group in taken)
+            if later > (b - index + 1) * size - sum(d <= b for d in due) and any(
+                    d <= b for d in self._due.values()):
+                return None
+        return taken
 
     def _drop_stale(self, index: int) -> None:
         """(Holding the condition.) Drop the waiting groups older than batch ``index``'s bound; their positions are
@@ -243,7 +278,9 @@ class ContinuousGenerator(GeneratorThread):
         if self._thread is not None:
             raise RuntimeError("restore() must come before the generator starts.")
         rollouts = [rollout for index in sorted(pending) for rollout in pending[index]]
-        self._finished = [FinishedGroup(members) for members in group_by_id(rollouts)]
+        self._finished = [FinishedGroup(members, 0) for members in group_by_id(rollouts)]
+        for group in self._finished:
+            group.deadline = self.deadline(group.oldest_version())
         self._handed = next_batch
         if positions is None:
             self._next_position = (next_batch + len(pending)) * self.prompts_per_batch
@@ -305,6 +342,7 @@ class ContinuousGenerator(GeneratorThread):
                     self._next_position += 1
                     alive += 1
                 self._in_flight[position] = retry
+                self._due[position] = self.deadline(self.engine.policy_version)
                 starts.append((position, retry))
             return starts
 
@@ -324,13 +362,14 @@ class ContinuousGenerator(GeneratorThread):
             return
         with self._condition:
             self._in_flight.pop(position, None)
+            deadline = self._due.pop(position, self.deadline(version))
             if group is None:
                 self._counts["groups_dropped_on_error"] = self._counts.get("groups_dropped_on_error", 0.0) + 1
                 self._counts["rollouts_failed"] = self._counts.get("rollouts_failed", 0.0) + failures
                 self._errors.append(error)
             else:
                 stamp_versions(group, version)
-                self._finished.append(FinishedGroup(group, failures, started, time.perf_counter()))
+                self._finished.append(FinishedGroup(group, deadline, failures, started, time.perf_counter()))
             self._condition.notify_all()
         self._wake.set()
 
