@@ -181,8 +181,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     groups_in_flight: Annotated[int, NON_NEGATIVE] = field(
         default=0,
         metadata={"help": "Continuous generation: keep up to N groups (a prompt x num_generations) in flight, a batch "
-                          "made of the first finished whole groups, weights loaded while groups are in flight, a group "
-                          "whose oldest token is staler than max_off_policy_steps dropped and regenerated. 0 = "
+                          "made of finished whole groups (the earliest due first), weights loaded while groups are in "
+                          "flight; a group started at version v is due by batch v + max_off_policy_steps, a long one "
+                          "slides to a later batch up to then, and the batch it is due by waits for it. 0 = "
                           "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1."},
     )
     generation_timeout_s: Annotated[float, POSITIVE] = field(
