@@ -5,10 +5,10 @@ tokens. ``longtail``: ``--tail_fraction`` (10%) of the prompts ask for ``--tail_
 the others for lengths spread evenly over [median/2, 3 median/2]; ``uniform``: every prompt the long-tail mean (the
 same total tokens). ``single``: one model turn; ``multi``: ``--turns`` model turns (the row's length split evenly over
 them, the user saying "Go on." between them), the same tail. The model's eos is suppressed (the embedded engine's
-eos list is replaced by an id no token has) and each turn asks the engine for exactly its length; a sample of any
-other length stops the benchmark (the sides would not do equal work). Learning rate 0: the policy stays the starting
-model, so every side samples from the same weights. The reward (the share of distinct characters) only gives groups
-some variance.
+eos list is replaced by an id no token has; on a vLLM server every request carries ``"ignore_eos": true``, see
+below) and each turn asks the engine for exactly its length; a sample of any other length stops the benchmark (the
+sides would not do equal work). Learning rate 0: the policy stays the starting model, so every side samples from the
+same weights. The reward (the share of distinct characters) only gives groups some variance.
 
 Sides, one after the other in this one process, the same model folder, seeds and prompts:
 
@@ -25,6 +25,21 @@ Sides, one after the other in this one process, the same model folder, seeds and
   only, the same prompts in our generator's order, each row held to the same length by a logits processor (eos masked
   until the row's last token, which is an eos: the same completion tokens, eos included, as our row's). TRL cannot
   run our multi-turn environment, so it has no ``multi`` row.
+
+``--engine vllm``: our sides generate through a vLLM server instead (the project's ``.venv-vllm``, from
+``scripts/install_vllm.sh``), which the benchmark starts from the model folder as the vLLM tests start theirs
+(``VLLMServer``: loopback, a fresh API key, float32, ``--enforce-eager``; each wait bounded) and stops at the end,
+every side of the run against the same server (its prefix cache emptied as each side starts; learning rate 0, so
+the weights it holds stay the model's). Our client never sends ``ignore_eos``; the benchmark wraps that one client's
+sampling payload so every request carries ``"ignore_eos": true`` (``long_tail_vllm.py``): without it a row would
+end at its first sampled eos and the sides would not do equal work; ``FixedLengths`` still checks every turn's length.
+Sides: ``batch``, and ``continuous`` as ``--groups_in_flight N`` alone: the server batches continuously itself, so
+``--continuous_rows`` (``--continuous_batching_rows``) is refused, as RLConfig refuses it beside a server, and so
+is ``groups`` (the same side there); TRL's side is refused (it generates on its policy, never through our server).
+Weights load by ``files`` snapshots (RLConfig's default); ``vllm_reconnect_timeout_s`` 0 (a server lost mid-run
+voids the run, and no reference probe follows each load). ``rows/step`` there is read from the server's counters
+(``/metrics``): tokens generated per engine step over the timed window (``decode steps``: engine steps), a row's
+first token counted since vLLM schedules prefills into the same steps. The tables name the engine.
 
 Checked before any table, per run: every trained rollout sampled exactly the tokens its row asks (our sides) and
 every TRL step's completion lengths are its rows' (TRL); a row trained on two sides has the same length on both.
@@ -58,6 +73,12 @@ side and table: under 2 minutes):
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --json long_tail.json
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --quick
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --workloads single --lengths longtail --sides batch continuous
+    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --engine vllm --json long_tail_vllm.json
+    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --engine vllm --quick
+
+``--engine vllm --quick`` took 151 s on this 2-core machine, shared (load average 4-5), 86 s of it the server's
+start; not yet run beyond ``--quick``. There the server and the trainer share the cores: while the server decodes,
+the trainer's steps slow (``train s``), and the continuous side generates while the trainer trains.
 
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
 """
@@ -99,21 +120,30 @@ from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
+import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
 from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
 
 SIDES = ("batch", "continuous", "groups", "trl")
-DEFAULT_SIDES = ["batch", "continuous", "trl"]
+DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}
+ENGINES = {"embedded": "embedded engine", "vllm": "vLLM server"}  # how the tables name each
+EOS = {"embedded": "its eos list replaced by an id no token has", "vllm": 'every request "ignore_eos": true'}
 DEFAULTS = dict(hidden=256, layers=4, rows=80, prompts=8, num_generations=4, median_tokens=16, steps=8, warmup=2)
 QUICK = dict(hidden=64, layers=2, rows=20, prompts=4, num_generations=2, median_tokens=8, steps=2, warmup=1)
 FIELDS = {"continuous": ("groups_in_flight", "continuous_batching_rows"), "groups": ("groups_in_flight",)}
+VLLM_FIELDS = {"continuous": ("groups_in_flight",)}  # the server batches continuously itself
 NO_TOKEN = -1  # an eos id no token has: every row decodes its asked length
 DECODE_ROWS: list[int] = []  # rows of every decode step the engine ran in the current run (see instrument())
 
 
-def missing_fields(side: str) -> list[str]:
+def fields_of(side: str, engine: str) -> tuple[str, ...]:
+    """The RLConfig fields that make ``side`` on ``engine``."""
+    return (VLLM_FIELDS if engine == "vllm" else FIELDS).get(side, ())
+
+
+def missing_fields(side: str, engine: str = "embedded") -> list[str]:
     """The RLConfig fields ``side`` needs that this checkout's RLConfig lacks."""
     names = {f.name for f in dataclasses.fields(RLConfig)}
-    return [name for name in FIELDS.get(side, ()) if name not in names]
+    return [name for name in fields_of(side, engine) if name not in names]
 
 
 def steps_of(lengths: list[int]) -> list[int]:
@@ -151,10 +181,12 @@ class RunRecorder(StepRecorder):
     """Per step: the trained rollouts' rows and sampled tokens, the staleness of every trained token, and where the
     decode-step counter stood (ours); TRL's completion lengths per generation (filled in by ``run_trl``)."""
 
-    def __init__(self, warmup: int):
+    def __init__(self, warmup: int, server_url: str | None = None):
         super().__init__()
         self.warmup = warmup
         self.trainer = None
+        self.server_url = server_url  # vLLM: occupancy from the server's counters at the timed window's ends
+        self.counters: list[dict[str, float]] = []
         self.tokens: list[int] = []  # sampled completion tokens trained at each step
         self.rows: dict[int, int] = {}  # row -> sampled tokens of each of its rollouts
         self.lag: Counter = Counter()  # over the timed steps: versions between a token's sampler and trainer
@@ -167,11 +199,17 @@ class RunRecorder(StepRecorder):
     def on_train_begin(self, args, state, control, **kwargs):
         super().on_train_begin(args, state, control, **kwargs)
         DECODE_ROWS.clear()
+        if self.server_url:
+            self.counters = [long_tail_vllm.counters(self.server_url)]
 
     def on_step_end(self, args, state, control, **kwargs):
         super().on_step_end(args, state, control, **kwargs)
         if state.global_step == self.warmup:
             self.decode_mark = len(DECODE_ROWS)
+            if self.server_url:
+                self.counters[:1] = [long_tail_vllm.counters(self.server_url)]
+        if self.server_url and state.global_step == args.max_steps:
+            self.counters[1:] = [long_tail_vllm.counters(self.server_url)]
         if self.trainer is None:  # TRL: sampled on-policy, lengths recorded per generation
             self.tokens.append(sum(self.trl_lengths[-1]))
             if state.global_step > self.warmup:
@@ -219,18 +257,25 @@ def common(args, out: str, env) -> dict:
     )
 
 
-def run_ours(args, model_dir, tokenizer, env, side: str, out: str) -> RunRecorder:
+def run_ours(args, model_dir, tokenizer, env, side: str, out: str, server_url: str | None = None) -> RunRecorder:
     values = {"groups_in_flight": args.groups_in_flight, "continuous_batching_rows": args.continuous_rows}
-    extra = {name: values[name] for name in FIELDS.get(side, ())}
+    extra = {name: values[name] for name in fields_of(side, args.engine)}
+    if server_url:  # a server lost mid-run voids the run: no reconnection (nor its reference probe per load)
+        extra.update(vllm_server_url=server_url, vllm_reconnect_timeout_s=0.0)
     config = RLConfig(**common(args, out, env), rollouts_per_step=args.prompts * args.num_generations,
                       max_seq_len=env.max_seq_len, max_off_policy_steps=args.k, generation_timeout_s=300.0,
                       **extra)
     engine = build_engine(config, model_dir, tokenizer)
-    if not hasattr(engine, "eos_token_ids"):
-        raise SystemExit(f"{type(engine).__name__}: no eos list to suppress; this benchmark runs the embedded engine")
-    engine.eos_token_ids[:] = [NO_TOKEN]  # the list its decoders hold: every row decodes its asked length
-    instrument(engine)
-    recorder = RunRecorder(args.warmup)
+    if server_url:
+        long_tail_vllm.ignore_eos(engine)  # every row decodes its asked length
+        long_tail_vllm.reset_prefix_cache(engine)
+    elif not hasattr(engine, "eos_token_ids"):
+        raise SystemExit(f"{type(engine).__name__}: no eos list to suppress; --engine embedded needs our embedded "
+                         "engine")
+    else:
+        engine.eos_token_ids[:] = [NO_TOKEN]  # the list its decoders hold: every row decodes its asked length
+        instrument(engine)
+    recorder = RunRecorder(args.warmup, server_url)
     trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=env, engine=engine)
     trainer.add_callback(recorder)  # last: a step ends once the engine holds its weights
     recorder.trainer = trainer
@@ -299,10 +344,18 @@ def check_equal(runs: dict, expected_trl) -> None:
             raise SystemExit("TRL's completion lengths are not its rows' asked lengths: the comparison is void")
 
 
+def occupancy_of(recorder: RunRecorder) -> dict:
+    """Decode steps over the timed window and the mean rows each ran (vLLM: engine steps, from its counters)."""
+    if recorder.server_url:
+        steps, rows_per_step = long_tail_vllm.occupancy(*recorder.counters)
+        return {"decode_steps": steps, "rows_per_step": rows_per_step}
+    rows = recorder.decode_rows()
+    return {"decode_steps": len(rows), "rows_per_step": statistics.mean(rows) if rows else float("nan")}
+
+
 def summarise(args, recorder: RunRecorder) -> dict:
     timed = recorder.intervals()[args.warmup:]
     tokens = recorder.tokens[args.warmup:]
-    rows = recorder.decode_rows()
     lag_total = sum(recorder.lag.values()) or 1
     parts = recorder.parts
     if recorder.trainer is None:  # TRL generates, then trains: its wait is its generation
@@ -313,7 +366,7 @@ def summarise(args, recorder: RunRecorder) -> dict:
         "step_s": timed, "tokens_per_step": tokens, "step_s_median": statistics.median(timed), "step_s_min": min(timed),
         "step_s_max": max(timed), "tokens": sum(tokens), "tokens_per_s": sum(tokens) / sum(timed),
         "run_tokens_per_s": sum(recorder.tokens) / sum(recorder.intervals()),
-        "decode_steps": len(rows), "rows_per_step": statistics.mean(rows) if rows else float("nan"),
+        **occupancy_of(recorder),
         "lag": {int(k): v / lag_total for k, v in sorted(recorder.lag.items())},
         "rows_trained": len(recorder.rows) if recorder.trainer is not None else None,
         "groups_stale_dropped": recorder.stale_dropped,
@@ -323,7 +376,8 @@ def summarise(args, recorder: RunRecorder) -> dict:
     }
 
 
-def run_case(args, model_dir, tokenizer, turns: int, lengths: str, sides: list[str], flip: bool) -> dict:
+def run_case(args, model_dir, tokenizer, turns: int, lengths: str, sides: list[str], flip: bool,
+             server_url: str | None = None) -> dict:
     def env():
         return build_env(tokenizer, args.rows, args.median_tokens, args.tail_fraction, args.tail_factor, lengths,
                          turns)
@@ -337,21 +391,21 @@ def run_case(args, model_dir, tokenizer, turns: int, lengths: str, sides: list[s
             if side == "trl":
                 runs[side], expected_trl = run_trl(args, model_dir, tokenizer, env(), out)
             else:
-                runs[side] = run_ours(args, model_dir, tokenizer, env(), side, out)
+                runs[side] = run_ours(args, model_dir, tokenizer, env(), side, out, server_url)
         timed = runs[side].intervals()[args.warmup:]
         log(f"[{case}, {lengths}] [{side}] {sum(timed):.1f} s for {len(timed)} steps "
             f"({', '.join(f'{s:.2f}' for s in timed)}); load {load()}")
     check_equal(runs, expected_trl)
     totals = [sum(r.info["lengths"]) for r in env().dataset]
-    return {"workload": case, "turns": turns, "lengths": lengths,
+    return {"workload": case, "turns": turns, "lengths": lengths, "engine": args.engine,
             "asked": {"median": statistics.median(totals), "mean": statistics.mean(totals), "max": max(totals)},
             "sides": {side: summarise(args, runs[side]) for side in sides}}
 
 
 def print_case(result: dict) -> None:
     asked = result["asked"]
-    print(f"\n**{result['workload']}, {result['lengths']}** (tokens per episode: median {asked['median']:.0f}, "
-          f"mean {asked['mean']:.1f}, max {asked['max']})\n")
+    print(f"\n**{result['workload']}, {result['lengths']}, {ENGINES[result['engine']]}** (tokens per episode: median "
+          f"{asked['median']:.0f}, mean {asked['mean']:.1f}, max {asked['max']})\n")
     print("| side | s/step (median) | s/step (min-max) | wait s | sync s | train s | tokens trained | tokens/s | "
           "x batch (tokens/s) | whole run tokens/s | x batch (whole run) | decode steps | rows/step | "
           "lag (share of trained tokens) | stale groups dropped | rows trained | cores busy |")
@@ -375,8 +429,8 @@ def print_ratios(results: list[dict]) -> None:
     others = [side for side in SIDES if side != "batch" and any(side in r["sides"] for r in results)]
     if not others or not any("batch" in r["sides"] for r in results):
         return
-    print("\nAgainst batch-at-a-time, same run (tokens/s ratio over the timed steps and over the whole run; median "
-          "s/step ratio, batch / side):\n")
+    print(f"\nAgainst batch-at-a-time, same run, {ENGINES[results[0]['engine']]} (tokens/s ratio over the timed steps "
+          "and over the whole run; median s/step ratio, batch / side):\n")
     print("| workload | lengths | " + " | ".join(f"{side} / batch tokens/s | (whole run) | batch / {side} s/step"
                                                  for side in others) + " |")
     print("|---|---|" + "---:|---:|---:|" * len(others))
@@ -401,8 +455,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None, help="tiny model only (4; --quick 2)")
     parser.add_argument("--workloads", nargs="+", choices=["single", "multi"], default=["single", "multi"])
     parser.add_argument("--lengths", nargs="+", choices=["longtail", "uniform"], default=["longtail", "uniform"])
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=DEFAULT_SIDES,
-                        help="groups (not by default): --groups_in_flight alone, the engine batching as today")
+    parser.add_argument("--engine", choices=list(ENGINES), default="embedded",
+                        help="our sides generate with the embedded engine, or through a vLLM server this benchmark "
+                        "starts from the model folder (.venv-vllm) and stops at the end; vllm runs batch and "
+                        "continuous (--groups_in_flight alone: the server batches continuously itself)")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=None,
+                        help="default: batch continuous trl (--engine vllm: batch continuous); groups (not by "
+                        "default): --groups_in_flight alone, the engine batching as today")
     parser.add_argument("--turns", type=int, default=None, help="model turns of the multi-turn workload (3)")
     parser.add_argument("--rows", type=int, default=None, help="prompts in the dataset (80; --quick 20)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per optimizer step (8; --quick 4)")
@@ -423,6 +482,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a smoke test of every side and table: tiny model 64 x 2, 20 rows, 4 x 2 per step, "
                         "median 8, 1 warm-up + 2 timed steps")
     args = parser.parse_args(argv)
+    if args.sides is None:
+        args.sides = list(DEFAULT_SIDES[args.engine])
     unused = {"--hidden": args.model != "tiny" and (args.hidden, args.layers) != (None, None),
               "--turns": "multi" not in args.workloads and args.turns is not None,
               "--groups_in_flight": args.groups_in_flight is not None and not {"continuous", "groups"} & {*args.sides},
@@ -432,15 +493,26 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"{flag} does not act here: --hidden/--layers shape the tiny model only, --turns the multi "
                          "workload, --groups_in_flight the continuous and groups sides, --continuous_rows the "
                          "continuous side")
+    if args.engine == "vllm":
+        refused = {"--continuous_rows": (args.continuous_rows is not None, "--continuous_batching_rows sets the "
+                                         "embedded engine's running batch; a vLLM server batches continuously "
+                                         "itself, so its continuous side is --groups_in_flight alone"),
+                   "--sides trl": ("trl" in args.sides, "TRL's side generates on its policy (generate), never "
+                                   "through our vLLM server: run it with --engine embedded"),
+                   "--sides groups": ("groups" in args.sides, "on a vLLM server it is the continuous side "
+                                      "(--groups_in_flight alone)")}
+        for flag, (given, reason) in refused.items():
+            if given:
+                parser.error(f"{flag} does not combine with --engine vllm: {reason}")
     for name, value in (QUICK if args.quick else DEFAULTS).items():  # flags given keep their values
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.turns = 3 if args.turns is None else args.turns
     if args.groups_in_flight is None:
         args.groups_in_flight = 2 * args.prompts
-    if args.continuous_rows is None:
+    if args.continuous_rows is None and args.engine == "embedded":
         args.continuous_rows = args.prompts * args.num_generations
-    if args.groups_in_flight < 1 or args.continuous_rows < 1:
+    if args.groups_in_flight < 1 or (args.continuous_rows or 1) < 1:
         parser.error("--groups_in_flight and --continuous_rows must be >= 1 (0 is batch-at-a-time: the batch side)")
     if min(args.rows, args.prompts, args.num_generations, args.steps, args.turns, args.threads) < 1:
         parser.error("--rows, --prompts, --num_generations, --steps, --turns and --threads must be >= 1")
@@ -451,6 +523,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rows < args.prompts:
         parser.error("--rows must be >= --prompts (one step's prompts)")
     return args
+
+
+@contextlib.contextmanager
+def serve(args, model_dir: str, tokenizer, cases: list[tuple[int, str]]):
+    """``--engine vllm``: a vLLM server of ``model_dir`` for the whole run (its URL; long enough for every case's
+    episodes), stopped at the end; ``embedded``: None."""
+    if args.engine != "vllm":
+        yield None
+        return
+    longest = max(build_env(tokenizer, args.rows, args.median_tokens, args.tail_fraction, args.tail_factor, lengths,
+                            turns).max_seq_len for turns, lengths in cases)
+    with long_tail_vllm.served(model_dir, max(longest, 512)) as server:
+        yield server.url
 
 
 def main(argv=None) -> None:
@@ -470,23 +555,28 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sides = list(args.sides)
     notes = []
-    for side in [s for s in sides if missing_fields(s)]:
+    for side in [s for s in sides if missing_fields(s, args.engine)]:
         sides.remove(side)
-        notes.append(f"{side}: not run, RLConfig has no {' / '.join(missing_fields(side))} yet")
+        notes.append(f"{side}: not run, RLConfig has no {' / '.join(missing_fields(side, args.engine))} yet")
+    cases = [(1 if w == "single" else args.turns, lengths) for w in args.workloads for lengths in args.lengths]
     results = []
-    for turns in [1 if w == "single" else args.turns for w in args.workloads]:
-        case_sides = [s for s in sides if s != "trl" or turns == 1]
-        if turns > 1 and "trl" in sides:
-            notes.append("trl: single-turn only (TRL's GRPOTrainer cannot run our multi-turn environment)")
-        for lengths in args.lengths:
-            results.append(run_case(args, model_dir, tokenizer, turns, lengths, case_sides, len(results) % 2 == 1))
+    with serve(args, model_dir, tokenizer, cases) as server_url:
+        for turns, lengths in cases:
+            case_sides = [s for s in sides if s != "trl" or turns == 1]
+            if turns > 1 and "trl" in sides:
+                notes.append("trl: single-turn only (TRL's GRPOTrainer cannot run our multi-turn environment)")
+            results.append(run_case(args, model_dir, tokenizer, turns, lengths, case_sides, len(results) % 2 == 1,
+                                    server_url))
     elapsed = time.perf_counter() - started
     log(f"load average at end: {load()}")
+    continuous_rows = (f"continuous_batching_rows {args.continuous_rows}" if args.engine == "embedded" else
+                       "the server batching continuously itself")
     print(f"\nLong-tail benchmark through the trainer: {name}, {args.rows} prompts, {args.prompts} prompts x "
           f"{args.num_generations} samples per step, median {args.median_tokens} tokens, {args.tail_fraction:.0%} of "
           f"prompts at {args.tail_factor}x, learning rate 0, eos suppressed (every row decodes its asked length, "
-          f"checked), our sides k = {args.k}, continuous: groups_in_flight {args.groups_in_flight}, "
-          f"continuous_batching_rows {args.continuous_rows}; {args.steps} timed steps after {args.warmup} warm-up per "
+          f"checked), our sides on the {ENGINES[args.engine]} (eos: {EOS[args.engine]}), k = {args.k}, continuous: "
+          f"groups_in_flight {args.groups_in_flight}, {continuous_rows}; {args.steps} timed steps after {args.warmup} "
+          f"warm-up per "
           f"side, {args.threads} torch threads, CPU ({os.cpu_count()} cores). Total {elapsed:.0f} s; load average at "
           f"end {load()}.")
     for note in dict.fromkeys(notes):
