@@ -114,3 +114,53 @@ def test_a_sliding_window_model_is_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match=r"Qwen2ForCausalLM has cache layers other than full attention.*"
                                          r"EmbeddedEngine\.sample"):
         engine.generate_continuous([DecodeRequest([5, 6, 7], 4, 1.0, 1)], 2)
+
+
+def admit_at_once(engine, seed_base: int):
+    """Distinct prompts of different lengths and a group of two, all admitted in the first step (as many rows as
+    requests): the model's forward calls meanwhile, and the run."""
+    import functools
+
+    gen = torch.Generator().manual_seed(seed_base)
+    prompts = [torch.randint(4, 200, (n,), generator=gen).tolist() for n in (5, 23, 2, 11)]
+    requests = [(p, 6 + i, 1.0, seed_base + i) for i, p in enumerate(prompts + [prompts[1]])]
+    forward, calls = engine.model.forward, []
+
+    @functools.wraps(forward)  # keeps its signature: the batch still asks for the last position's logits only
+    def counted(*args, **kwargs):
+        calls.append(kwargs["input_ids"].shape)
+        return forward(*args, **kwargs)
+
+    engine.model.forward = counted
+    try:
+        run = engine.generate_continuous([DecodeRequest(p, n, t, derive_seed(s, 0)) for p, n, t, s in requests],
+                                         len(requests))
+    finally:
+        del engine.model.forward
+    return requests, calls, run
+
+
+def test_distinct_prompts_admitted_together_are_prefilled_in_one_padded_forward(tiny_model_dir):
+    # Multi-turn episodes queue a new distinct prompt per turn: a forward each made an admission cost as many.
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64), llama_decode=True)
+    requests, calls, run = admit_at_once(engine, 500)
+    assert calls == [(4, 23)]  # the lean step decodes: the one forward is the prefill, each distinct prompt once
+    for (prompt, max_new_tokens, temperature, seed), got in zip(requests, run.samples):
+        want = alone(engine, prompt, max_new_tokens, temperature, seed)
+        assert got.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
+
+
+def test_a_nan_in_the_padding_never_reaches_a_real_row(tiny_model_dir):
+    # A NaN at a padding position (here the pad token's embedded input; on a GPU a kernel's fully masked row) is 0 x NaN
+    # in every real row's attention: the prompts are then forwarded one by one, and rows draw what they draw alone.
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64), llama_decode=True)
+    pad = engine.pad_token_id
+    engine.model.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: out.masked_fill((args[0] == pad)[..., None], float("nan")))
+    requests, calls, run = admit_at_once(engine, 600)
+    for (prompt, max_new_tokens, temperature, seed), got in zip(requests, run.samples):
+        want = alone(engine, prompt, max_new_tokens, temperature, seed)
+        assert got.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
+    assert calls == [(4, 23), (1, 5), (1, 23), (1, 2), (1, 11)]  # the padded forward, then each alone

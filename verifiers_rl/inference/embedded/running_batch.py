@@ -2,10 +2,11 @@
 
 ``BatchDecoder`` decodes one batch to its end: rows leave as they finish, none joins, so a long-tailed batch ends
 decoding a few rows. ``RunningBatch`` keeps up to ``max_rows`` rows decoding: before each step, requests waiting in
-its queue are prefilled (a distinct prompt once, as a request decoded alone prefills it) and their first tokens
-drawn, and they join the running rows. Rows are right-aligned (left padding, masked); a newcomer longer than the
-batch pads the running rows on the left. Each row samples with its own seeded generator (``RowSampler``), so a row
-admitted mid-way draws the tokens it would draw decoded alone under the same seed (log-probs to float rounding).
+its queue are prefilled (a distinct prompt once, all of them in one left-padded forward, as a batch decoded together
+prefills them) and their first tokens drawn, and they join the running rows. Rows are right-aligned (left padding,
+masked); a newcomer longer than the batch pads the running rows on the left. Each row samples with its own seeded
+generator (``RowSampler``), so a row admitted mid-way draws the tokens it would draw decoded alone under the same seed
+(log-probs to float rounding).
 
 Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, else through transformers'
 forward on a ``DynamicCache`` (rebuilt at each admission); never through a captured CUDA graph (its shapes are
@@ -213,46 +214,70 @@ class RunningBatch:
             self.sampler.pad[slots] = (self.mask.shape[1] - self.mask.sum(-1)).cpu()
 
     def _admit(self, finished: dict[int, Sample]) -> None:
-        """Prefill queued requests (each distinct prompt once) and draw their first tokens until ``max_rows`` rows
-        run or the queue is empty; those not finished by their first token join the running rows."""
-        groups: list[Newcomers] = []
-        while self.queue and len(self.rows) + sum(len(g.ids) for g in groups) < self.max_rows:
-            free = self.max_rows - len(self.rows) - sum(len(g.ids) for g in groups)
-            prompt = self.queue[0][1].prompt_ids
-            taken = []
-            while self.queue and len(taken) < free and self.queue[0][1].prompt_ids == prompt:
-                taken.append(self.queue.popleft()[0])
-            newcomers = self._prefill(prompt, taken, finished)
-            if newcomers is not None:
-                groups.append(newcomers)
-        if groups:
-            self.stats.admissions += sum(len(g.ids) for g in groups) if self.rows else 0
-            self._join(groups)
+        """Prefill queued requests (each distinct prompt once, all of them in one forward) and draw their first
+        tokens until ``max_rows`` rows run or the queue is empty; those not finished by their first token join the
+        running rows."""
+        joining: list[Newcomers] = []
+        free = self.max_rows - len(self.rows)
+        while self.queue and free > 0:  # again only where rows finished at their first token
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for _ in range(min(free, len(self.queue))):
+                rid, request = self.queue.popleft()
+                groups.setdefault(tuple(request.prompt_ids), []).append(rid)
+            newcomers = self._prefill(groups, finished)
+            joining += newcomers
+            free -= sum(len(group.ids) for group in newcomers)
+        if joining:
+            self.stats.admissions += sum(len(group.ids) for group in joining) if self.rows else 0
+            self._join(joining)
 
-    def _prefill(self, prompt: list[int], ids: list[int], finished: dict[int, Sample]) -> Newcomers | None:
-        """``prompt`` forwarded once as a request decoded alone forwards it; each of ``ids`` draws its first token
-        from its logits and gets a copy of its keys/values. None when every one of them finished at once."""
+    def _prefill(self, groups: dict[tuple[int, ...], list[int]], finished: dict[int, Sample]) -> list[Newcomers]:
+        """Each distinct prompt (``groups``' keys) forwarded once, all in one left-padded forward; each request of a
+        prompt draws its first token from its logits (its row's sampler, as decoded alone) and gets a copy of its
+        keys/values. The groups of requests not finished at once (none where all finished)."""
+        prompts = list(groups)
+        logits, kv = self._forward(prompts)
+        if len(prompts) > 1 and not bool(torch.isfinite(logits).all()):
+            # A padding position's NaN (an attention kernel's fully masked row) reaches real rows as 0 x NaN.
+            alone = [self._forward([prompt]) for prompt in prompts]
+            logits, kv = torch.cat([part[0] for part in alone]), [part[1][0] for part in alone]
+        width = max(map(len, prompts))
+        owners = [i for i, ids in enumerate(groups.values()) for _ in ids]
+        ids = [rid for group in groups.values() for rid in group]
+        owner = torch.tensor(owners, dtype=torch.long, device=self.device)
+        padded = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        slots = [self._slot(rid) for rid in ids]
+        self.sampler.pad[slots] = torch.tensor([width - len(prompts[i]) for i in owners])  # the penalty skips it
+        drawn, logps = self.sampler.draw(padded[owner], logits[owner], slots)
+        running = self._record(ids, drawn, logps, finished)
+        newcomers = []
+        for g, prompt in enumerate(prompts):
+            rows = [i for i in running if owners[i] == g]
+            if rows:
+                context = torch.cat([padded[g, width - len(prompt):].expand(len(rows), -1), drawn[rows, None]], dim=1)
+                newcomers.append(Newcomers([(k.expand(len(rows), -1, -1, -1), v.expand(len(rows), -1, -1, -1))
+                                            for k, v in kv[g]], context, [ids[i] for i in rows]))
+        return newcomers
+
+    def _forward(self, prompts: list[tuple[int, ...]]):
+        """``prompts`` in one forward, left-padded (masked; positions count real tokens only, as a batch decoded
+        together): their last positions' logits ``[prompts, vocab]`` and, per prompt, its keys/values per layer
+        ``[1, kv_heads, prompt, head_dim]`` (its real positions only: the padding's are never read again)."""
         from transformers import DynamicCache
 
-        input_ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        mask = torch.ones_like(input_ids)
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts],
+                                 dtype=torch.long, device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1),
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                             past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
         if any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers):
             raise ValueError(f"{type(self.model).__name__} has cache layers other than full attention (a sliding "
                              "window); continuous batching cannot admit rows into it. Decode it batch by batch "
                              "(EmbeddedEngine.sample).")
-        count = len(ids)
-        context = input_ids.expand(count, -1)
-        drawn, logps = self.sampler.draw(context, logits.expand(count, -1), [self._slot(rid) for rid in ids])
-        running = self._record(ids, drawn, logps, finished)
-        if not running:
-            return None
-        keep = torch.zeros(len(running), dtype=torch.long, device=self.device)
-        kv = [(layer.keys.index_select(0, keep), layer.values.index_select(0, keep)) for layer in cache.layers]
-        context = torch.cat([context[running], drawn[running, None]], dim=1)
-        return Newcomers(kv, context, [ids[i] for i in running])
+        return logits, [[(layer.keys[g : g + 1, :, width - len(p) :], layer.values[g : g + 1, :, width - len(p) :])
+                         for layer in cache.layers] for g, p in enumerate(prompts)]
 
     def _current_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(self.kv, LlamaDecoder):
