@@ -12,7 +12,7 @@ import torch
 
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.inference.embedded.running_batch import DecodeRequest
+from verifiers_rl.inference.embedded.running_batch import DecodeRequest, padded_runs
 
 # Very different lengths (a long tail), a group of four samples of one prompt, more requests than rows; the last
 # prompt is longer than any running row's context when it joins.
@@ -117,12 +117,12 @@ def test_a_sliding_window_model_is_refused_by_name(tiny_model_dir):
 
 
 def admit_at_once(engine, seed_base: int):
-    """Distinct prompts of different lengths and a group of two, all admitted in the first step (as many rows as
-    requests): the model's forward calls meanwhile, and the run."""
+    """Distinct prompts of different (close) lengths and a group of two, all admitted in the first step (as many
+    rows as requests): the model's forward calls meanwhile, and the run."""
     import functools
 
     gen = torch.Generator().manual_seed(seed_base)
-    prompts = [torch.randint(4, 200, (n,), generator=gen).tolist() for n in (5, 23, 2, 11)]
+    prompts = [torch.randint(4, 200, (n,), generator=gen).tolist() for n in (20, 23, 18, 21)]
     requests = [(p, 6 + i, 1.0, seed_base + i) for i, p in enumerate(prompts + [prompts[1]])]
     forward, calls = engine.model.forward, []
 
@@ -163,4 +163,10 @@ def test_a_nan_in_the_padding_never_reaches_a_real_row(tiny_model_dir):
         want = alone(engine, prompt, max_new_tokens, temperature, seed)
         assert got.token_ids == want.token_ids
         assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-5
-    assert calls == [(4, 23), (1, 5), (1, 23), (1, 2), (1, 11)]  # the padded forward, then each alone
+    assert calls == [(4, 23), (1, 18), (1, 20), (1, 21), (1, 23)]  # the padded forward, then each alone
+
+
+def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards():
+    # Padded tokens cost as much as real ones where the forward is compute-bound: a run keeps its padding bounded.
+    prompts = [(1,) * n for n in (2, 3, 20, 21, 23, 80)]
+    assert [[len(p) for p in run] for run in padded_runs(prompts)] == [[2, 3], [20, 21, 23], [80]]

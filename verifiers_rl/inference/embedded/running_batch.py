@@ -2,11 +2,11 @@
 
 ``BatchDecoder`` decodes one batch to its end: rows leave as they finish, none joins, so a long-tailed batch ends
 decoding a few rows. ``RunningBatch`` keeps up to ``max_rows`` rows decoding: before each step, requests waiting in
-its queue are prefilled (a distinct prompt once, all of them in one left-padded forward, as a batch decoded together
-prefills them) and their first tokens drawn, and they join the running rows. Rows are right-aligned (left padding,
-masked); a newcomer longer than the batch pads the running rows on the left. Each row samples with its own seeded
-generator (``RowSampler``), so a row admitted mid-way draws the tokens it would draw decoded alone under the same seed
-(log-probs to float rounding).
+its queue are prefilled (a distinct prompt once; prompts of similar lengths in one left-padded forward, as a batch
+decoded together prefills them) and their first tokens drawn, and they join the running rows. Rows are right-aligned
+(left padding, masked); a newcomer longer than the batch pads the running rows on the left. Each row samples with its
+own seeded generator (``RowSampler``), so a row admitted mid-way draws the tokens it would draw decoded alone under the
+same seed (log-probs to float rounding).
 
 Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, else through transformers'
 forward on a ``DynamicCache`` (rebuilt at each admission); never through a captured CUDA graph (its shapes are
@@ -35,6 +35,23 @@ from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder
 
 if TYPE_CHECKING:
     from verifiers_rl.inference.embedded.engine import RowSampler
+
+
+# The most padding in one prefill forward, a fraction of its tokens: compute-bound (CPU), padding costs as real tokens.
+MAX_PREFILL_PADDING = 0.25
+
+
+def padded_runs(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """``prompts`` (sorted by length) cut into runs, each prefilled in one left-padded forward: a run grows while its
+    padding stays within ``MAX_PREFILL_PADDING`` of its tokens."""
+    runs: list[list[tuple[int, ...]]] = []
+    for prompt in prompts:
+        run = runs[-1] if runs else []
+        if run and (len(run) + 1) * len(prompt) * (1 - MAX_PREFILL_PADDING) <= sum(map(len, run)) + len(prompt):
+            run.append(prompt)
+        else:
+            runs.append([prompt])
+    return runs
 
 
 @dataclass
@@ -214,7 +231,7 @@ class RunningBatch:
             self.sampler.pad[slots] = (self.mask.shape[1] - self.mask.sum(-1)).cpu()
 
     def _admit(self, finished: dict[int, Sample]) -> None:
-        """Prefill queued requests (each distinct prompt once, all of them in one forward) and draw their first
+        """Prefill queued requests (each distinct prompt once, similar lengths in one forward) and draw their first
         tokens until ``max_rows`` rows run or the queue is empty; those not finished by their first token join the
         running rows."""
         joining: list[Newcomers] = []
@@ -232,18 +249,15 @@ class RunningBatch:
             self._join(joining)
 
     def _prefill(self, groups: dict[tuple[int, ...], list[int]], finished: dict[int, Sample]) -> list[Newcomers]:
-        """Each distinct prompt (``groups``' keys) forwarded once, all in one left-padded forward; each request of a
-        prompt draws its first token from its logits (its row's sampler, as decoded alone) and gets a copy of its
-        keys/values. The groups of requests not finished at once (none where all finished)."""
-        prompts = list(groups)
-        logits, kv = self._forward(prompts)
-        if len(prompts) > 1 and not bool(torch.isfinite(logits).all()):
-            # A padding position's NaN (an attention kernel's fully masked row) reaches real rows as 0 x NaN.
-            alone = [self._forward([prompt]) for prompt in prompts]
-            logits, kv = torch.cat([part[0] for part in alone]), [part[1][0] for part in alone]
-        width = max(map(len, prompts))
-        owners = [i for i, ids in enumerate(groups.values()) for _ in ids]
-        ids = [rid for group in groups.values() for rid in group]
+        """Each distinct prompt (``groups``' keys) forwarded once, prompts of similar lengths in one left-padded
+        forward (``padded_runs``); each request of a prompt draws its first token from its logits (its row's
+        sampler, as decoded alone) and gets a copy of its keys/values. The groups of requests not finished at once
+        (none where all finished)."""
+        prompts = sorted(groups, key=len)
+        logits, kv = self._forward_runs(prompts)
+        width = len(prompts[-1])
+        owners = [i for i, prompt in enumerate(prompts) for _ in groups[prompt]]
+        ids = [rid for prompt in prompts for rid in groups[prompt]]
         owner = torch.tensor(owners, dtype=torch.long, device=self.device)
         padded = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
         slots = [self._slot(rid) for rid in ids]
@@ -258,6 +272,20 @@ class RunningBatch:
                 newcomers.append(Newcomers([(k.expand(len(rows), -1, -1, -1), v.expand(len(rows), -1, -1, -1))
                                             for k, v in kv[g]], context, [ids[i] for i in rows]))
         return newcomers
+
+    def _forward_runs(self, prompts: list[tuple[int, ...]]):
+        """``_forward`` of ``prompts`` (sorted by length), a forward per run of ``padded_runs``; a run's prompts one
+        by one where its logits are not finite."""
+        logits, kv = [], []
+        for run in padded_runs(prompts):
+            parts = [self._forward(run)]
+            if len(run) > 1 and not bool(torch.isfinite(parts[0][0]).all()):
+                # A padding position's NaN (an attention kernel's fully masked row) reaches real rows as 0 x NaN.
+                parts = [self._forward([prompt]) for prompt in run]
+            for part_logits, part_kv in parts:
+                logits.append(part_logits)
+                kv += part_kv
+        return torch.cat(logits), kv
 
     def _forward(self, prompts: list[tuple[int, ...]]):
         """``prompts`` in one forward, left-padded (masked; positions count real tokens only, as a batch decoded
