@@ -1,5 +1,6 @@
 """--groups_in_flight (continuous generation): what it does not combine with is refused by name with the reason, and
-a checkpoint it wrote is refused by a batch-at-a-time run (its pending groups are no whole batches)."""
+a checkpoint it wrote is refused by a batch-at-a-time run (its pending groups are no whole batches);
+--continuous_batching_rows where no engine is built (a replay without evaluation) is refused too."""
 
 from __future__ import annotations
 
@@ -59,3 +60,10 @@ def test_a_continuous_checkpoint_is_refused_by_a_batch_at_a_time_run(tmp_path, t
     with pytest.raises(CheckpointError, match=r"written under continuous generation \(--groups_in_flight 2\).*"
                                               r"Resume it with --groups_in_flight N"):
         checkpoints.restore(str(folder), 1)
+
+
+def test_continuous_batching_rows_in_a_replay_without_evaluation_is_refused():
+    with pytest.raises(ValueError, match="--continuous_batching_rows 8 sets how the embedded engine decodes; a replay"):
+        config(rollouts_path="batches.jsonl", continuous_batching_rows=8)
+    config(rollouts_path="batches.jsonl", continuous_batching_rows=8, eval_strategy="steps", eval_steps=5)  # evaluates
+    config(rollouts_path="batches.jsonl")  # the default, 0

@@ -482,6 +482,10 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             raise ValueError(f"--continuous_batching_rows {self.continuous_batching_rows} sets the embedded engine's "
                              "running batch; a vLLM server (--vllm_server_url) already batches continuously. Leave "
                              "--continuous_batching_rows 0.")
+        if self.rollouts_path and self.continuous_batching_rows and self.eval_strategy == "no":
+            raise ValueError(f"--continuous_batching_rows {self.continuous_batching_rows} sets how the embedded engine "
+                             "decodes; a replay of --rollouts_path without evaluation (--eval_strategy no) builds no "
+                             "engine. Leave --continuous_batching_rows 0, or evaluate (--eval_strategy steps).")
         if self.vllm_server_url and self.vllm_reconnect_timeout_s >= self.generation_timeout_s:
             # The trainer waits for a batch at most generation_timeout_s: a wait for the server must fit in it.
             raise ValueError(
