@@ -102,3 +102,31 @@ def test_rl_config_knobs_reach_the_server_through_build_engine(untied):
         expected = reference_logprobs(model, prompt, sample.token_ids, **sampling)
         torch.testing.assert_close(torch.tensor(sample.logprobs), expected, atol=ATOL, rtol=0)
     engine.close()
+
+
+def test_more_seeded_prompts_than_a_step_prefills_all_complete(untied):
+    """64 seeded requests of distinct 48-token prompts at once: 3,072 prompt tokens, more than vLLM's default step
+    budget (2,048), which chunked prefill would split, and vLLM's CPU runner then dies rewinding a seeded generator
+    ("CPU Generator does not use offset"); the server is started with whole prefills only (server.py)."""
+    engine = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=1.0))
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(48)] for i in range(64)]
+
+    async def one(prompt, seed):
+        with sampling_for_rollout(RolloutSampling(seed, None)):
+            return await engine.sample(prompt, 8)
+
+    async def go():
+        return await asyncio.gather(*(one(prompt, seed) for seed, prompt in enumerate(prompts)))
+
+    try:
+        samples = asyncio.run(go())
+    finally:
+        engine.close()
+    assert all(1 <= len(sample.token_ids) <= 8 for sample in samples)
+    again = VLLMEngine(untied.url, model=untied.model_dir, sampling=SamplingConfig(temperature=1.0))
+    try:  # the server still serves, and a seed still gives the same tokens
+        with sampling_for_rollout(RolloutSampling(5, None)):
+            repeat = asyncio.run(again.sample(prompts[5], 8))
+    finally:
+        again.close()
+    assert repeat.token_ids == samples[5].token_ids

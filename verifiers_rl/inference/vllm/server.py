@@ -12,8 +12,9 @@ The server runs ``<venv>/bin/python -m vllm.entrypoints.cli.main serve`` in its 
 sync and exact log-probs need: ``--logprobs-mode processed_logprobs`` (sampler log-probs at the sampling
 temperature), ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``), our worker extension on ``PYTHONPATH``, and
 ``--generation-config vllm`` (the checkpoint's sampling defaults never apply), ``--enable-prefix-caching`` (a
-group's samples share their prompt; the client resets the cache after every weight load). On CPU: ``--enforce-eager``,
-float32, both cores.
+group's samples share their prompt; the client resets the cache after every weight load), ``--no-enable-chunked-prefill``
+(every request is seeded, and vLLM's CPU runner dies rewinding a seeded generator after a partial prefill, as soon as
+the waiting prompts exceed a step's tokens). On CPU: ``--enforce-eager``, float32, both cores.
 
 Security: with ``$VLLM_API_KEY`` set, every route but ``/health`` needs the key (the client sends the same variable);
 without it the server may only listen on loopback, since its weight-loading routes would load what anyone sends.
@@ -201,6 +202,9 @@ class VLLMServer:
             "--worker-extension-cls", WORKER_EXTENSION,
             # A group's samples share their prompt: said here, not left to vLLM's per-platform default.
             "--enable-prefix-caching",
+            # Whole prefills only: after a partial one vLLM rewinds a seeded request's generator, which a CPU generator
+            # cannot do (RuntimeError "CPU Generator does not use offset" kills the engine once prompts exceed a step).
+            "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 2048)),
         ]
         if self.api_key:
             cmd += ["--middleware", AUTH_MIDDLEWARE]
