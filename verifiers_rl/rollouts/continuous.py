@@ -2,8 +2,8 @@
 made of finished whole groups, so a long episode holds up its own group and, at most, the batch of its deadline.
 
 Positions are drawn in the order and with the seeds of batch-at-a-time generation (position p: the row
-``PositionDraws`` gives, seed ``derive_seed(seed, "train", p)``), but a batch holds groups in the order they
-finished, and weights are loaded while groups are in flight (the engine orders a load between its decode steps), so
+``PositionDraws`` gives, seed ``derive_seed(seed, "train", p)``), but a batch holds finished groups, the earliest
+due first, and weights are loaded while groups are in flight (the engine orders a load between its decode steps), so
 a group's tokens may come from several policy versions (``Rollout.completion_versions``). Staleness is bounded as
 in the exact schedule: batch b trains only groups whose oldest sampled token is from version
 ``required_version(b)`` or newer. A group started with the engine at version v is therefore due by batch
