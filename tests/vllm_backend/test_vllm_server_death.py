@@ -29,6 +29,7 @@ def test_killed_server_fails_sampling_clearly_and_quickly(doomed):
     engine = VLLMEngine(doomed.url, model=doomed.model_dir, max_retries=3, retry_backoff_s=0.25,
                         sampling=SamplingConfig(temperature=1.0, max_new_tokens=200))
     served = 0
+    killed_at: list[float] = []
 
     async def keep_sampling():
         nonlocal served
@@ -36,20 +37,22 @@ def test_killed_server_fails_sampling_clearly_and_quickly(doomed):
             served += len(await asyncio.gather(*(engine.sample([5, 6, 7], 200) for _ in range(8))))
 
     def kill_soon():
-        while served == 0:  # the server is really serving before it dies
+        deadline = time.monotonic() + 120
+        while served == 0 and time.monotonic() < deadline:  # the server is really serving before it dies
             time.sleep(0.05)
         doomed.server.kill()
+        killed_at.append(time.monotonic())
 
-    killer = threading.Thread(target=kill_soon)
+    killer = threading.Thread(target=kill_soon, daemon=True)
     killer.start()
-    started = time.monotonic()
     with pytest.raises(VLLMUnavailableError) as error:
-        asyncio.run(asyncio.wait_for(keep_sampling(), timeout=60))
-    elapsed = time.monotonic() - started
+        asyncio.run(asyncio.wait_for(keep_sampling(), timeout=180))
+    failed_at = time.monotonic()
     killer.join(5)
     message = str(error.value)
     assert doomed.url in message and "failed POST /v1/completions 4 time(s)" in message and "Is it running?" in message
-    assert served >= 8 and elapsed < 30, (served, elapsed)
+    # Quickly from the kill: the first 8 x 200 tokens before it take what a loaded machine gives them.
+    assert served >= 8 and killed_at and failed_at - killed_at[0] < 30, (served, killed_at, failed_at)
     assert engine.health()["ok"] is False
     with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {doomed.url}"):
         engine.check()
