@@ -17,8 +17,8 @@ Sides, one after the other in this one process, the same model folder, seeds and
   slowest episode of this one ends);
 - ``continuous``: the same with ``--groups_in_flight N`` and ``--continuous_batching_rows R`` (up to N groups in
   flight, the engine admitting new rows into its running batch as others finish, weights loaded between decode
-  steps; a batch = the first finished whole groups). Skipped, with a line saying so, while ``RLConfig`` lacks those
-  fields;
+  steps; a batch = finished whole groups, the earliest due first, each trained by its start version + k).
+  Skipped, with a line saying so, while ``RLConfig`` lacks those fields;
 - ``groups`` (not run by default, ``--sides ... groups``): ``--groups_in_flight N`` alone, the engine batching the
   requests it is sent as today: what the generator's part brings without the engine's;
 - ``trl``: TRL's ``GRPOTrainer`` (``use_vllm=False``: ``generate`` on the policy itself, synchronous), single-turn
@@ -43,8 +43,9 @@ first token counted since vLLM schedules prefills into the same steps. The table
 
 Checked before any table, per run: every trained rollout sampled exactly the tokens its row asks (our sides) and
 every TRL step's completion lengths are its rows' (TRL); a row trained on two sides has the same length on both.
-The continuous side trains the first groups to FINISH, so it may train other rows than ``batch`` in a given step: its
-warm-up steps train the short groups that finish first and the long groups started then land in the timed steps, so
+The continuous side trains finished groups (a long one slides to a later batch, up to its deadline), so it may train
+other rows than ``batch`` in a given step: its warm-up steps train short groups that finish first and the long groups
+started then land in the timed steps, so
 its timed tokens/s leans its way (its ``tokens trained`` shows it). ``whole run tokens/s`` counts every trained token
 from the first step's start (both sides' start-up inside; continuous then leaves its unfinished groups untrained):
 compare the two; more ``--steps`` shrink the gap.
@@ -62,7 +63,7 @@ longest row ends; TRL: rows not yet finished, though ``generate`` computes every
 ends); a row's first token comes from its prompt's forward and is not a decode step; ``lag``: the staleness
 histogram, the share of trained tokens sampled 0, 1, ... optimizer steps before the weights that train them; ``stale
 groups dropped``: groups the continuous generator dropped as older than ``max_off_policy_steps`` allows and
-generated again (work done and not trained); ``x batch``: the side's tokens/s over batch's, same run. A last table
+generated again (work done and not trained; only a resumed checkpoint's can be, so 0 here); ``x batch``: the side's tokens/s over batch's, same run. A last table
 gathers those ratios.
 
 Run (tiny random Llama hidden 256 x 4 layers, 8 prompts x 4 samples per step, median 16 tokens, 2 warm-up + 8
@@ -77,7 +78,7 @@ side and table: under 2 minutes):
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --engine vllm --quick
 
 ``--engine vllm --quick`` took 151 s on this 2-core machine, shared (load average 4-5), 86 s of it the server's
-start; not yet run beyond ``--quick``. There the server and the trainer share the cores: while the server decodes,
+start (the measured runs: benchmarks/RESULTS.md). There the server and the trainer share the cores: while the server decodes,
 the trainer's steps slow (``train s``), and the continuous side generates while the trainer trains.
 
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
