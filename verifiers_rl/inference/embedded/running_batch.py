@@ -54,6 +54,15 @@ def padded_runs(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
     return runs
 
 
+def left_padded(prompts: list[tuple[int, ...]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts`` right-aligned in one ``[prompts, longest]`` tensor, left-padded with ``pad_token_id``, and its
+    attention mask (1 on real tokens)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    return ids, mask
+
+
 @dataclass
 class DecodeRequest:
     """One completion to decode: ``seed`` seeds the row's own generator (None: torch's global one)."""
@@ -259,7 +268,7 @@ class RunningBatch:
         owners = [i for i, prompt in enumerate(prompts) for _ in groups[prompt]]
         ids = [rid for prompt in prompts for rid in groups[prompt]]
         owner = torch.tensor(owners, dtype=torch.long, device=self.device)
-        padded = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        padded, _ = left_padded(prompts, self.pad_token_id, self.device)
         slots = [self._slot(rid) for rid in ids]
         self.sampler.pad[slots] = torch.tensor([width - len(prompts[i]) for i in owners])  # the penalty skips it
         drawn, logps = self.sampler.draw(padded[owner], logits[owner], slots)
@@ -293,10 +302,8 @@ class RunningBatch:
         ``[1, kv_heads, prompt, head_dim]`` (its real positions only: the padding's are never read again)."""
         from transformers import DynamicCache
 
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[self.pad_token_id] * (width - len(p)) + list(p) for p in prompts],
-                                 dtype=torch.long, device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        input_ids, mask = left_padded(prompts, self.pad_token_id, self.device)
+        width = input_ids.shape[1]
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                             past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
