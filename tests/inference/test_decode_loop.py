@@ -272,3 +272,23 @@ def test_continuous_batching_rows_reaches_the_engine_and_is_refused_beside_a_vll
         config(continuous_batching_rows=-1)
     with pytest.raises(ValueError, match=r"continuous_rows \(--continuous_batching_rows\) must be an int >= 0"):
         EmbeddedEngine(tiny_model_dir, continuous_rows=-1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the advice is for the CPU; a GPU decodes off OpenMP")
+def test_the_cpu_running_batch_names_the_openmp_wait_policy_unless_it_is_passive(tiny_model_dir, monkeypatch, caplog):
+    from verifiers_rl.inference.factory import make_engine
+
+    def warnings_when(policy: str | None, rows: int) -> list[str]:
+        if policy is None:
+            monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        else:
+            monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="verifiers_rl.inference.factory"):
+            make_engine(tiny_model_dir, None, SamplingConfig(), continuous_rows=rows).close()
+        return [r.getMessage() for r in caplog.records if "OMP_WAIT_POLICY=PASSIVE" in r.getMessage()]
+
+    assert len(warnings_when(None, 2)) == 1
+    assert len(warnings_when("active", 2)) == 1
+    assert warnings_when("passive", 2) == [] and warnings_when("PASSIVE", 2) == []
+    assert warnings_when(None, 0) == []  # batch by batch: no decode thread beside training
