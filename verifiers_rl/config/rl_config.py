@@ -240,7 +240,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "help": "Embedded engine: serve every model call from one running decode batch of up to N rows on a "
             "thread of its own; a request joins between two decode steps as rows finish, and a weight load lands "
             "between two steps without draining the rows in flight (each token records the policy version that "
-            "sampled it). 0 = batch by batch. A vLLM server (--vllm_server_url) batches continuously itself."
+            "sampled it). 0 = batch by batch. A vLLM server (--vllm_server_url) batches continuously itself. On the "
+            "CPU, start the run with OMP_WAIT_POLICY=PASSIVE (decoding and training then share the cores)."
         },
     )
     vllm_server_url: str | None = field(

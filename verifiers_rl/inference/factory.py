@@ -49,8 +49,7 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
         logger.warning(
             "--continuous_batching_rows on the CPU: the decode thread and training each run an OpenMP team, and "
             "OpenMP's idle threads spin by default, taking the cores from the other. Start the run with "
-            "OMP_WAIT_POLICY=PASSIVE in its environment (read when torch loads): on 2 cores continuous generation "
-            "gained ~10-15%% tokens/s with it (benchmarks/RESULTS.md).")
+            "OMP_WAIT_POLICY=PASSIVE in its environment (read when torch loads), so idle threads sleep.")
     return engine
 
 
