@@ -150,8 +150,8 @@ class ContinuousGenerator(GeneratorThread):
     # --- the trainer's side -------------------------------------------------------------------------------------
 
     def batch(self, index: int) -> Batch:
-        """Batch ``index`` (batches are handed out in order): the first ``prompts_per_batch`` finished groups within
-        the staleness bound; waits at most ``timeout_s``; re-raises what went wrong in generation."""
+        """Batch ``index`` (batches are handed out in order): ``prompts_per_batch`` finished groups, the earliest due
+        first (``_choose``); waits at most ``timeout_s``; re-raises what went wrong in generation."""
         if index != self._handed:
             raise ValueError(f"Continuous generation hands out batches in order: batch {self._handed} is next, "
                              f"batch {index} was asked for.")
