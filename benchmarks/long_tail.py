@@ -45,10 +45,9 @@ Checked before any table, per run: every trained rollout sampled exactly the tok
 every TRL step's completion lengths are its rows' (TRL); a row trained on two sides has the same length on both.
 The continuous side trains finished groups (a long one slides to a later batch, up to its deadline), so it may train
 other rows than ``batch`` in a given step: its warm-up steps train short groups that finish first and the long groups
-started then land in the timed steps, so
-its timed tokens/s leans its way (its ``tokens trained`` shows it). ``whole run tokens/s`` counts every trained token
-from the first step's start (both sides' start-up inside; continuous then leaves its unfinished groups untrained):
-compare the two; more ``--steps`` shrink the gap.
+started then land in the timed steps, so its timed tokens/s leans its way (its ``tokens trained`` shows it).
+``whole run tokens/s`` counts every trained token from the first step's start (both sides' start-up inside;
+continuous then leaves its unfinished groups untrained): compare the two; more ``--steps`` shrink the gap.
 
 Columns: ``s/step``: wall time between optimizer steps (``on_step_end`` to ``on_step_end``, generation, training and
 the weight load inside) over the ``--steps`` after ``--warmup``, median and min-max; ``wait s`` / ``train s``: the
@@ -63,8 +62,8 @@ longest row ends; TRL: rows not yet finished, though ``generate`` computes every
 ends); a row's first token comes from its prompt's forward and is not a decode step; ``lag``: the staleness
 histogram, the share of trained tokens sampled 0, 1, ... optimizer steps before the weights that train them; ``stale
 groups dropped``: groups the continuous generator dropped as older than ``max_off_policy_steps`` allows and
-generated again (work done and not trained; only a resumed checkpoint's can be, so 0 here); ``x batch``: the side's tokens/s over batch's, same run. A last table
-gathers those ratios.
+generated again (work done and not trained; only a resumed checkpoint's can be, so 0 here); ``x batch``: the side's
+tokens/s over batch's, same run. A last table gathers those ratios.
 
 Run (tiny random Llama hidden 256 x 4 layers, 8 prompts x 4 samples per step, median 16 tokens, 2 warm-up + 8
 timed steps per side, 2 torch threads: an estimated 3-5 minutes on 2 quiet cores, most of it TRL's ``generate``;
@@ -86,8 +85,8 @@ and OpenMP's idle threads otherwise spin, taking the 2 cores from each other (``
 the default; the header line and the JSON name the policy).
 
 ``--engine vllm --quick`` took 151 s on this 2-core machine, shared (load average 4-5), 86 s of it the server's
-start (the measured runs: benchmarks/RESULTS.md). There the server and the trainer share the cores: while the server decodes,
-the trainer's steps slow (``train s``), and the continuous side generates while the trainer trains.
+start (the measured runs: benchmarks/RESULTS.md). There the server and the trainer share the cores: while the server
+decodes, the trainer's steps slow (``train s``), and the continuous side generates while the trainer trains.
 
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
 """
