@@ -3,8 +3,8 @@ the client patched to ignore eos, and the server's own counters for occupancy.
 
 Equal work needs every row to decode exactly its asked length: the embedded engine's eos list is replaced, and a vLLM
 request must carry ``"ignore_eos": true`` instead, which our client (``VLLMEngine``) never sends: ``ignore_eos``
-wraps the client's sampling payload (every ``/v1/completions`` and ``/v1/chat/completions`` it sends) on that one
-engine, so ``FixedLengths`` (long_tail_env.py) still gets, and checks, each turn's exact length.
+wraps the client's sampling payload (every ``/v1/completions`` and ``/v1/chat/completions`` it sends, and the
+generate route's sampling parameters under continuous generation) on that one engine, so ``FixedLengths`` (long_tail_env.py) still gets, and checks, each turn's exact length.
 """
 
 from __future__ import annotations

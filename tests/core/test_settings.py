@@ -39,7 +39,7 @@ KNOBS = dict(
     curriculum_set_aside_epochs=2,
 )
 # Given by the run, not the config: checked on their own below.
-RUN_GIVEN = {"world_size", "reward_functions", "pad_token_id", "attention_cost", "run_attention"}
+RUN_GIVEN = {"world_size", "reward_functions", "pad_token_id", "attention_cost", "run_attention", "token_versions"}
 
 
 def config() -> RLConfig:
@@ -67,6 +67,11 @@ def test_every_settings_field_carries_its_config_fields_value(tiny_model_dir):
             assert getattr(settings, f.name) == KNOBS[source], f"{type(settings).__name__}.{f.name} from {source}"
     assert read == set(KNOBS)  # no knob here that no settings field reads
     assert (batching.world_size, batching.pad_token_id, batching.reward_functions) == (2, 5, (("r", 1.0),))
+    # A vLLM client records each token's version (TokenVersions) when groups stream through weight loads, only then.
+    assert vllm_settings(built).token_versions is False
+    continuous = RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=8,
+                          vllm_server_url="http://127.0.0.1:8000", groups_in_flight=3)
+    assert vllm_settings(continuous).token_versions is True
 
 
 def test_a_settings_field_without_a_source_is_refused_by_name():

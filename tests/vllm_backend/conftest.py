@@ -61,6 +61,10 @@ class Served:
     dirty: bool = False  # the server holds other weights than model_dir's
     spare: VLLMServer | None = None  # a launched server of model_dir, taken when this one is found dead
     spares_left: int = 0  # how many more times a user will find it dead (one spare at a time: memory)
+    extra_args: tuple[str, ...] = ()  # the server's further vLLM flags
+
+    def _server(self, port: int | None = None) -> VLLMServer:
+        return _server(self.model_dir, port, self.extra_args)
 
     @property
     def url(self) -> str:
@@ -70,7 +74,7 @@ class Served:
         """Restart the server if a test killed it (take the spare if one was launched)."""
         if self.server.process is None or self.server.process.poll() is not None or not self.server.healthy():
             self.server.stop()
-            self.server, self.spare = self.spare or _server(self.model_dir).launch(), None
+            self.server, self.spare = self.spare or self._server().launch(), None
             self.launch_spare()
             try:
                 self.server.wait_ready()
@@ -83,13 +87,13 @@ class Served:
     def launch_spare(self) -> None:
         """Start the next spare (without waiting for it) if a user will need one."""
         if self.spare is None and self.spares_left > 0:
-            self.spare, self.spares_left = _server(self.model_dir).launch(), self.spares_left - 1
+            self.spare, self.spares_left = self._server().launch(), self.spares_left - 1
 
     def restart_same_port(self) -> "Served":
         """Start a new server for model_dir at the address of this one (which a test killed), and wait for it."""
         port = self.server.port
         self.server.stop()
-        self.server = _server(self.model_dir, port=port).start()
+        self.server = self._server(port).start()
         self.dirty = False
         return self
 
@@ -113,12 +117,12 @@ class Served:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def _server(model_dir: str, port: int | None = None) -> VLLMServer:
+def _server(model_dir: str, port: int | None = None, extra_args: tuple[str, ...] = ()) -> VLLMServer:
     # The log stays beside the model (pytest keeps its last temporary folders) for a post-mortem.
     log = Path(model_dir).with_suffix(f".{time.strftime('%H%M%S')}-{next(_LOG_NUMBERS)}.server.log")
     # The gloo weight-transfer backend on: clients can then send weights either way (files or gloo).
     return VLLMServer(model_dir, port=port, max_model_len=MAX_MODEL_LEN, startup_timeout_s=400, log_path=log,
-                      weight_transfer="gloo", api_key=API_KEY)
+                      weight_transfer="gloo", api_key=API_KEY, extra_args=list(extra_args))
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +140,11 @@ def vllm_servers(tmp_path_factory):
     for name, tied in (("untied", False), ("tied", True)):
         model_dir = build_tiny_model(root / name, tie_word_embeddings=tied, hidden_size=64, seed=0)
         other_dir = build_tiny_model(root / f"{name}-seed1", tie_word_embeddings=tied, hidden_size=64, seed=1)
-        served[name] = Served(name, str(model_dir), str(other_dir), tied, _server(str(model_dir)))
+        # The tied one runs without vLLM's token-in-token-out route, as a server started by hand may: the refusal of
+        # per-token versions (continuous generation) is checked on it.
+        extra_args = ("--no-enable-scale-out",) if tied else ()
+        served[name] = Served(name, str(model_dir), str(other_dir), tied, _server(str(model_dir), None, extra_args),
+                              extra_args=extra_args)
     try:
         for entry in served.values():
             entry.server.launch()

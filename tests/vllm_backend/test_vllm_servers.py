@@ -5,6 +5,7 @@ finishes with every batch trained once at the schedule's versions, and the resta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -102,11 +103,17 @@ def test_server_url_lists():
 @pytest.mark.parametrize("transfer", ["files", "gloo"])
 def test_a_weight_load_reaches_every_server(untied, doomed, tmp_path, transfer):
     """Both transfers reach each server of a pool (gloo: one weight-transfer group per server, broadcast to each in
-    turn; nccl takes the same path on GPUs): afterwards every server's log-probs are HF's on the loaded weights."""
+    turn; nccl takes the same path on GPUs): afterwards every server's log-probs are HF's on the loaded weights, and
+    (per-token versions on) every server labels what it samples with the version loaded."""
     from verifiers_rl.inference.vllm.pool import MultiServerEngine
 
     pool = MultiServerEngine([untied.url, doomed.url], model=untied.model_dir, weight_transfer=transfer,
-                             weights_dir=str(tmp_path / "snapshots"), weight_transfer_bucket_mb=4 / 1024)
+                             weights_dir=str(tmp_path / "snapshots"), weight_transfer_bucket_mb=4 / 1024,
+                             token_versions=True)
+
+    def versions_by_server() -> list[set[int]]:
+        return [set(asyncio.run(member.engine.sample(PROBE[:4], 6, draw=(1.0, 3))).versions) for member in pool.members]
+
     try:
         other = untied.hf_model("other")
         untied.dirty = doomed.dirty = True
@@ -117,10 +124,12 @@ def test_a_weight_load_reaches_every_server(untied, doomed, tmp_path, transfer):
         for name, logps in by_server.items():
             torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=0, msg=name)
         assert all(member.engine.policy_version == 1 for member in pool.members)
+        assert versions_by_server() == [{1}, {1}]
         pool.load_weights(untied.hf_model().named_parameters(), version=2)
         original = hf_prompt_logprobs(untied.model_dir, PROBE)
         for name, logps in pool.prompt_logprobs_by_server(PROBE).items():
             torch.testing.assert_close(torch.tensor(logps), original, atol=1e-4, rtol=0, msg=name)
+        assert versions_by_server() == [{2}, {2}]
         untied.dirty = doomed.dirty = False
     finally:
         pool.close()

@@ -66,7 +66,7 @@ def test_two_process_training_generates_through_vllm_and_syncs_weights(untied, t
 
 def test_continuous_generation_trains_through_vllm(untied, tmp_path):
     # --groups_in_flight: groups stream through the server while weights are loaded into it (one process, k = 1).
-    # The server records no per-token versions, so a group's tokens carry the version it started under (the oldest).
+    # The server labels each token with the weights that sampled it (per-token versions: TokenVersions).
     untied.dirty = True
     command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
                "--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollouts_per_step", "8",
@@ -88,6 +88,10 @@ def test_continuous_generation_trains_through_vllm(untied, tmp_path):
         ids = [r.group_id for r in batch]
         assert len(set(ids)) == 2 and all(ids.count(i) == 4 for i in ids)  # two whole groups
         assert min(r.oldest_version() for r in batch) >= max(0, index - 1)  # within k = 1 of its step
+        for rollout in batch:  # every token its own version, in the order the loads came, none newer than its step
+            assert rollout.completion_versions is not None
+            sampled = [v for v, m in zip(rollout.completion_versions, rollout.completion_mask) if m]
+            assert sampled and sampled == sorted(sampled) and sampled[-1] <= index, rollout.completion_versions
     assert sorted({position_of(r.group_id)[0] for r in rollouts}) == list(range(6))
 
 

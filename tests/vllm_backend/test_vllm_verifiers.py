@@ -59,3 +59,25 @@ def test_a_verifiers_multi_turn_env_trains_through_the_vllm_server(untied, tmp_p
         for group in {r.group_id for r in batch}:
             members = [r for r in batch if r.group_id == group]
             assert [r.reward for r in members] == pytest.approx(rubric_reward(members))
+
+
+def test_a_verifiers_multi_turn_env_streams_through_the_vllm_server_with_each_token_versioned(untied, tmp_path):
+    # Continuous generation (--groups_in_flight, k = 1): weights load while episodes are in flight; each model token
+    # carries the version the server labelled it with, environment tokens none (NOT_SAMPLED, -1).
+    untied.dirty = True
+    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+               "--env", "vf:tests.envs.vf_envs", "--env_args", json.dumps(ENV_ARGS), "--rollouts_per_step", "8",
+               "--num_generations", "4", "--max_off_policy_steps", "1", "--groups_in_flight", "3",
+               "--learning_rate", "0.05", "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none",
+               "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+               "--save_rollouts_path", str(tmp_path / "seen.jsonl")]
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    seen = read_rollouts(tmp_path / "seen.jsonl")
+    assert len(seen) == 24 and any(0 in r.completion_mask for r in seen)
+    for index in range(3):
+        for rollout in seen[index * 8:(index + 1) * 8]:
+            versions, mask = rollout.completion_versions, rollout.completion_mask
+            assert versions is not None and [v == -1 for v in versions] == [m == 0 for m in mask], (versions, mask)
+            sampled = [v for v in versions if v != -1]  # turn after turn, in the order the loads came
+            assert sampled == sorted(sampled) and max(0, index - 1) <= sampled[0] and sampled[-1] <= index, versions

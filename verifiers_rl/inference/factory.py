@@ -72,12 +72,14 @@ class VLLMSettings:
     weight_transfer_address: str | None = field(default=None, metadata={"from": "vllm_weight_transfer_address"})
     weight_transfer_bucket_mb: float = field(default=256.0, metadata={"from": "weight_sync_bucket_mb"})
     chat_template_kwargs: dict | None = None  # what its chat() asks the server's template for
+    token_versions: bool = False  # continuous generation (--groups_in_flight): each token's version, exactly
 
 
 def vllm_settings(config) -> VLLMSettings:
     """The vLLM client's settings from ``config`` (an ``RLConfig``)."""
     # 0 (one tensor per gather) would make one HTTP round per tensor: keep rounds of a few MiB at least.
-    return settings_from(config, VLLMSettings, weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0))
+    return settings_from(config, VLLMSettings, weight_transfer_bucket_mb=max(config.weight_sync_bucket_mb, 4.0),
+                         token_versions=config.groups_in_flight > 0)
 
 
 def build_engine(config, model: str, tokenizer):

@@ -10,6 +10,7 @@ communicator). Three parts: ``vllm_http`` (transport, retries, the connect-time 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from verifiers_rl.inference.vllm.http import (
     connect,
 )
 from verifiers_rl.inference.vllm.recovery import ServerRecovery
+from verifiers_rl.inference.vllm.versions import GENERATE, RENDER_CHAT, TokenVersions
 from verifiers_rl.inference.vllm.weight_loads import BroadcastLoad, SnapshotLoad, WeightLoad
 from verifiers_rl.inference.vllm.weight_transfer import require as require_transfer
 
@@ -78,6 +80,11 @@ class VLLMEngine:
             ``nccl``/``gloo``), compare its log-probs of a fixed sequence with the ones taken after the load, and
             re-send the requests that failed. 0 (default): the error at once. Not back in time: the error, and
             every later call fails at once.
+        token_versions: record which loaded weights sampled each token (``Sample.versions``, and the calling
+            rollout's ``RolloutSampling``), exactly, while weights are loaded into a server that keeps generating
+            (continuous generation): samples go through vLLM's token-in-token-out route and every load pauses the
+            server around it (``vllm.versions``; the server needs ``--enable-scale-out``). Off: ``/v1/completions``
+            and ``/v1/chat/completions``, no versions.
 
     Log-probs are the sampler's: of the distribution sampled (repetition penalty, temperature, min-p, top-k, top-p,
     renormalised), as the embedded engine's (the server must run with ``--logprobs-mode processed_logprobs``;
@@ -105,6 +112,7 @@ class VLLMEngine:
         api_key: str | None = None,
         chat_template_kwargs: dict | None = None,
         reconnect_timeout_s: float = 0.0,
+        token_versions: bool = False,
     ):
         require_transfer(weight_transfer)
         if reconnect_timeout_s < 0:
@@ -126,6 +134,7 @@ class VLLMEngine:
                           int(weight_transfer_bucket_mb * 2**20), self.http.request_timeout_s, keep_last=keep)
         )
         self._require_weight_sync = require_weight_sync
+        self.versions = TokenVersions(self.http) if token_versions else None
         self.recovery = ServerRecovery(self, self.reconnect_timeout_s)
         self.policy_version = 0
         self.requests_served = 0
@@ -142,9 +151,12 @@ class VLLMEngine:
 
     def check(self, require_weight_sync: bool = True, wait_s: float = 0.0) -> dict:
         """Verify the server answers ``/health``, serves the expected model and (optionally) can load weights by
-        this engine's transfer (``vllm_http.connect``); raises ``VLLMUnavailableError`` / ``VLLMError``."""
+        this engine's transfer (``vllm_http.connect``) and, with ``token_versions``, labels its weights with
+        ``policy_version``; raises ``VLLMUnavailableError`` / ``VLLMError``."""
         self.server.update(connect(self.http, self.expected_model, self.weight_transfer, require_weight_sync, wait_s))
         self._require_weight_sync = require_weight_sync
+        if self.versions is not None:  # labelled now: a restarted server's weights are relabelled here too
+            self.versions.check(self.model_name or self.expected_model, self.policy_version)
         return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
 
     # What check() learnt; dtype is the server's compute dtype, e.g. "torch.bfloat16" (sets the probe's tolerance).
@@ -157,8 +169,8 @@ class VLLMEngine:
 
     async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      draw: tuple[float, int | None] | None = None) -> Sample:
-        """Sample one completion of ``prompt_ids`` through ``/v1/completions`` (default length:
-        ``sampling.max_new_tokens``). Concurrent calls run as concurrent requests (at most ``max_concurrency``),
+        """Sample one completion of ``prompt_ids`` through ``/v1/completions`` (with ``token_versions``: vLLM's
+        generate route, ``Sample.versions`` filled; default length: ``sampling.max_new_tokens``). Concurrent calls run as concurrent requests (at most ``max_concurrency``),
         which the server batches; a seeded call's tokens do not depend on what it is batched with. ``draw``: this
         call's (temperature, seed) when the caller already drew them (``SamplingConfig.for_this_call``; a
         ``MultiServerEngine`` re-sending a call to another server keeps its seed)."""
@@ -167,15 +179,20 @@ class VLLMEngine:
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
         payload = {"prompt": prompt_ids, "max_tokens": max_new_tokens, "logprobs": 0,  # the chosen token's only
                    **self._sampling_payload(*(draw or self.sampling.for_this_call()))}
+        if self.versions is not None:
+            data = await self.recovery.arequest("POST", GENERATE, self.versions.request(prompt_ids, payload))
+            self.requests_served += 1
+            return self.versions.sample(data, max_new_tokens)
         data = await self.recovery.arequest("POST", "/v1/completions", payload)
         self.requests_served += 1
-        return self._to_sample(data, max_new_tokens)
+        return _openai_sample(data, max_new_tokens, self.base_url)
 
     async def chat(
         self, messages: list[dict], max_new_tokens: int | None = None, tools: list[dict] | None = None,
         draw: tuple[float, int | None] | None = None,
     ) -> ChatSample:
-        """Sample one assistant reply to chat ``messages`` through ``/v1/chat/completions``: the server applies
+        """Sample one assistant reply to chat ``messages`` through ``/v1/chat/completions`` (with
+        ``token_versions``: rendered by the server, then its generate route): the server applies
         the model's chat template (with ``tools``, if given, and the engine's ``chat_template_kwargs``, e.g.
         ``{"enable_thinking": False}``) and a generation prompt.
 
@@ -192,6 +209,12 @@ class VLLMEngine:
             payload["tools"] = tools
         if self.chat_template_kwargs:
             payload["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.versions is not None:  # the server renders the chat (its template), then generates the tokens
+            request = await self.recovery.arequest("POST", RENDER_CHAT, payload)
+            data = await self.recovery.arequest("POST", GENERATE, self.versions.rendered(request, payload))
+            self.requests_served += 1
+            return ChatSample([int(t) for t in request["token_ids"]],
+                              self.versions.sample(data, max_new_tokens))
         data = await self.recovery.arequest("POST", "/v1/chat/completions", payload)
         self.requests_served += 1
         prompt_ids = data.get("prompt_token_ids") if isinstance(data, dict) else None
@@ -200,7 +223,7 @@ class VLLMEngine:
                 f"The vLLM server at {self.base_url} answered a chat request without prompt_token_ids; it needs "
                 f"vLLM >= 0.10 (return_token_ids). Answer: {json.dumps(data)[:500]}"
             )
-        return ChatSample([int(t) for t in prompt_ids], self._to_sample(data, max_new_tokens, chat=True))
+        return ChatSample([int(t) for t in prompt_ids], _openai_sample(data, max_new_tokens, self.base_url, chat=True))
 
     def _sampling_payload(self, temperature: float, seed: int | None = None) -> dict:
         # Every option explicit: a server reading the checkpoint's generation_config would otherwise fill in
@@ -222,28 +245,6 @@ class VLLMEngine:
         if seed is not None:  # vLLM's per-request generator: the draw does not depend on the batch
             payload["seed"] = seed
         return payload
-
-    def _to_sample(self, data: dict, max_new_tokens: int, chat: bool = False) -> Sample:
-        try:
-            choice = data["choices"][0]
-            token_ids = choice["token_ids"]
-            if chat:  # chat completions list one {"token", "logprob", ...} per generated token
-                logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
-            else:
-                logprobs = choice["logprobs"]["token_logprobs"]
-            finish = choice["finish_reason"]
-        except (KeyError, IndexError, TypeError) as error:
-            raise VLLMError(
-                f"The vLLM server at {self.base_url} answered without token ids or log-probs ({error!r}); it needs "
-                f"vLLM >= 0.10 (return_token_ids). Answer: {json.dumps(data)[:500]}"
-            ) from error
-        if token_ids is None or logprobs is None:
-            raise VLLMError(f"The vLLM server at {self.base_url} returned no token ids or log-probs.")
-        if finish not in ("stop", "length"):
-            raise VLLMError(f"The vLLM server at {self.base_url} ended a sample with finish_reason={finish!r}.")
-        sample = Sample([int(t) for t in token_ids], [float(x) for x in logprobs], finish)
-        sample.validate(max_new_tokens)
-        return sample
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_t | tokens_<t) at temperature 1 for t >= 1 (``len(token_ids) - 1`` values), from the
@@ -280,18 +281,26 @@ class VLLMEngine:
         """
         check_open(self._closed)
         self.recovery.raise_if_lost()
-        if self.reconnect_timeout_s > 0 and isinstance(self.transfer, SnapshotLoad):
-            # The snapshot is written once; if the server is lost while loading it, it is sent again on its return.
+        if isinstance(self.transfer, SnapshotLoad):
+            # The snapshot is written once (generation goes on meanwhile); if the server is lost while loading it, it
+            # is sent again on its return (with reconnect_timeout_s).
             snapshot = self.transfer.write(named_tensors, version)
             try:
-                self.last_load = self.recovery.run(lambda: self.transfer.send(snapshot))
+                with self.swap(version):
+                    self.last_load = self.recovery.run(lambda: self.transfer.send(snapshot))
             finally:
                 self.transfer.release(snapshot)
         else:  # a broadcast consumes the stream: a server lost during it is an error (the trainer stops)
-            self.last_load = self.transfer.load(named_tensors, version)
+            with self.swap(version):
+                self.last_load = self.transfer.load(named_tensors, version)
         self.policy_version = int(version)
         if self.reconnect_timeout_s > 0 and self.vocab_size:
             self.recovery.take_reference(int(version))
+
+    def swap(self, version: int) -> contextlib.AbstractContextManager:
+        """Around the transfer of ``version``'s weights: with ``token_versions``, the server paused (its requests
+        kept) and labelled ``version`` before it resumes (``TokenVersions.swap``); otherwise nothing."""
+        return self.versions.swap(version) if self.versions is not None else contextlib.nullcontext()
 
     @property
     def recoveries(self) -> int:
@@ -329,6 +338,30 @@ class VLLMEngine:
         self._closed = True
         self.transfer.close()
         self.http.close()
+
+
+def _openai_sample(data: dict, max_new_tokens: int, base_url: str, chat: bool = False) -> Sample:
+    """A ``Sample`` of a ``/v1/completions`` or ``/v1/chat/completions`` answer."""
+    try:
+        choice = data["choices"][0]
+        token_ids = choice["token_ids"]
+        if chat:  # chat completions list one {"token", "logprob", ...} per generated token
+            logprobs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        else:
+            logprobs = choice["logprobs"]["token_logprobs"]
+        finish = choice["finish_reason"]
+    except (KeyError, IndexError, TypeError) as error:
+        raise VLLMError(
+            f"The vLLM server at {base_url} answered without token ids or log-probs ({error!r}); it needs "
+            f"vLLM >= 0.10 (return_token_ids). Answer: {json.dumps(data)[:500]}"
+        ) from error
+    if token_ids is None or logprobs is None:
+        raise VLLMError(f"The vLLM server at {base_url} returned no token ids or log-probs.")
+    if finish not in ("stop", "length"):
+        raise VLLMError(f"The vLLM server at {base_url} ended a sample with finish_reason={finish!r}.")
+    sample = Sample([int(t) for t in token_ids], [float(x) for x in logprobs], finish)
+    sample.validate(max_new_tokens)
+    return sample
 
 
 __all__ = [

@@ -285,10 +285,15 @@ class MultiServerEngine:
         with self._lock:
             if self._writer is not None:
                 kept = self._writer.write(named_tensors, version)
-                send = lambda member: member.engine.transfer.send(kept)  # noqa: E731
             else:  # a broadcast consumes what it sends: one host copy, sent to each server in turn
                 kept = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in plain_names(named_tensors)]
-                send = lambda member: member.engine.transfer.load(kept, version)  # noqa: E731
+
+            def send(member: Member) -> dict:
+                with member.engine.swap(version):  # each server paused and labelled around its own load
+                    if self._writer is not None:
+                        return member.engine.transfer.send(kept)
+                    return member.engine.transfer.load(kept, version)
+
             try:
                 loaded = self._on_each_live(send)
             except BaseException:
@@ -334,6 +339,7 @@ class MultiServerEngine:
         it back; on failure it stays down (and is tried again)."""
         with self._lock:
             engine = member.engine
+            engine.policy_version = self.policy_version  # what check() labels its weights with (token_versions)
             try:
                 engine.check(require_weight_sync=engine._require_weight_sync)
                 if self._kept is not None:
@@ -348,7 +354,6 @@ class MultiServerEngine:
             except VLLMError as error:
                 logger.warning("%s answers again but cannot rejoin yet: %s", member.name, error)
                 return
-            engine.policy_version = self.policy_version
             member.requests_since_rejoin = 0
             self.spread.mark_up(member)
         logger.warning("%s is back: given policy version %d%s; it takes requests again.", member.name,

@@ -202,6 +202,9 @@ class VLLMServer:
             "--worker-extension-cls", WORKER_EXTENSION,
             # A group's samples share their prompt: said here, not left to vLLM's per-platform default.
             "--enable-prefix-caching",
+            # The token-in-token-out route, whose outputs say which loaded weights sampled each token
+            # (continuous generation records them: verifiers_rl/inference/vllm/versions.py).
+            "--enable-scale-out",
             # Whole prefills only: after a partial one vLLM rewinds a seeded request's generator, which a CPU generator
             # cannot do (RuntimeError "CPU Generator does not use offset" kills the engine once prompts exceed a step).
             "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 2048)),
