@@ -20,14 +20,19 @@ from verifiers_rl.core.rollout import read_rollouts
 ENV_ARGS = {"kind": "multi", "max_turns": 2, "max_seq_len": 128, "sampling_args": {"max_tokens": 8}}
 
 
+def _train(untied, tmp_path, *flags: str) -> list[str]:
+    """examples/train.py on the env through the untied server, each trained rollout saved to seen.jsonl."""
+    return [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+            "--env", "vf:tests.envs.vf_envs", "--env_args", json.dumps(ENV_ARGS), "--rollouts_per_step", "8",
+            "--num_generations", "4", "--learning_rate", "0.05", "--logging_steps", "1", "--print_samples_every", "0",
+            "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+            "--save_rollouts_path", str(tmp_path / "seen.jsonl"), *flags]
+
+
 def test_a_verifiers_multi_turn_env_trains_through_the_vllm_server(untied, tmp_path):
     untied.dirty = True  # the run leaves its trained weights in the server
-    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
-               "--env", "vf:tests.envs.vf_envs", "--env_args", json.dumps(ENV_ARGS), "--rollouts_per_step", "8",
-               "--num_generations", "4", "--max_off_policy_steps", "0", "--learning_rate", "0.05",
-               "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none", "--max_steps", "2",
-               "--vllm_weight_transfer", "files", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
-               "--save_rollouts_path", str(tmp_path / "seen.jsonl")]
+    command = _train(untied, tmp_path, "--max_off_policy_steps", "0", "--max_steps", "2", "--vllm_weight_transfer",
+                     "files")
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
@@ -65,12 +70,7 @@ def test_a_verifiers_multi_turn_env_streams_through_the_vllm_server_with_each_to
     # Continuous generation (--groups_in_flight, k = 1): weights load while episodes are in flight; each model token
     # carries the version the server labelled it with, environment tokens none (NOT_SAMPLED, -1).
     untied.dirty = True
-    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
-               "--env", "vf:tests.envs.vf_envs", "--env_args", json.dumps(ENV_ARGS), "--rollouts_per_step", "8",
-               "--num_generations", "4", "--max_off_policy_steps", "1", "--groups_in_flight", "3",
-               "--learning_rate", "0.05", "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none",
-               "--max_steps", "3", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
-               "--save_rollouts_path", str(tmp_path / "seen.jsonl")]
+    command = _train(untied, tmp_path, "--max_off_policy_steps", "1", "--groups_in_flight", "3", "--max_steps", "3")
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     seen = read_rollouts(tmp_path / "seen.jsonl")
