@@ -34,6 +34,18 @@ def ddp_command(model_dir: str, url: str, out: Path, max_steps: int, config: str
     ]
 
 
+def assert_tokens_versioned(rollouts, per_step: int, k: int = 1) -> None:
+    """Rollouts a continuous run trained (``per_step`` a step, in order): every model token (mask 1) carries the version
+    that sampled it, in the order the loads came (turn after turn), none newer than the step that trained it nor older
+    than k steps before; environment tokens carry NOT_SAMPLED (-1)."""
+    for index in range(len(rollouts) // per_step):
+        for rollout in rollouts[index * per_step:(index + 1) * per_step]:
+            versions, mask = rollout.completion_versions, rollout.completion_mask
+            assert versions is not None and [v == -1 for v in versions] == [m == 0 for m in mask], (versions, mask)
+            sampled = [v for v in versions if v != -1]
+            assert sampled == sorted(sampled) and max(0, index - k) <= sampled[0] and sampled[-1] <= index, versions
+
+
 def launch_env() -> dict:
     # ACCELERATE_USE_CPU (docs/scaling.md): examples/train.py picks the CPU itself (use_cpu) when no GPU is visible; the
     # env flag is set too, as users do, and must not break the ZeRO-3 launch (RLConfig swaps it for use_cpu).

@@ -20,8 +20,8 @@ from verifiers_rl.core.engine import free_port
 from verifiers_rl.core.rollout import read_rollouts
 from verifiers_rl.rollouts.continuous import position_of
 
-from tests.vllm_backend.launching import (PREEMPTIBLE, PROBE, ROOT, RUNNER, ddp_command, hf_prompt_logprobs,  # noqa: E402
-                                         launch_env)
+from tests.vllm_backend.launching import (PREEMPTIBLE, PROBE, ROOT, RUNNER, assert_tokens_versioned, ddp_command,  # noqa: E402
+                                         hf_prompt_logprobs, launch_env)
 
 
 @pytest.mark.parametrize("config, transfer", [("ddp_cpu.yaml", "files"), ("zero3_cpu.yaml", "gloo")])
@@ -88,11 +88,8 @@ def test_continuous_generation_trains_through_vllm(untied, tmp_path):
         ids = [r.group_id for r in batch]
         assert len(set(ids)) == 2 and all(ids.count(i) == 4 for i in ids)  # two whole groups
         assert min(r.oldest_version() for r in batch) >= max(0, index - 1)  # within k = 1 of its step
-        for rollout in batch:  # every token its own version, in the order the loads came, none newer than its step
-            assert rollout.completion_versions is not None
-            sampled = [v for v, m in zip(rollout.completion_versions, rollout.completion_mask) if m]
-            assert sampled and sampled == sorted(sampled) and sampled[-1] <= index, rollout.completion_versions
     assert sorted({position_of(r.group_id)[0] for r in rollouts}) == list(range(6))
+    assert_tokens_versioned(rollouts, per_step=8)
 
 
 def _parameter_names(folder) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from tests.vllm_backend.launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from tests.vllm_backend.launching import ROOT, RUNNER, assert_tokens_versioned, hf_prompt_logprobs, launch_env
 from verifiers_rl.envs.adapters.verifiers_v1 import v1_python
 from verifiers_rl.core.rollout import read_rollouts
 
@@ -88,3 +88,22 @@ def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp
         assert len(replies) == 3 or scores["solved"] == 1.0  # the whole game: three guesses unless one was right
         assert [turn.split("user\n")[-1].split("assistant")[0].strip() for turn in turns] == answers
         assert rollout.reward == pytest.approx(sum(WEIGHTS[k] * v for k, v in scores.items()))
+
+
+@pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
+def test_the_guessing_game_streams_through_the_vllm_server_with_each_turns_tokens_versioned(untied, tmp_path):
+    # Continuous generation (k = 1): games are in flight while weights load; a game's turns carry the versions the
+    # server labelled them with (a game may span a load), the game's own turns -1.
+    untied.dirty = True
+    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+               "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}), "--temperature", "1",
+               "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
+               "--max_completion_length", "12", "--max_off_policy_steps", "1", "--groups_in_flight", "3",
+               "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none", "--max_steps", "2",
+               "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+               "--save_rollouts_path", str(tmp_path / "games.jsonl")]
+    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    games = read_rollouts(tmp_path / "games.jsonl")
+    assert len(games) == 16 and any(0 in game.completion_mask for game in games)  # the game's turns, masked
+    assert_tokens_versioned(games, per_step=8)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.vllm_backend.launching import ROOT, RUNNER, hf_prompt_logprobs, launch_env
+from tests.vllm_backend.launching import ROOT, RUNNER, assert_tokens_versioned, hf_prompt_logprobs, launch_env
 from tests.envs.test_verifiers_env import model_turns, rubric_reward
 from verifiers_rl.core.rollout import read_rollouts
 
@@ -75,9 +75,4 @@ def test_a_verifiers_multi_turn_env_streams_through_the_vllm_server_with_each_to
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     seen = read_rollouts(tmp_path / "seen.jsonl")
     assert len(seen) == 24 and any(0 in r.completion_mask for r in seen)
-    for index in range(3):
-        for rollout in seen[index * 8:(index + 1) * 8]:
-            versions, mask = rollout.completion_versions, rollout.completion_mask
-            assert versions is not None and [v == -1 for v in versions] == [m == 0 for m in mask], (versions, mask)
-            sampled = [v for v in versions if v != -1]  # turn after turn, in the order the loads came
-            assert sampled == sorted(sampled) and max(0, index - 1) <= sampled[0] and sampled[-1] <= index, versions
+    assert_tokens_versioned(seen, per_step=8)
