@@ -170,10 +170,11 @@ class VLLMEngine:
     async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None,
                      draw: tuple[float, int | None] | None = None) -> Sample:
         """Sample one completion of ``prompt_ids`` through ``/v1/completions`` (with ``token_versions``: vLLM's
-        generate route, ``Sample.versions`` filled; default length: ``sampling.max_new_tokens``). Concurrent calls run as concurrent requests (at most ``max_concurrency``),
-        which the server batches; a seeded call's tokens do not depend on what it is batched with. ``draw``: this
-        call's (temperature, seed) when the caller already drew them (``SamplingConfig.for_this_call``; a
-        ``MultiServerEngine`` re-sending a call to another server keeps its seed)."""
+        generate route, ``Sample.versions`` filled; default length: ``sampling.max_new_tokens``). Concurrent calls
+        run as concurrent requests (at most ``max_concurrency``), which the server batches; a seeded call's tokens
+        do not depend on what it is batched with. ``draw``: this call's (temperature, seed) when the caller already
+        drew them (``SamplingConfig.for_this_call``; a ``MultiServerEngine`` re-sending a call to another server
+        keeps its seed)."""
         check_open(self._closed)
         max_new_tokens = self.sampling.new_tokens(max_new_tokens)
         prompt_ids = check_token_ids(prompt_ids, self.vocab_size)
