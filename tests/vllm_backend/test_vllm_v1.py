@@ -58,6 +58,16 @@ def test_a_v1_environment_trains_through_the_vllm_server(untied, tmp_path):
 GUESS = ROOT / "tests" / "v1" / "envs" / "guess_v1.py"
 
 
+def _guessing_games(untied, tmp_path, *flags: str) -> list[str]:
+    """examples/train.py on the guessing game through the untied server, 2 steps, every game saved to games.jsonl."""
+    return [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
+            "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}), "--temperature", "1",
+            "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
+            "--max_completion_length", "12", "--logging_steps", "1", "--print_samples_every", "0",
+            "--report_to", "none", "--max_steps", "2", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+            "--save_rollouts_path", str(tmp_path / "games.jsonl"), *flags]
+
+
 @pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
 def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp_path):
     # tests/v1/test_v1_multiturn.py's game on the other engine: temperature 1, the default
@@ -65,13 +75,7 @@ def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp
     from tests.v1.test_v1_multiturn import WEIGHTS, game_of, game_rules, secret_of
 
     untied.dirty = True  # the run leaves its trained weights in the server
-    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
-               "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}), "--temperature", "1",
-               "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
-               "--max_completion_length", "12", "--max_off_policy_steps", "0", "--logging_steps", "1",
-               "--print_samples_every", "0", "--report_to", "none", "--max_steps", "2",
-               "--vllm_weight_transfer", "files", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
-               "--save_rollouts_path", str(tmp_path / "games.jsonl")]
+    command = _guessing_games(untied, tmp_path, "--max_off_policy_steps", "0", "--vllm_weight_transfer", "files")
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     steps = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")]
@@ -95,13 +99,7 @@ def test_the_guessing_game_streams_through_the_vllm_server_with_each_turns_token
     # Continuous generation (k = 1): games are in flight while weights load; a game's turns carry the versions the
     # server labelled them with (a game may span a load), the game's own turns -1.
     untied.dirty = True
-    command = [sys.executable, str(RUNNER), "--model", untied.model_dir, "--vllm_server_url", untied.url,
-               "--env", str(GUESS), "--env_args", json.dumps({"taskset": {"num_tasks": 8}}), "--temperature", "1",
-               "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "256",
-               "--max_completion_length", "12", "--max_off_policy_steps", "1", "--groups_in_flight", "3",
-               "--logging_steps", "1", "--print_samples_every", "0", "--report_to", "none", "--max_steps", "2",
-               "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
-               "--save_rollouts_path", str(tmp_path / "games.jsonl")]
+    command = _guessing_games(untied, tmp_path, "--max_off_policy_steps", "1", "--groups_in_flight", "3")
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     games = read_rollouts(tmp_path / "games.jsonl")
