@@ -6,7 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from verifiers_rl.training import batching
 from verifiers_rl.training.batching import (
+    MICRO_BATCH_OVERHEAD_TOKENS,
     BatchingConfig,
     SequenceTooLongError,
     assign_to_ranks,
@@ -330,7 +332,29 @@ def test_auto_micro_batching_takes_the_layout_of_lower_modelled_cost():
             assert a.packed == b.packed and a.batch_positions == b.batch_positions
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.shared.input_ids, b.shared.input_ids)
     padded = layout(prepare_sequences(short, [0.0] * 16, 2048), config, "padded")
-    assert padded.modelled_cost(cost) == pytest.approx(4 * (80 + 64 + cost * (80 + 64) ** 2))  # one micro-batch
+    one_micro_batch = 4 * (80 + 64 + cost * (80 + 64) ** 2) + MICRO_BATCH_OVERHEAD_TOKENS
+    assert padded.modelled_cost(cost) == pytest.approx(one_micro_batch)
+
+
+def test_auto_counts_what_each_micro_batch_costs_beyond_its_rows(monkeypatch):
+    """A multi-turn step of uniform lengths (8 groups x 4 of ~118-token rows, the long-tail benchmark's uniform
+    multi-turn shape): its packed rows attend causally run by run and model marginally fewer cells than one padded
+    micro-batch, but take 7 micro-batches more. Charged ``MICRO_BATCH_OVERHEAD_TOKENS`` each, ``auto`` keeps the one
+    padded micro-batch; without that term it chose packed (where it measured slower, benchmarks/packing.py)."""
+    rollouts = random_rollouts(8, 4, vocab_size=390, seed=3, prompt_len=(40, 40), completion_len=(76, 80))
+    config = BatchingConfig(mode="auto", rows_per_micro_batch=32, max_seq_len=171, max_tokens_per_microbatch=684,
+                            attention_cost=7.8125e-4, run_attention=True, share_prompt_training="auto")
+    sequences = prepare_sequences(rollouts, [0.0] * len(rollouts), config.max_seq_len)
+    options = {mode: layout(sequences, config, mode) for mode in ("padded", "packed")}
+    counts = {mode: sum(map(len, option.micro_batches)) for mode, option in options.items()}
+    assert counts == {"padded": 1, "packed": 8}
+    costs = {mode: option.modelled_cost(config.attention_cost, True) for mode, option in options.items()}
+    rows_alone = {mode: costs[mode] - counts[mode] * MICRO_BATCH_OVERHEAD_TOKENS for mode in costs}
+    assert rows_alone["packed"] < rows_alone["padded"] < costs["packed"]
+    assert cheapest_layout(sequences, config).mode == "padded"
+    assert plan_batch(rollouts, config)[0].stats.extra["packed_micro_batches"] == 0.0
+    monkeypatch.setattr(batching, "MICRO_BATCH_OVERHEAD_TOKENS", 0)
+    assert cheapest_layout(sequences, config).mode == "packed"
 
 
 def test_shared_prefix_is_compared_not_assumed():

@@ -41,6 +41,10 @@ from verifiers_rl.core.rollout import Rollout, episode_key, group_by_id
 from verifiers_rl.training.segmented_attention import cheaper_cells
 
 ADVANTAGE_EPS = 1e-4
+# What one micro-batch costs beyond its rows, in token units: its forward, loss and backward calls and the smaller
+# matrix products of fewer rows (profiled on a CPU, benchmarks/packing.py --workload uniform: 55-140 token-times on
+# tiny Llamas; kernel launches weigh more on a GPU, so there it is a lower bound). Near a tie, fewer micro-batches win.
+MICRO_BATCH_OVERHEAD_TOKENS = 64
 
 
 class SequenceTooLongError(ValueError):
@@ -312,9 +316,9 @@ class Layout:
     roots: list[list[int]]  # per rank, per micro-batch: its row root's tokens (``prefix.row_root``), held once
 
     def modelled_cost(self, attention_cost: float, run_attention: bool = False) -> float:
-        """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row): a padded micro-batch is
-        one row per part, each as wide as its widest; a packed one is one row of all its parts' tokens, their
-        common root once. ``run_attention``: packed and shared rows attend run by run (``Part.cells``, the root's
+        """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row, plus
+        ``MICRO_BATCH_OVERHEAD_TOKENS`` per micro-batch): a padded micro-batch is one row per part, each as wide as
+        its widest; a packed one is one row of all its parts' tokens, their common root once. ``run_attention``: packed and shared rows attend run by run (``Part.cells``, the root's
         R^2 once; padding attends to nothing) where that is cheaper than densely (``cheaper_cells``, as the forward
         decides), plain padded rows densely."""
         def row_costs(group: list[int], root: int) -> float:
@@ -332,8 +336,8 @@ class Layout:
                 return modelled_cost(len(tokens) * max(tokens), attention_cost, cells)
             return len(tokens) * modelled_cost(max(tokens), attention_cost)
 
-        return max(sum(row_costs(group, root) for group, root in zip(groups, roots) if group)
-                   for groups, roots in zip(self.micro_batches, self.roots))
+        return max(sum(row_costs(group, root) + MICRO_BATCH_OVERHEAD_TOKENS for group, root in zip(groups, roots)
+                       if group) for groups, roots in zip(self.micro_batches, self.roots))
 
 
 def layout(sequences: list[TrainSequence], config: "BatchingConfig", mode: MicroBatchingMode) -> Layout:
