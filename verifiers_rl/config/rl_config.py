@@ -151,7 +151,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "help": "padded: per_device_train_batch_size rows per micro-batch (length-sorted); packed: padding-free "
             "rows of at most max_tokens_per_microbatch tokens; auto: packed with a flash-attention (varlen) kernel; "
             "otherwise whichever of the two the cost model (tokens + the attention cells computed: run by run in a "
-            "packed row with sdpa, over the whole row with eager) finds cheaper for each batch. All three are exact.",
+            "packed row with sdpa, over the whole row with eager; + a fixed cost per micro-batch) finds cheaper for "
+            "each batch. All three are exact.",
         },
     )
     max_tokens_per_microbatch: Annotated[int | None, AT_LEAST_ONE] = field(
