@@ -42,8 +42,8 @@ from verifiers_rl.training.segmented_attention import cheaper_cells
 
 ADVANTAGE_EPS = 1e-4
 # What one micro-batch costs beyond its rows, in token units: its forward, loss and backward calls and the smaller
-# matrix products of fewer rows (profiled on a CPU, benchmarks/packing.py --workload uniform: 55-140 token-times on
-# tiny Llamas; kernel launches weigh more on a GPU, so there it is a lower bound). Near a tie, fewer micro-batches win.
+# matrix products of fewer rows (profiled on a CPU, benchmarks/packing.py --workload uniform: 85-95 token-times on a
+# tiny Llama; kernel launches weigh more on a GPU, so there it is a lower bound). Near a tie, fewer micro-batches win.
 MICRO_BATCH_OVERHEAD_TOKENS = 64
 
 
