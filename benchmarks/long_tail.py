@@ -59,7 +59,9 @@ side whose wait and sync are ~0 is bound by training, where faster generation ca
 ``rows/step``: the mean rows a decode step ran over the timed window (occupancy; continuous: the engine's
 ``RunningBatchStats.rows_per_step``; batch: from each engine batch's sample lengths, a batch stepping until its
 longest row ends; TRL: rows not yet finished, though ``generate`` computes every row of the batch until the longest
-ends); a row's first token comes from its prompt's forward and is not a decode step; ``lag``: the staleness
+ends); a row's first token comes from its prompt's forward and is not a decode step (a side that decoded nothing in
+the window, having generated every group before it: 0 and n/a, and a line under the table says its timed tokens/s
+is training alone); ``lag``: the staleness
 histogram, the share of trained tokens sampled 0, 1, ... optimizer steps before the weights that train them; ``stale
 groups dropped``: groups the continuous generator dropped as older than ``max_off_policy_steps`` allows and
 generated again (work done and not trained; only a resumed checkpoint's can be, so 0 here); ``x batch``: the side's
@@ -203,6 +205,7 @@ class RunRecorder(StepRecorder):
         self.rows: dict[int, int] = {}  # row -> sampled tokens of each of its rollouts
         self.lag: Counter = Counter()  # over the timed steps: versions between a token's sampler and trainer
         self.decode_mark = 0  # DECODE_ROWS's length when the timed steps began
+        self.window_rows: list[int] = []  # rows of each decode step over the timed window (at the last step)
         self.trl_lengths: list[list[int]] = []  # TRL: completion lengths of each generation
         self.trl_gen_s: list[float] = []  # TRL: seconds of each generation (and scoring)
         self.stale_dropped = 0.0  # continuous: groups dropped as staler than the bound (regenerated), timed steps
@@ -220,8 +223,11 @@ class RunRecorder(StepRecorder):
             self.decode_mark = len(DECODE_ROWS)
             if self.server_url:
                 self.counters[:1] = [long_tail_vllm.counters(self.server_url)]
-        if self.server_url and state.global_step == args.max_steps:
-            self.counters[1:] = [long_tail_vllm.counters(self.server_url)]
+        if state.global_step == args.max_steps:
+            # DECODE_ROWS is every side's in turn (cleared as the next begins): keep this run's timed window now
+            self.window_rows = DECODE_ROWS[self.decode_mark:]
+            if self.server_url:
+                self.counters[1:] = [long_tail_vllm.counters(self.server_url)]
         if self.trainer is None:  # TRL: sampled on-policy, lengths recorded per generation
             self.tokens.append(sum(self.trl_lengths[-1]))
             if state.global_step > self.warmup:
@@ -253,7 +259,7 @@ class RunRecorder(StepRecorder):
                     self.parts[part].append(float(logs[f"{part}_time"]))
 
     def decode_rows(self) -> list[int]:
-        return DECODE_ROWS[self.decode_mark:]
+        return self.window_rows
 
 
 def common(args, out: str, env) -> dict:
@@ -423,7 +429,7 @@ def print_case(result: dict) -> None:
           "lag (share of trained tokens) | stale groups dropped | rows trained | cores busy |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     base = result["sides"].get("batch")
-    nan = lambda v: "n/a" if v != v else f"{v:.2f}"  # noqa: E731  (NaN: TRL loads no weights)
+    nan = lambda v: "n/a" if v != v else f"{v:.2f}"  # noqa: E731  (NaN: TRL loads no weights; no decode step)
     for side, s in result["sides"].items():
         ratio = f"{s['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "n/a"
         run_ratio = f"{s['run_tokens_per_s'] / base['run_tokens_per_s']:.2f}x" if base else "n/a"
@@ -431,9 +437,13 @@ def print_case(result: dict) -> None:
         print(f"| {side} | {s['step_s_median']:.2f} | {s['step_s_min']:.2f}-{s['step_s_max']:.2f} | "
               f"{s['wait_s_median']:.2f} | {nan(s['sync_s_median'])} | {s['train_s_median']:.2f} | {s['tokens']} | "
               f"{s['tokens_per_s']:.1f} | {ratio} | {s['run_tokens_per_s']:.1f} | {run_ratio} | "
-              f"{s['decode_steps']} | {s['rows_per_step']:.2f} | {lag} | "
+              f"{s['decode_steps']} | {nan(s['rows_per_step'])} | {lag} | "
               f"{s['groups_stale_dropped']:.0f} | "
               f"{'-' if s['rows_trained'] is None else s['rows_trained']} | {s['cores']:.2f} |")
+    idle = [side for side, s in result["sides"].items() if s["decode_steps"] == 0]
+    if idle:
+        print(f"\n{', '.join(idle)}: no decode step in the timed window (its groups were all generated before it): "
+              f"its timed tokens/s is training alone; the whole run is the equal-work comparison.")
 
 
 def print_ratios(results: list[dict]) -> None:
