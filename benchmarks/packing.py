@@ -176,9 +176,9 @@ def uniform(args) -> None:
     results = measure(model, rollouts, configs, max_seq_len, repeats)
     lengths = sorted(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     print(f"\n{len(rollouts)} rollouts (8 groups x 4), vocab {vocab}, sequence length {lengths[0]}-{lengths[-1]}; "
-          f"tiny Llama (hidden 256, 4 layers), CPU, {torch.get_num_threads()} threads, prompts shared (auto) but "
-          f"where unshared, "
-          f"median of {repeats} after 1 warm-up.\n")
+          f"tiny Llama (hidden 256, 4 layers), CPU, {torch.get_num_threads()} threads, median of {repeats} after 1 "
+          f"warm-up; prompts shared as RLConfig's default shares them (share_prompt_training auto) but in the rows "
+          f"marked unshared (one row per sequence).\n")
     print_table(results)
     one_row, all_rows = results[0], results[1]  # the same unshared rows: tokens and cells equal but for padding
     per_token = all_rows["seconds"] / all_rows["computed"]

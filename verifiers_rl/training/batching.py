@@ -318,9 +318,9 @@ class Layout:
     def modelled_cost(self, attention_cost: float, run_attention: bool = False) -> float:
         """The busiest rank's modelled forward cost (``prefix.modelled_cost`` per row, plus
         ``MICRO_BATCH_OVERHEAD_TOKENS`` per micro-batch): a padded micro-batch is one row per part, each as wide as
-        its widest; a packed one is one row of all its parts' tokens, their common root once. ``run_attention``: packed and shared rows attend run by run (``Part.cells``, the root's
-        R^2 once; padding attends to nothing) where that is cheaper than densely (``cheaper_cells``, as the forward
-        decides), plain padded rows densely."""
+        its widest; a packed one is one row of all its parts' tokens, their common root once. ``run_attention``:
+        packed and shared rows attend run by run (``Part.cells``, the root's R^2 once; padding attends to nothing)
+        where that is cheaper than densely (``cheaper_cells``, as the forward decides), plain padded rows densely."""
         def row_costs(group: list[int], root: int) -> float:
             parts = [self.parts[p] for p in group]
             tokens = [part.tokens for part in parts]
