@@ -170,3 +170,23 @@ def test_prompts_of_very_different_lengths_are_prefilled_in_separate_forwards():
     # Padded tokens cost as much as real ones where the forward is compute-bound: a run keeps its padding bounded.
     prompts = [(1,) * n for n in (2, 3, 20, 21, 23, 80)]
     assert [[len(p) for p in run] for run in padded_runs(prompts)] == [[2, 3], [20, 21, 23], [80]]
+
+
+@pytest.mark.parametrize("llama_decode", [True, False])
+def test_every_model_forward_of_a_running_batch_computes_through_the_engine_linears(tiny_model_dir, llama_decode):
+    """A step swaps the layers' forward for the engine's linear product (``cpu_linears``) only where it runs the
+    model's own forward: every prefill, and every step without the lean Llama step; the lean steps compute through
+    the product they hold and skip the swap (a walk over every module each step)."""
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64), llama_decode=llama_decode)
+    assert engine.cpu_matmuls != "linear"  # otherwise there is nothing to swap
+    swapped = []
+    engine.model.register_forward_pre_hook(lambda module, args: swapped.append("forward" in module.lm_head.__dict__))
+    requests = [DecodeRequest(p, n, t, s) for p, n, t, s in requests_of(700)]
+    run = engine.generate_continuous(requests, MAX_ROWS)
+    steps = len(run.stats.rows_per_step)
+    assert swapped and all(swapped), swapped
+    if llama_decode:  # the prefills alone (a few admissions), far fewer than the steps
+        assert len(swapped) < steps / 4, (len(swapped), steps)
+    else:  # one forward a step, and the prefills
+        assert len(swapped) > steps
+    engine.close()

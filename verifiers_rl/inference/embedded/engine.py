@@ -13,6 +13,7 @@ with ``continuous_rows`` the engine serves every ``sample`` that way (``decode_l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from dataclasses import dataclass
@@ -335,7 +336,8 @@ class EmbeddedEngine:
         with self._lock:
             check_open(self._closed)
             linear = self._linear()  # packs refreshed after a load; the same callable the lean step holds
-            with cpu_linears(self.model, linear):
+            # Swapping every layer's forward costs a module walk a step: only where the model's forward runs.
+            with cpu_linears(self.model, linear) if batch.forwards_model else contextlib.nullcontext():
                 finished = batch.step()
             self.requests_served += len(finished)
             return finished

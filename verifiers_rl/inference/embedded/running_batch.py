@@ -171,6 +171,12 @@ class RunningBatch:
     def done(self) -> bool:
         return not self.queue and not self.rows
 
+    @property
+    def forwards_model(self) -> bool:
+        """Whether the next ``step`` runs the model's own forward: a prefill to admit queued requests into free
+        rows, or a decode step without the lean Llama step (which computes through its ``linear`` alone)."""
+        return bool(self.queue) and len(self.rows) < self.max_rows or not isinstance(self.kv, LlamaDecoder)
+
     @torch.no_grad()
     def step(self) -> dict[int, Sample]:
         """Admit queued requests into free rows, then decode one token for every running row; the samples finished
