@@ -336,7 +336,6 @@ class EmbeddedEngine:
         with self._lock:
             check_open(self._closed)
             linear = self._linear()  # packs refreshed after a load; the same callable the lean step holds
-            # Swapping every layer's forward costs a module walk a step: only where the model's forward runs.
             with cpu_linears(self.model, linear) if batch.forwards_model else contextlib.nullcontext():
                 finished = batch.step()
             self.requests_served += len(finished)

@@ -174,7 +174,8 @@ class RunningBatch:
     @property
     def forwards_model(self) -> bool:
         """Whether the next ``step`` runs the model's own forward: a prefill to admit queued requests into free
-        rows, or a decode step without the lean Llama step (which computes through its ``linear`` alone)."""
+        rows, or a decode step without the lean Llama step (which computes through its ``linear`` alone). The engine
+        swaps the layers' forward (``cpu_linears``, a walk over every module) only for these steps."""
         return bool(self.queue) and len(self.rows) < self.max_rows or not isinstance(self.kv, LlamaDecoder)
 
     @torch.no_grad()
