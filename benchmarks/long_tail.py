@@ -258,9 +258,6 @@ class RunRecorder(StepRecorder):
                 if f"{part}_time" in logs:
                     self.parts[part].append(float(logs[f"{part}_time"]))
 
-    def decode_rows(self) -> list[int]:
-        return self.window_rows
-
 
 def common(args, out: str, env) -> dict:
     """What our trainer and TRL's share (vs_trl.py's settings at learning rate 0)."""
@@ -367,7 +364,7 @@ def occupancy_of(recorder: RunRecorder) -> dict:
     if recorder.server_url:
         steps, rows_per_step = long_tail_vllm.occupancy(*recorder.counters)
         return {"decode_steps": steps, "rows_per_step": rows_per_step}
-    rows = recorder.decode_rows()
+    rows = recorder.window_rows
     return {"decode_steps": len(rows), "rows_per_step": statistics.mean(rows) if rows else float("nan")}
 
 
