@@ -92,17 +92,22 @@ def test_server_killed_during_a_streamed_weight_load_is_a_clear_error(doomed):
 def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
     command = ddp_command(doomed.model_dir, doomed.url, tmp_path, 500,
                           extra=("--vllm_reconnect_timeout_s", str(RECONNECT_S)))
+    waiting_line = f"vLLM server at {doomed.url} not answering"
     process, lines, reader = start_reading(command)
     try:
         wait_for_first_step(process, lines)  # training (and syncing) is under way
         doomed.server.kill()
         killed = time.monotonic()
-        try:
-            code = process.wait(timeout=DDP_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s of the server's death:\n"
-                        + "".join(lines)[-6000:])
-        stopped_after = time.monotonic() - killed
+        waiting_seen = None  # when the run said it waits for the server
+        while process.poll() is None:
+            if waiting_seen is None and any(waiting_line in line for line in lines):
+                waiting_seen = time.monotonic()
+            if time.monotonic() - killed > DDP_DEADLINE_S:
+                pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s of the server's death:\n"
+                            + "".join(lines)[-6000:])
+            time.sleep(0.05)
+        stopped = time.monotonic()
+        code = process.returncode
     finally:
         output = stopped_output(process, lines, reader)
     assert code != 0, output[-6000:]
@@ -110,12 +115,15 @@ def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
     assert f"The vLLM server at {doomed.url} failed" in output, output[-6000:]
     assert "The main process failed:" in output, output[-6000:]
     # It waited for the server (saying so), the bound it was given, and no longer: the error names the flag.
-    assert f"vLLM server at {doomed.url} not answering" in output, output[-6000:]
+    assert waiting_line in output and waiting_seen is not None, output[-6000:]
     assert f"waiting up to {RECONNECT_S} s for it to come back (--vllm_reconnect_timeout_s)" in output
     assert f"It did not come back within {RECONNECT_S} s (--vllm_reconnect_timeout_s" in output, output[-6000:]
-    assert stopped_after < RECONNECT_S + 20, stopped_after  # measured: 10.4 s (3.5 s of retries, the 5 s, the stop)
-    print(f"the DDP run stopped {stopped_after:.1f} s after the server was killed "
-          f"(--vllm_reconnect_timeout_s {RECONNECT_S})")
+    assert stopped - waiting_seen >= RECONNECT_S - 0.5, "the run stopped before the wait it was given"
+    # Retries before the wait and the stop after it take what the machine gives them: 10.4 s quiet, 28.9 s in CI while
+    # a spare server started beside it. Ignoring the flag would wait its default, 300 s.
+    assert stopped - killed < RECONNECT_S + 45, stopped - killed
+    print(f"the DDP run stopped {stopped - killed:.1f} s after the server was killed, {stopped - waiting_seen:.1f} s "
+          f"after it said it waits (--vllm_reconnect_timeout_s {RECONNECT_S})")
 
 
 def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):
