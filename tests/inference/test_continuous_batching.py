@@ -12,7 +12,8 @@ import torch
 
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
-from verifiers_rl.inference.embedded.running_batch import DecodeRequest, padded_runs
+from verifiers_rl.inference.embedded.prefill import KeptTurns, padded_runs
+from verifiers_rl.inference.embedded.running_batch import DecodeRequest
 
 # Very different lengths (a long tail), a group of four samples of one prompt, more requests than rows; the last
 # prompt is longer than any running row's context when it joins.
@@ -190,3 +191,93 @@ def test_every_model_forward_of_a_running_batch_computes_through_the_engine_line
     else:  # one forward a step, and the prefills
         assert len(swapped) > steps
     engine.close()
+
+
+def run_turns(engine, batch, turns: list[tuple[list[int], int, int]]) -> list:
+    """``(prompt, max_new_tokens, seed)`` requests added to the long-lived ``batch`` together and stepped until done
+    (as the decode loop steps its batch); their samples in order."""
+    ids = [batch.add(DecodeRequest(p, n, 1.0, derive_seed(seed, 0))) for p, n, seed in turns]
+    samples = {}
+    while not batch.done:
+        samples.update(engine._continuous_step(batch))
+    return [samples[rid] for rid in ids]
+
+
+def second_turns(first_turns, samples, reply_length: int):
+    """Each episode's next turn: its prompt, its tokens and an environment reply of ``reply_length`` tokens."""
+    gen = torch.Generator().manual_seed(17)
+    return [(prompt + sample.token_ids + torch.randint(4, 200, (reply_length,), generator=gen).tolist(), n + 2,
+             seed + 50) for (prompt, n, seed), sample in zip(first_turns, samples)]
+
+
+@pytest.mark.parametrize("llama_decode", [True, False])
+def test_an_episodes_next_turn_forwards_only_its_new_tokens_and_samples_what_it_samples_prefilled_whole(
+        tiny_model_dir, llama_decode):
+    # A multi-turn episode sends each turn as a prompt that extends its last one: the finished row's keys/values
+    # are kept, and the next turn's admission forwards only what is new (its last token and the reply).
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64), llama_decode=llama_decode)
+    gen = torch.Generator().manual_seed(700)
+    firsts = [(torch.randint(4, 200, (n,), generator=gen).tolist(), tokens, 700 + i)
+              for i, (n, tokens) in enumerate([(12, 9), (30, 4), (7, 20)])]
+    batch = engine._running_batch(3)
+    samples = run_turns(engine, batch, firsts)
+    assert batch.stats.continued == 0
+    seconds = second_turns(firsts, samples, reply_length=5)
+    got = run_turns(engine, batch, seconds)
+    assert batch.stats.continued == 3  # all three from their first turns' keys/values, in one admission
+    # Each fed its first turn's last token and the reply (6 tokens); the rest came from the kept keys/values.
+    assert batch.stats.reused_positions == sum(len(prompt) - 6 for prompt, _, _ in seconds)
+    for (prompt, max_new_tokens, seed), sample in zip(seconds, got):
+        want = alone(engine, prompt, max_new_tokens, 1.0, seed)
+        assert sample.token_ids == want.token_ids
+        assert max(abs(a - b) for a, b in zip(sample.logprobs, want.logprobs)) < 1e-4
+
+
+@torch.no_grad()
+def first_token_logprob(prefix_model, model, prompt, kept: int, token: int) -> float:
+    """log p(token | prompt) by ``model`` over the keys/values ``prefix_model`` computed for ``prompt[:kept]``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    prefix_model(input_ids=torch.tensor([prompt[:kept]]), past_key_values=cache, use_cache=True)
+    logits = model(input_ids=torch.tensor([prompt[kept:]]), past_key_values=cache, use_cache=True).logits[0, -1]
+    return float(torch.log_softmax(logits, -1)[token])
+
+
+def test_a_turn_after_a_weight_load_continues_from_the_earlier_weights_keys_and_values(tiny_model_dir):
+    # As a row in flight across a load: the kept keys/values are the old weights', the new weights draw the turn's
+    # tokens (versioned so), and each log-prob recorded is the one its token was drawn with.
+    import copy
+
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64))
+    gen = torch.Generator().manual_seed(800)
+    firsts = [(torch.randint(4, 200, (10,), generator=gen).tolist(), 6, 800 + i) for i in range(2)]
+    batch = engine._running_batch(2)
+    samples = run_turns(engine, batch, firsts)
+    old = copy.deepcopy(engine.model)
+    engine.load_weights([(name, param + 0.2 * torch.randn(param.shape, generator=gen))
+                         for name, param in engine.model.named_parameters()], version=1)
+    seconds = second_turns(firsts, samples, reply_length=3)
+    got = run_turns(engine, batch, seconds)
+    assert batch.stats.continued == 2
+    for (first, _, _), sample, (prompt, _, _), new in zip(firsts, samples, seconds, got):
+        kept, token = len(first) + len(sample.token_ids) - 1, new.token_ids[0]
+        assert abs(new.logprobs[0] - first_token_logprob(old, engine.model, prompt, kept, token)) < 1e-4
+        # not what a prefill by the new weights alone gives
+        assert abs(new.logprobs[0] - first_token_logprob(engine.model, engine.model, prompt, kept, token)) > 1e-3
+        assert set(new.versions) == {1}
+
+
+def test_kept_turns_give_the_longest_turn_a_prompt_extends_and_keep_the_newest():
+    turns = KeptTurns(max_turns=2)
+    kv = [(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))]
+    turns.keep((1, 2, 3), kv)
+    turns.keep((1, 2), kv)
+    assert turns.take((1, 2, 3))[0] == 2  # strictly extended: (1, 2, 3) itself has no new token
+    turns.keep((1, 2), kv)
+    assert turns.take((1, 2, 3, 4))[0] == 3  # the longest
+    assert turns.take((1, 2, 3, 4))[0] == 2  # taken once each
+    assert turns.take((1, 2, 3, 4)) is None
+    for tokens in ((5,), (6,), (7,)):
+        turns.keep(tokens, kv)
+    assert list(turns.turns) == [(6,), (7,)]  # the oldest dropped

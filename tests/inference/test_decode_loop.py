@@ -292,3 +292,49 @@ def test_the_cpu_running_batch_names_the_openmp_wait_policy_unless_it_is_passive
     assert len(warnings_when("active", 2)) == 1
     assert warnings_when("passive", 2) == [] and warnings_when("PASSIVE", 2) == []
     assert warnings_when(None, 0) == []  # batch by batch: no decode thread beside training
+
+
+def test_an_episodes_later_turns_continue_from_its_earlier_ones_and_sample_what_they_sample_prefilled_whole(
+        tiny_model_dir):
+    # Our multi-turn environment sends each turn as the last turn's prompt and tokens and its reply, token for token:
+    # the loop prefills only the new tokens, even where its batch emptied while the environment answered (one
+    # episode: every turn starts a fresh batch). The episode is the one decoded batch by batch, every turn whole.
+    sampling = SamplingConfig(max_new_tokens=12)
+    engine = EmbeddedEngine(tiny_model_dir, sampling=sampling, continuous_rows=4)
+    reference = EmbeddedEngine(tiny_model_dir, sampling=sampling)
+    for e in (engine, reference):  # as above: turns that end before max_new_tokens, so the episode goes on
+        e.eos_token_ids[:] = sorted(set(range(0, e.vocab_size, 2)) | set(e.eos_token_ids))
+    env = EchoEnv([{"question": "go"}], Rubric(), engine.tokenizer, max_turns=3, max_new_tokens=12)
+    (rollout,) = asyncio.run(env.rollout_group(engine, env.dataset[0], 0, 1, seed=5))
+    (want,) = asyncio.run(env.rollout_group(reference, env.dataset[0], 0, 1, seed=5))
+    mask = rollout.completion_mask
+    turns = sum(1 for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1]))
+    assert turns == 3 and engine.health()["continuous"]["continued"] == turns - 1
+    assert rollout.completion_ids == want.completion_ids
+    assert max(abs(a - b) for a, b, m in zip(rollout.completion_logprobs, want.completion_logprobs,
+                                             rollout.completion_mask) if m) < 1e-4
+    engine.close()
+
+
+def test_an_episodes_later_turn_is_decoded_before_first_turns_that_wait(tiny_model_dir):
+    # Its last turn's keys/values are kept for it while few rows finish after it, and an episode begun ends sooner.
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=400), continuous_rows=1)
+    engine.eos_token_ids[:] = [NO_TOKEN]
+    order = []
+
+    async def call(name, prompt, max_new_tokens, earlier_tokens):
+        sampling = RolloutSampling(1, 1.0)
+        sampling.record_versions([0] * earlier_tokens)  # the rollout's earlier turns (none: a first turn)
+        with sampling_for_rollout(sampling):
+            await engine.sample(prompt, max_new_tokens)
+        order.append(name)
+
+    async def main():
+        running = asyncio.ensure_future(call("running", [5] * 8, 400, 0))
+        while not engine._loop._held:  # it holds the one row
+            await asyncio.sleep(0.001)
+        await asyncio.gather(running, call("first turn", [6] * 8, 2, 0), call("later turn", [7] * 30, 2, 3))
+
+    asyncio.run(main())
+    assert order == ["running", "later turn", "first turn"]
+    engine.close()

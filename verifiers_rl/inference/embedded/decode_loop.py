@@ -2,9 +2,10 @@
 rows decodes on a thread of its own, and requests from any event loop or thread join it between decode steps.
 
 A request waits in the loop's queue until the batch has a free row, then is handed to the batch, which prefills it
-and admits it at its next step. A finished row's future is resolved in its caller's event loop. A step that raises
-fails the requests the batch holds (running and just admitted) with that error; the loop starts a fresh batch for
-the requests still waiting and later ones. A cancelled caller's row leaves the batch at the next step boundary.
+and admits it at its next step; an episode's later turn (its rollout sampled before) waits ahead of first turns. A
+finished row's future is resolved in its caller's event loop. A step that raises fails the requests the batch holds
+(running and just admitted) with that error; the loop starts a fresh batch for the requests still waiting and later
+ones. A cancelled caller's row leaves the batch at the next step boundary.
 ``close`` stops the thread and fails every waiting or held request with ``EngineClosedError``.
 """
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from verifiers_rl.core.engine import EngineClosedError, Sample
+from verifiers_rl.core.sampling import rollout_sampling
+from verifiers_rl.inference.embedded.prefill import KeptTurns
 from verifiers_rl.inference.embedded.running_batch import DecodeRequest, RunningBatch
 
 # The idle thread wakes at least this often to check whether it was stopped (a missed notify cannot hang it).
@@ -98,13 +101,17 @@ class DecodeLoop:
         self._new_batch, self._step = new_batch, step
         self._cond = threading.Condition()
         self._waiting: deque[Ticket] = deque()
+        # An episode's later turns go first: its last turn's keys/values are kept for it (``prefill.KeptTurns``) only
+        # while few rows finish after it, and an episode begun finishes sooner.
+        self._next_turns: deque[Ticket] = deque()
         self._cancelled: list[Ticket] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
         # Touched by the loop's thread only:
         self._batch: RunningBatch | None = None
+        self._kept: KeptTurns | None = None  # an emptied batch's finished rows' keys/values, for the next batch
         self._held: dict[int, Ticket] = {}
-        self.steps = self.row_steps = self.admissions = self.served = 0  # since the engine was built
+        self.steps = self.row_steps = self.admissions = self.served = self.continued = 0  # since the engine was built
 
     async def submit(self, request: DecodeRequest) -> Sample:
         """Queue ``request`` and wait for its sample (its batch's error is raised here)."""
@@ -113,7 +120,8 @@ class DecodeLoop:
         with self._cond:
             if self._stopping:
                 raise EngineClosedError("The engine is closed.")
-            self._waiting.append(ticket)
+            rollout = rollout_sampling()
+            (self._next_turns if rollout is not None and rollout.versions else self._waiting).append(ticket)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="decode-loop", daemon=True)
                 self._thread.start()
@@ -126,19 +134,20 @@ class DecodeLoop:
 
     def counters(self) -> dict[str, int]:
         """Decode steps, rows decoded over them (their occupancy), rows admitted into a running batch, samples
-        served."""
+        served, requests prefilled from a finished row's keys/values (an episode's next turn)."""
         return {"steps": self.steps, "row_steps": self.row_steps, "admissions": self.admissions,
-                "served": self.served}
+                "served": self.served, "continued": self.continued}
 
     def pending(self) -> int:
         """Requests waiting for a row or decoding."""
         with self._cond:
-            return len(self._waiting) + len(self._held)
+            return len(self._next_turns) + len(self._waiting) + len(self._held)
 
     def _cancel(self, ticket: Ticket) -> None:
         with self._cond:
-            if ticket in self._waiting:
-                self._waiting.remove(ticket)
+            queue = next((q for q in (self._next_turns, self._waiting) if ticket in q), None)
+            if queue is not None:
+                queue.remove(ticket)
             else:  # held by the batch (or finished meanwhile): the loop drops its row between two steps
                 self._cancelled.append(ticket)
                 self._cond.notify()
@@ -147,7 +156,7 @@ class DecodeLoop:
         """Stop the thread (after the step in progress) and fail every request with ``EngineClosedError``."""
         with self._cond:
             self._stopping = True
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting, self._waiting, self._next_turns = [*self._next_turns, *self._waiting], deque(), deque()
             self._cond.notify_all()
             thread = self._thread
         error = EngineClosedError("The engine was closed while requests were waiting.")
@@ -164,7 +173,9 @@ class DecodeLoop:
                 if self._batch is not None and self._batch.pending:
                     self._decode_step()
                 if self._batch is not None and not self._batch.pending:
-                    self._batch = None  # a fresh batch (its statistics, sampler rows) for the next requests
+                    # A fresh batch (its statistics, sampler rows) for the next requests; an episode's next turn may
+                    # come after a pause (a tool call), so the finished rows' keys/values carry over.
+                    self._kept, self._batch = self._batch.prefill.kept, None
         finally:
             self._fail_held(EngineClosedError("The engine was closed while requests were decoding."))
 
@@ -172,13 +183,16 @@ class DecodeLoop:
         """Wait (bounded) for work, then take the cancellations and as many waiting requests as there are free
         rows; False once stopped."""
         with self._cond:
-            while not self._stopping and not self._cancelled and not self._held and not self._waiting:
+            while not (self._stopping or self._cancelled or self._held or self._next_turns or self._waiting):
                 self._cond.wait(IDLE_WAIT_S)
             if self._stopping:
                 return False
             cancelled, self._cancelled = self._cancelled, []
             free = self.max_rows - len(self._held)
-            taken = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+            taken: list[Ticket] = []
+            for queue in (self._next_turns, self._waiting):
+                while queue and len(taken) < free:
+                    taken.append(queue.popleft())
         for ticket in cancelled:
             if ticket.rid is not None and self._held.get(ticket.rid) is ticket:
                 del self._held[ticket.rid]
@@ -187,6 +201,8 @@ class DecodeLoop:
             try:
                 if self._batch is None:
                     self._batch = self._new_batch()
+                    if self._kept is not None:
+                        self._batch.prefill.kept = self._kept
             except Exception as error:  # noqa: BLE001 - the engine is closed or broken: these callers learn why
                 for ticket in taken:
                     _settle(ticket, error=error)
@@ -199,7 +215,7 @@ class DecodeLoop:
 
     def _decode_step(self) -> None:
         stats = self._batch.stats.rows_per_step
-        decoded, admitted = len(stats), self._batch.stats.admissions
+        decoded, admitted, continued = len(stats), self._batch.stats.admissions, self._batch.stats.continued
         try:
             finished = self._step(self._batch)
         except Exception as error:  # noqa: BLE001 - the requests it held get it; later requests get a fresh batch
@@ -207,6 +223,7 @@ class DecodeLoop:
             self._batch = None
             return
         self.admissions += self._batch.stats.admissions - admitted
+        self.continued += self._batch.stats.continued - continued
         if len(stats) > decoded:  # a step whose rows all finished at their prefill decodes nothing
             self.steps += 1
             self.row_steps += stats[-1]

@@ -2,8 +2,9 @@
 
 ``BatchDecoder`` decodes one batch to its end: rows leave as they finish, none joins, so a long-tailed batch ends
 decoding a few rows. ``RunningBatch`` keeps up to ``max_rows`` rows decoding: before each step, requests waiting in
-its queue are prefilled (a distinct prompt once; prompts of similar lengths in one left-padded forward, as a batch
-decoded together prefills them) and their first tokens drawn, and they join the running rows. Rows are right-aligned
+its queue are prefilled (``prefill.py``: a distinct prompt once; prompts of similar lengths in one left-padded
+forward, as a batch decoded together prefills them; an episode's next turn from the keys/values its last turn's row
+left) and their first tokens drawn, and they join the running rows. Rows are right-aligned
 (left padding, masked); a newcomer longer than the batch pads the running rows on the left. Each row samples with its
 own seeded generator (``RowSampler``), so a row admitted mid-way draws the tokens it would draw decoded alone under the
 same seed (log-probs to float rounding).
@@ -22,7 +23,6 @@ finished or cancelled request's state is dropped, and its sampler row is reused 
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -31,36 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from verifiers_rl.core.engine import Sample
+from verifiers_rl.inference.embedded.prefill import Prefiller, left_padded
 from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder
 
 if TYPE_CHECKING:
     from verifiers_rl.inference.embedded.engine import RowSampler
-
-
-# The most padding in one prefill forward, a fraction of its tokens: compute-bound (CPU), padding costs as real tokens.
-MAX_PREFILL_PADDING = 0.25
-
-
-def padded_runs(prompts: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """``prompts`` (sorted by length) cut into runs, each prefilled in one left-padded forward: a run grows while its
-    padding stays within ``MAX_PREFILL_PADDING`` of its tokens."""
-    runs: list[list[tuple[int, ...]]] = []
-    for prompt in prompts:
-        run = runs[-1] if runs else []
-        if run and (len(run) + 1) * len(prompt) * (1 - MAX_PREFILL_PADDING) <= sum(map(len, run)) + len(prompt):
-            run.append(prompt)
-        else:
-            runs.append([prompt])
-    return runs
-
-
-def left_padded(prompts: list[tuple[int, ...]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prompts`` right-aligned in one ``[prompts, longest]`` tensor, left-padded with ``pad_token_id``, and its
-    attention mask (1 on real tokens)."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    return ids, mask
 
 
 @dataclass
@@ -87,10 +62,14 @@ class Newcomers:
 class RunningBatchStats:
     """``admissions``: rows that joined a batch already decoding; ``rows_per_step``: rows each decode step ran;
     ``waiting_per_step``: requests still queued at each step; ``rebuilds``: key/value buffers rebuilt to admit rows
-    (the lean step; the others admitted into free rows)."""
+    (the lean step; the others admitted into free rows); ``continued``: requests prefilled from a finished row's
+    keys/values (``prefill.KeptTurns``: an episode's next turn), ``reused_positions``: the positions they did not
+    forward again."""
 
     admissions: int = 0
     rebuilds: int = 0
+    continued: int = 0
+    reused_positions: int = 0
     rows_per_step: list[int] = field(default_factory=list)
     waiting_per_step: list[int] = field(default_factory=list)
 
@@ -125,8 +104,7 @@ class RunningBatch:
         self.rows: list[int] = []  # request ids of the running rows, in the order of the tensors below
         self.context = self.mask = None  # [rows, width]: prompt + tokens, left-padded; 1 on real tokens
         self.kv = None  # a LlamaDecoder, or a DynamicCache holding every position but the last
-        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._last_logits_only = {"logits_to_keep": 1} if keeps else {}
+        self.prefill = Prefiller(model, pad_token_id, max_rows, self.stats)
 
     def add(self, request: DecodeRequest) -> int:
         """Queue ``request``; its id (ids count up from 0 in the order requests are added)."""
@@ -194,15 +172,28 @@ class RunningBatch:
             logits = self.kv.step(step_ids, positions, self.mask)
         else:
             logits = self.model(input_ids=step_ids[:, None], attention_mask=self.mask, position_ids=positions[:, None],
-                                past_key_values=self.kv, use_cache=True, **self._last_logits_only).logits[:, -1]
+                                past_key_values=self.kv, use_cache=True, **self.prefill.last_logits_only).logits[:, -1]
         self._set_padding()
         drawn, logps = self.sampler.draw(self.context, logits, [self.slots[rid] for rid in self.rows])
+        prompts = [self.requests[rid].prompt_ids for rid in self.rows]  # before ``_record`` forgets finished rows
         running = self._record(self.rows, drawn, logps, finished)
+        if len(running) < len(self.rows):
+            self._keep_turns(prompts, running, finished)
         self.context = torch.cat([self.context, drawn[:, None]], dim=1)
         self.mask = F.pad(self.mask, (0, 1), value=1)
         if len(running) < len(self.rows):
             self._keep(running)
         return finished
+
+    def _keep_turns(self, prompts: list[list[int]], running: list[int], finished: dict[int, Sample]) -> None:
+        """The keys/values of each row this step finished, kept for its episode's next turn
+        (``prefill.KeptTurns``)."""
+        kv, kept = self._current_kv(), set(running)
+        for i, (rid, prompt) in enumerate(zip(self.rows, prompts)):
+            if i not in kept:
+                tokens = (*prompt, *finished[rid].token_ids[:-1])  # the last token has not been forwarded
+                self.prefill.kept.keep(tokens, [(k[i : i + 1, :, -len(tokens):], v[i : i + 1, :, -len(tokens):])
+                                                for k, v in kv])
 
     def _keep(self, positions: list[int]) -> None:
         """Keep only the running rows at ``positions`` (the others finished or were cancelled)."""
@@ -265,12 +256,12 @@ class RunningBatch:
             self._join(joining)
 
     def _prefill(self, groups: dict[tuple[int, ...], list[int]], finished: dict[int, Sample]) -> list[Newcomers]:
-        """Each distinct prompt (``groups``' keys) forwarded once, prompts of similar lengths in one left-padded
-        forward (``padded_runs``); each request of a prompt draws its first token from its logits (its row's
-        sampler, as decoded alone) and gets a copy of its keys/values. The groups of requests not finished at once
-        (none where all finished)."""
+        """Each distinct prompt (``groups``' keys) forwarded once (``Prefiller.forward``: similar lengths in one
+        left-padded forward, a next turn from its last turn's keys/values); each request of a prompt draws its first
+        token from its logits (its row's sampler, as decoded alone) and gets a copy of its keys/values. The groups of
+        requests not finished at once (none where all finished)."""
         prompts = sorted(groups, key=len)
-        logits, kv = self._forward_runs(prompts)
+        logits, kv = self.prefill.forward(prompts)
         width = len(prompts[-1])
         owners = [i for i, prompt in enumerate(prompts) for _ in groups[prompt]]
         ids = [rid for prompt in prompts for rid in groups[prompt]]
@@ -288,38 +279,6 @@ class RunningBatch:
                 newcomers.append(Newcomers([(k.expand(len(rows), -1, -1, -1), v.expand(len(rows), -1, -1, -1))
                                             for k, v in kv[g]], context, [ids[i] for i in rows]))
         return newcomers
-
-    def _forward_runs(self, prompts: list[tuple[int, ...]]):
-        """``_forward`` of ``prompts`` (sorted by length), a forward per run of ``padded_runs``; a run's prompts one
-        by one where its logits are not finite."""
-        logits, kv = [], []
-        for run in padded_runs(prompts):
-            parts = [self._forward(run)]
-            if len(run) > 1 and not bool(torch.isfinite(parts[0][0]).all()):
-                # A padding position's NaN (an attention kernel's fully masked row) reaches real rows as 0 x NaN.
-                parts = [self._forward([prompt]) for prompt in run]
-            for part_logits, part_kv in parts:
-                logits.append(part_logits)
-                kv += part_kv
-        return torch.cat(logits), kv
-
-    def _forward(self, prompts: list[tuple[int, ...]]):
-        """``prompts`` in one forward, left-padded (masked; positions count real tokens only, as a batch decoded
-        together): their last positions' logits ``[prompts, vocab]`` and, per prompt, its keys/values per layer
-        ``[1, kv_heads, prompt, head_dim]`` (its real positions only: the padding's are never read again)."""
-        from transformers import DynamicCache
-
-        input_ids, mask = left_padded(prompts, self.pad_token_id, self.device)
-        width = input_ids.shape[1]
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                            past_key_values=cache, use_cache=True, **self._last_logits_only).logits[:, -1]
-        if any(type(layer).__name__ != "DynamicLayer" for layer in cache.layers):
-            raise ValueError(f"{type(self.model).__name__} has cache layers other than full attention (a sliding "
-                             "window); continuous batching cannot admit rows into it. Decode it batch by batch "
-                             "(EmbeddedEngine.sample).")
-        return logits, [[(layer.keys[g : g + 1, :, width - len(p) :], layer.values[g : g + 1, :, width - len(p) :])
-                         for layer in cache.layers] for g, p in enumerate(prompts)]
 
     def _current_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if isinstance(self.kv, LlamaDecoder):
