@@ -80,11 +80,12 @@ class LlamaDecoder:
 
     def fill_holes(self, holes: torch.Tensor, movers: torch.Tensor, rows: int) -> None:
         """Keep the first ``rows`` rows, row ``movers[i]`` (at or past ``rows``) copied into the leaving row
-        ``holes[i]``: the leaving rows' buffers are reused in place, only the moved rows copied."""
+        ``holes[i]``: the leaving rows' buffers are reused in place, only the moved rows' positions so far copied
+        (a step writes a position before any step reads it)."""
         if len(holes):
             for keys, values in zip(self.keys, self.values):
-                keys[holes] = keys[movers]
-                values[holes] = values[movers]
+                keys[holes, :, : self.length] = keys[movers, :, : self.length]
+                values[holes, :, : self.length] = values[movers, :, : self.length]
         self.rows = rows
 
     @torch.no_grad()
