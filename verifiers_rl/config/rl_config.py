@@ -243,8 +243,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "between two steps without draining the rows in flight (each token records the policy version that "
             "sampled it). An episode's next turn, whose prompt extends a finished row's tokens, goes first and "
             "forwards only its new tokens (the last N finished rows' keys/values are kept; after a load, as for rows "
-            "in flight, the earlier weights'). 0 = batch by batch. A vLLM server (--vllm_server_url) batches continuously itself. On the CPU, start the "
-            "run with OMP_WAIT_POLICY=PASSIVE (decoding and training then share the cores)."
+            "in flight, the earlier weights'). 0 = batch by batch. A vLLM server (--vllm_server_url) batches "
+            "continuously itself. On the CPU, start the run with OMP_WAIT_POLICY=PASSIVE (decoding and training then "
+            "share the cores)."
         },
     )
     vllm_server_url: str | None = field(

@@ -175,25 +175,24 @@ class RunningBatch:
                                 past_key_values=self.kv, use_cache=True, **self.prefill.last_logits_only).logits[:, -1]
         self._set_padding()
         drawn, logps = self.sampler.draw(self.context, logits, [self.slots[rid] for rid in self.rows])
-        prompts = [self.requests[rid].prompt_ids for rid in self.rows]  # before ``_record`` forgets finished rows
         running = self._record(self.rows, drawn, logps, finished)
         if len(running) < len(self.rows):
-            self._keep_turns(prompts, running, finished)
+            self._keep_turns(running)  # before the drawn tokens join the context: no forward has seen them
         self.context = torch.cat([self.context, drawn[:, None]], dim=1)
         self.mask = F.pad(self.mask, (0, 1), value=1)
         if len(running) < len(self.rows):
             self._keep(running)
         return finished
 
-    def _keep_turns(self, prompts: list[list[int]], running: list[int], finished: dict[int, Sample]) -> None:
-        """The keys/values of each row this step finished, kept for its episode's next turn
-        (``prefill.KeptTurns``)."""
-        kv, kept = self._current_kv(), set(running)
-        for i, (rid, prompt) in enumerate(zip(self.rows, prompts)):
-            if i not in kept:
-                tokens = (*prompt, *finished[rid].token_ids[:-1])  # the last token has not been forwarded
-                self.prefill.kept.keep(tokens, [(k[i : i + 1, :, -len(tokens):], v[i : i + 1, :, -len(tokens):])
-                                                for k, v in kv])
+    def _keep_turns(self, running: list[int]) -> None:
+        """The keys/values of each row this step finished (all but ``running``), kept for its episode's next turn
+        under the row's real tokens, its prompt and every token but the one just drawn (``prefill.KeptTurns``)."""
+        kv, still = self._current_kv(), set(running)
+        for i in range(len(self.rows)):
+            if i not in still:
+                n = int(self.mask[i].sum())
+                self.prefill.kept.keep(tuple(self.context[i, -n:].tolist()),
+                                       [(k[i : i + 1, :, -n:], v[i : i + 1, :, -n:]) for k, v in kv])
 
     def _keep(self, positions: list[int]) -> None:
         """Keep only the running rows at ``positions`` (the others finished or were cancelled)."""
