@@ -1,7 +1,9 @@
 """What the training side and the inference engines both need of a model: its name without wrappers, the bare
-module, and the probe's log-probs. Neutral ground: the engines import nothing from the training side."""
+module, the probe's log-probs, and how to ask it for the last position's logits only. Neutral ground: the engines import nothing from the training side."""
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -24,6 +26,12 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
         if inner is None:
             return model
         model = inner
+
+
+def last_logits_only(model: torch.nn.Module) -> dict:
+    """``{"logits_to_keep": 1}`` where ``model.forward`` takes it (the output layer on the last position only, as
+    ``generate`` does), else ``{}``: keyword arguments for a prefill or decode forward."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.no_grad()

@@ -7,13 +7,13 @@ Llama or Qwen2 model on a GPU through ``graph_decode``'s captured step (transfor
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import TYPE_CHECKING
 
 import torch
 
 from verifiers_rl.core.engine import Sample
+from verifiers_rl.core.modeling import last_logits_only
 from verifiers_rl.inference.kernels.graph_decode import GraphDecoder
 from verifiers_rl.inference.kernels.graph_decode import supports as graph_decode_supports
 from verifiers_rl.inference.kernels.llama_decode import LlamaDecoder
@@ -44,9 +44,7 @@ class BatchDecoder:
         self.generate_in_loop_thread = generate_in_loop_thread
         self.prefills_shared = 0
         self.root_tokens_shared = 0
-        # The output layer on the last position only, where the model takes the argument (as generate does).
-        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._last_logits_only = {"logits_to_keep": 1} if keeps else {}
+        self._last_logits_only = last_logits_only(model)
 
     def decode(self, input_ids, attention_mask, prompts, max_new_tokens: list[int], sampler: RowSampler,
                 root: int = 0, linear=None):

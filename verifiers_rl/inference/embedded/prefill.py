@@ -16,11 +16,12 @@ forward).
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+
+from verifiers_rl.core.modeling import last_logits_only
 
 # The most padding in one prefill forward, a fraction of its tokens: compute-bound (CPU), padding costs as real tokens.
 MAX_PREFILL_PADDING = 0.25
@@ -84,8 +85,7 @@ class Prefiller:
     def __init__(self, model, pad_token_id: int, max_kept: int, stats):
         self.model, self.pad_token_id, self.stats = model, pad_token_id, stats
         self.device = model.get_input_embeddings().weight.device
-        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.last_logits_only = {"logits_to_keep": 1} if keeps else {}
+        self.last_logits_only = last_logits_only(model)
         self.kept = KeptTurns(max_kept)
 
     def forward(self, prompts: list[Prompt]) -> tuple[torch.Tensor, list[LayerKV]]:
