@@ -1,5 +1,6 @@
 """What the training side and the inference engines both need of a model: its name without wrappers, the bare
-module, the probe's log-probs, and how to ask it for the last position's logits only. Neutral ground: the engines import nothing from the training side."""
+module, the probe's log-probs, and how to ask it for the last position's logits only. Neutral ground: the engines
+import nothing from the training side."""
 
 from __future__ import annotations
 
