@@ -68,18 +68,17 @@ generated again (work done and not trained; only a resumed checkpoint's can be, 
 tokens/s over batch's, same run. A last table gathers those ratios.
 
 Run (tiny random Llama hidden 256 x 4 layers, 8 prompts x 4 samples per step, median 16 tokens, 2 warm-up + 8
-timed steps per side, 2 torch threads: an estimated 3-5 minutes on 2 quiet cores, most of it TRL's ``generate``;
-not yet timed on a quiet machine, and far longer on a busy one, TRL's steps most; ``--quick``, a smoke test of every
-side and table: under 2 minutes):
+timed steps per side, 2 torch threads: 177 s on 2 quiet cores on 2026-11-28, TRL's sides the longest, and far longer
+on a busy machine; ``--quick``, a smoke test of every side and table: under 2 minutes):
 
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --json long_tail.json
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --quick
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --workloads single --lengths longtail --sides batch continuous
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --engine vllm --json long_tail_vllm.json
     PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --engine vllm --quick
-    # the measured runs (benchmarks/RESULTS.md): k = 1, 3 and 6, about 7 minutes each on 2 quiet cores
-    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --sides batch continuous --k 6 --groups_in_flight 48 \
-        --continuous_rows 96 --rows 240 --steps 28 --json k6.json
+    # the measured runs (benchmarks/RESULTS.md), 1-2 minutes a workload on 2 quiet cores (k = 1, 3 and 6 earlier)
+    PYTHONPATH=. .venv/bin/python benchmarks/long_tail.py --sides batch continuous --k 8 --groups_in_flight 64 \
+        --continuous_rows 128 --rows 240 --steps 28 --workloads multi --lengths longtail --json k8.json
 
 The benchmark sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads, for every side, unless the environment already
 names a policy: the continuous side decodes on a thread of its own while training runs, each with an OpenMP team,
