@@ -36,6 +36,14 @@ logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's
 
 
 @dataclass
+class InFlight:
+    """A group being generated: its attempt (``retry``) and the last batch it may join (``deadline``)."""
+
+    retry: int
+    deadline: int
+
+
+@dataclass
 class FinishedGroup:
     """A generated group waiting for its batch: its rollouts, and when it started and finished (None: restored from
     a checkpoint)."""
@@ -121,8 +129,7 @@ class ContinuousGenerator(GeneratorThread):
         self.total_batches: int | None = None  # batches the run will train on; no group is started beyond them
         self._condition = threading.Condition()  # guards everything below that both threads touch
         self._finished: list[FinishedGroup] = []  # in the order they finished
-        self._in_flight: dict[int, int] = {}  # position -> retry, started
-        self._due: dict[int, int] = {}  # position in flight -> its deadline
+        self._in_flight: dict[int, InFlight] = {}  # by position, started
         self._redo: list[tuple[int, int]] = []  # (position, retry) to start first: stale drops, restored positions
         self._next_position = 0
         self._handed = 0  # batches handed out
@@ -172,8 +179,9 @@ class ContinuousGenerator(GeneratorThread):
                     raise GenerationTimeout(
                         f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({len(self._finished)} of "
                         f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight, "
-                        f"{sum(d <= index for d in self._due.values())} of them due by this batch; engine policy "
-                        f"version {self.engine.policy_version}); the engine or an environment is stuck.")
+                        f"{sum(g.deadline <= index for g in self._in_flight.values())} of them due by this batch; "
+                        f"engine policy version {self.engine.policy_version}); the engine or an environment is "
+                        f"stuck.")
                 self._condition.wait(timeout=min(remaining, 1.0))
             chosen = {id(group) for group in taken}
             self._finished = [group for group in self._finished if id(group) not in chosen]
@@ -204,11 +212,12 @@ class ContinuousGenerator(GeneratorThread):
         if len(self._finished) < size:
             return None
         taken = sorted(self._finished, key=lambda group: group.deadline)[:size]  # a stable sort: finish order
-        due = [group.deadline for group in self._finished] + list(self._due.values())
+        running = [group.deadline for group in self._in_flight.values()]
+        due = [group.deadline for group in self._finished] + running
         for b in range(index, max(due)):
             later = sum(group.deadline > b for group in taken)
             if later > (b - index + 1) * size - sum(d <= b for d in due) and any(
-                    d <= b for d in self._due.values()):
+                    d <= b for d in running):
                 return None
         return taken
 
@@ -261,7 +270,7 @@ class ContinuousGenerator(GeneratorThread):
         curriculum, and the positions: the next to draw and those in flight with their retry counts."""
         with self._condition:
             pending = {self._handed: [r for group in self._finished for r in group.rollouts]} if self._finished else {}
-            in_flight = sorted([*self._in_flight.items(), *self._redo])
+            in_flight = sorted([*((p, group.retry) for p, group in self._in_flight.items()), *self._redo])
             return pending, None, {"next_position": self._next_position, "in_flight": [list(p) for p in in_flight]}
 
     def pending(self) -> dict[int, list[Rollout]]:
@@ -341,8 +350,7 @@ class ContinuousGenerator(GeneratorThread):
                     position, retry = self._next_position, 0
                     self._next_position += 1
                     alive += 1
-                self._in_flight[position] = retry
-                self._due[position] = self.deadline(self.engine.policy_version)
+                self._in_flight[position] = InFlight(retry, self.deadline(self.engine.policy_version))
                 starts.append((position, retry))
             return starts
 
@@ -361,8 +369,8 @@ class ContinuousGenerator(GeneratorThread):
                 self._condition.notify_all()
             return
         with self._condition:
-            self._in_flight.pop(position, None)
-            deadline = self._due.pop(position, self.deadline(version))
+            flight = self._in_flight.pop(position, None)
+            deadline = self.deadline(version) if flight is None else flight.deadline
             if group is None:
                 self._counts["groups_dropped_on_error"] = self._counts.get("groups_dropped_on_error", 0.0) + 1
                 self._counts["rollouts_failed"] = self._counts.get("rollouts_failed", 0.0) + failures
