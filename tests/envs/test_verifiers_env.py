@@ -16,6 +16,7 @@ from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from . import vf_envs
 from .scripted import ScriptedSampler
 from .templates import TOOL_TEMPLATE
+from .verifiers_checks import model_turns, rubric_reward
 
 SPEC = "vf:tests.envs.vf_envs"
 # Short model turns keep the tests with the tiny model (which rarely stops by itself) fast.
@@ -40,19 +41,6 @@ def engine(tiny_model_dir):
     return EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(temperature=1.0, max_new_tokens=16))
 
 
-def model_turns(rollout):
-    """(start position in prompt + completion, ids, log-probs) of each run of model tokens (mask 1)."""
-    turns, start = [], None
-    for position, flag in enumerate(rollout.completion_mask + [0]):
-        if flag and start is None:
-            start = position
-        elif not flag and start is not None:
-            span = slice(start, position)
-            turns.append((len(rollout.prompt_ids) + start, rollout.completion_ids[span], rollout.completion_logprobs[span]))
-            start = None
-    return turns
-
-
 def assert_trained_ids_are_sampled_ids(rollouts, calls):
     """Every model turn of every rollout is one recorded sample, verbatim, sampled from exactly the sequence
     before it; and every recorded sample is in some rollout."""
@@ -63,14 +51,6 @@ def assert_trained_ids_are_sampled_ids(rollouts, calls):
             unmatched.remove((sequence[:start], ids, logprobs))  # ValueError if the model never sampled it
         assert all(lp == 0.0 for lp, m in zip(rollout.completion_logprobs, rollout.completion_mask) if m == 0)
     assert unmatched == []
-
-
-def rubric_reward(rollouts):
-    """vf_envs' rubric (vowel_fraction + 0.5 * longest_in_group) recomputed from the rollouts' completions."""
-    completions = [[vf.AssistantMessage(content=m["content"]) for m in r.completion if m["role"] == "assistant"]
-                   for r in rollouts]
-    longest = vf_envs.longest_in_group(completions)
-    return [vf_envs.vowel_fraction(c) + 0.5 * g for c, g in zip(completions, longest)]
 
 
 @pytest.mark.parametrize("kind", ["single", "multi"])

@@ -29,9 +29,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.helpers.launches import LAUNCH_TIMEOUT_S, ROOT, launch_env, load_run as load, runner_inputs
-from tests.integration.test_live_training import MIN_REWARD_GAIN
-from tests.training.test_logprobs import shared_prefix_rollouts, single_sequence_logprobs
+from tests.helpers.launches import LAUNCH_TIMEOUT_S, MIN_REWARD_GAIN, ROOT, launch_env, load_run as load, runner_inputs
+from tests.helpers.logprobs import shared_prefix_rollouts, single_sequence_logprobs
 
 from verifiers_rl.training.batching import BatchingConfig, plan_batch  # noqa: E402
 from verifiers_rl.core.engine import free_port  # noqa: E402
@@ -329,8 +328,7 @@ def test_the_continuous_engine_serves_two_loops_and_an_in_flight_load_on_the_gpu
     (fp32, log-probs within 1e-4), and a weight load from this thread lands between two steps of rows in flight."""
     import asyncio
 
-    from tests.inference.test_continuous_batching import alone, requests_of
-    from tests.inference.test_decode_loop import in_thread, joined, perturbed_weights, seeded, wait_until
+    from tests.helpers.continuous import alone, in_thread, joined, perturbed_weights, requests_of, seeded, wait_until
     from verifiers_rl.inference import SamplingConfig
     from verifiers_rl.inference.factory import make_engine
 

@@ -5,38 +5,17 @@ batch stays full (max_rows rows a step) while requests wait."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
-from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout
+from verifiers_rl.envs import derive_seed
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.inference.embedded.prefill import KeptTurns, padded_runs
 from verifiers_rl.inference.embedded.running_batch import DecodeRequest
 
-# Very different lengths (a long tail), a group of four samples of one prompt, more requests than rows; the last
-# prompt is longer than any running row's context when it joins.
-LENGTHS = [3, 32, 4, 20, 2, 12, 6, 26]
-PROMPT_LENGTHS = [5, 30, 8, 8, 8, 8, 3, 90]
+from tests.helpers.continuous import alone, requests_of
+
 MAX_ROWS = 3
-
-
-def requests_of(seed_base: int):
-    gen = torch.Generator().manual_seed(seed_base)
-    prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
-    prompts[3] = prompts[4] = prompts[5] = prompts[2]  # one group: its prompt prefilled once
-    temperatures = [0.7 if i % 3 == 1 else 1.0 for i in range(len(prompts))]
-    return [(p, n, t, seed_base + i) for i, (p, n, t) in enumerate(zip(prompts, LENGTHS, temperatures))]
-
-
-def alone(engine, prompt, max_new_tokens, temperature, seed):
-    """The request decoded by itself through ``sample`` (the engine's batch-at-a-time path) under its rollout seed."""
-    async def one():
-        with sampling_for_rollout(RolloutSampling(seed, temperature)):
-            return await engine.sample(prompt, max_new_tokens)
-
-    return asyncio.run(one())
 
 
 @pytest.mark.parametrize("llama_decode,sampling", [

@@ -8,7 +8,6 @@ version in ``completion_versions``."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -20,51 +19,9 @@ from verifiers_rl.envs import MultiTurnEnv, RolloutSampling, Rubric, derive_seed
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.inference.embedded.running_batch import DecodeRequest, RunningBatch
 
-from .test_continuous_batching import alone, requests_of
+from tests.helpers.continuous import alone, in_thread, joined, perturbed_weights, requests_of, seeded, wait_until
 
 NO_TOKEN = -1  # an eos id no token has: a row decodes to its max_new_tokens
-
-
-def in_thread(make_awaitable) -> tuple[threading.Thread, dict]:
-    """Await ``make_awaitable()`` in an event loop of its own on a new thread; its result (or error) in the dict."""
-    out: dict = {}
-
-    async def main():
-        return await make_awaitable()
-
-    def run():
-        try:
-            out["result"] = asyncio.run(main())
-        except BaseException as error:  # noqa: BLE001 - the test reads it
-            out["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, out
-
-
-def joined(thread: threading.Thread, out: dict, timeout: float = 60.0):
-    thread.join(timeout)
-    assert not thread.is_alive(), "a caller still waits"
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
-
-
-def wait_until(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
-async def seeded(engine, prompt, max_new_tokens, temperature, seed, delay=0.0):
-    """One rollout's call under its seed, after ``delay``; the sample and the versions its RolloutSampling recorded."""
-    await asyncio.sleep(delay)
-    sampling = RolloutSampling(seed, temperature)
-    with sampling_for_rollout(sampling):
-        sample = await engine.sample(prompt, max_new_tokens)
-    return sample, sampling.versions
 
 
 def test_requests_from_two_event_loops_join_one_running_batch_and_sample_what_they_sample_alone(tiny_model_dir):
@@ -89,12 +46,6 @@ def test_requests_from_two_event_loops_join_one_running_batch_and_sample_what_th
     assert counters["row_steps"] > counters["steps"]  # steps decoded several rows at once
     assert engine.health()["pending"] == 0
     engine.close()
-
-
-def perturbed_weights(engine):
-    gen = torch.Generator().manual_seed(0)
-    return [(name, param.cpu() + 0.2 * torch.randn(param.shape, generator=gen))
-            for name, param in engine.model.named_parameters()]
 
 
 def test_a_weight_load_from_another_thread_lands_between_steps_without_draining_the_rows(tiny_model_dir):

@@ -12,11 +12,9 @@ import time
 
 import pytest
 
-from tests.helpers.launches import LIVE_RUNNER as RUNNER, accelerate, launch
+from tests.helpers.launches import LIVE_RUNNER as RUNNER, MIN_REWARD_GAIN, accelerate, launch
 
 pytestmark = pytest.mark.distributed
-# The toy task: fraction of vowels in 8 sampled tokens; a random policy scores ~0.3.
-MIN_REWARD_GAIN = 0.08
 
 
 @pytest.fixture(scope="session")

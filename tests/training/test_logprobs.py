@@ -12,6 +12,8 @@ from verifiers_rl.training.prefix import ROOT, common_prefix_length
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
+from tests.helpers.logprobs import shared_prefix_rollouts, single_sequence_logprobs
+
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, 1000])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -65,14 +67,6 @@ def tiny_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def single_sequence_logprobs(model, input_ids, temperature):
-    """Reference: one sequence alone, no mask at all, full logits."""
-    with torch.no_grad():
-        logits = model(torch.tensor([input_ids])).logits[0]
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(input_ids[1:])[:, None]).squeeze(-1)
-
-
 def test_packed_and_padded_logprobs_agree_with_single_sequences(tiny_model):
     rollouts = random_rollouts(4, 3, vocab_size=390, seed=5, fully_masked_fraction=0.0, env_token_fraction=0.3)
     per_mode = {}
@@ -119,19 +113,6 @@ def test_attention_mask_ignores_loss_mask_and_pad_equal_to_eos(tiny_model, tiny_
         broken = tiny_model(torch.tensor([prompt + completion]), attention_mask=torch.tensor([[1] * len(prompt) + mask])).logits[0]
         broken = torch.log_softmax(broken.float(), -1)[:-1].gather(-1, torch.tensor(prompt + completion)[1:, None]).squeeze(-1)
         assert (broken[trained] - reference[trained]).abs().max() > 1e-4
-
-
-def shared_prefix_rollouts(system_prompt_len: int = 0):
-    """Groups whose completions share a multi-turn-like first turn (some or all of them), plus a group with a
-    duplicated sequence and a completion that is a prefix of another (an empty branch); with ``system_prompt_len``,
-    every prompt starts with the same that many tokens (a system prompt: a packed row's root)."""
-    rollouts = random_rollouts(4, 4, vocab_size=390, seed=7, fully_masked_fraction=0.1, env_token_fraction=0.3,
-                               shared_turn_fraction=1.0, shared_turn_len=(3, 6), system_prompt_len=system_prompt_len)
-    system = rollouts[0].prompt_ids[:system_prompt_len]
-    edge = [Rollout(system + [9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 1.0, "edge", [-1.0] * 4),
-            Rollout(system + [9, 10, 11], [20, 21, 22, 23], [1, 1, 0, 1], 0.0, "edge", [-2.0] * 4),
-            Rollout(system + [9, 10, 11], [20, 21], [1, 1], 0.5, "edge", [-1.0] * 2)]
-    return rollouts + edge
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ from verifiers_rl.training.batching import BatchingConfig, compute_advantages, p
 from verifiers_rl.training.loss import LOSS_TYPES, LossSettings, aggregation_weights, per_token_loss
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
+from tests.helpers.micro_batches import gather_from_micro_batch, scatter_to_micro_batch
+
 
 
 @pytest.fixture(autouse=True)
@@ -82,28 +84,6 @@ def reference_loss(sequences, logps, proximal, sampler, ref, loss_type, level, c
     if loss_type == "dr_grpo":
         return total / max(valid * horizon, 1)
     return total / max(valid, 1)
-
-
-def scatter_to_micro_batch(mb, per_sequence):
-    """Lay per-sequence tensors (indexed by batch position, token position) out as the micro-batch's [R, T]."""
-    out = torch.zeros(mb.input_ids.shape)
-    for r, t in itertools.product(range(mb.input_ids.shape[0]), range(mb.input_ids.shape[1])):
-        local = int(mb.seq_index[r, t])
-        if local >= 0:
-            out[r, t] = per_sequence[mb.batch_positions[local]][int(mb.position_ids[r, t])]
-    return out
-
-
-def gather_from_micro_batch(mb, leaf_logps):
-    """Current log-probs in micro-batch layout, built from the per-sequence leaves so gradients flow to them."""
-    rows = []
-    for r in range(mb.input_ids.shape[0]):
-        row = []
-        for t in range(mb.input_ids.shape[1]):
-            local = int(mb.seq_index[r, t])
-            row.append(leaf_logps[mb.batch_positions[local]][int(mb.position_ids[r, t])] if local >= 0 else torch.zeros(()))
-        rows.append(torch.stack(row))
-    return torch.stack(rows)
 
 
 CASES = list(

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.training.test_loss_equivalence import gather_from_micro_batch, scatter_to_micro_batch
+from tests.helpers.micro_batches import gather_from_micro_batch, scatter_to_micro_batch
 from verifiers_rl.config.grpo_fields import TRL_LOSS_TYPES
 from verifiers_rl.config.rl_config import RLConfig, _choices
 from verifiers_rl.rollouts.synthetic import random_rollouts

@@ -15,7 +15,7 @@ from verifiers_rl.envs.adapters.verifiers_v1 import V1Env
 from verifiers_rl.core.rollout import read_rollouts
 
 from .conftest import recorded_group
-from .test_v1_training import run
+from .launching import run
 
 GUESS = Path(__file__).parent / "envs" / "guess_v1.py"
 WEIGHTS = {"solved": 1.0, "closeness": 0.5, "answered": 0.25}

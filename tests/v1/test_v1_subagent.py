@@ -13,7 +13,7 @@ from verifiers_rl.envs.environment import RolloutRefused
 from verifiers_rl.rollouts.generator import ReplaySource
 
 from .conftest import recorded_group
-from .test_v1_training import run
+from .launching import run
 
 RELAY = Path(__file__).parent / "envs" / "relay_v1.py"
 WEIGHTS = {"solved": 1.0, "brief": 0.5}

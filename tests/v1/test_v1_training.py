@@ -3,8 +3,6 @@ tiny model and with SmolLM2 (no other flags), a live run at the default k = 1 re
 parameters), a replay of its saved rollouts, and `verifiers-rl eval` with pass@k."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,23 +13,12 @@ from transformers import AutoTokenizer
 from verifiers_rl.rollouts.evaluation import pass_at_k
 from verifiers_rl.core.rollout import read_rollouts
 
-from tests.helpers.launches import ROOT, launch_env
+from .launching import run
 
 ENVS = Path(__file__).parent / "envs"
 TEMPLATE = str(ENVS / "reverse_v1.py")
 GRADED = str(ENVS / "graded_v1.py")
 
-
-
-def run(args: list[str], cwd: Path, cache: Path | None = None, module: str | None = None):
-    env = launch_env()
-    if cache is not None:
-        env["VERIFIERS_RL_CACHE"] = str(cache)
-    program = ["-m", module] if module else [str(ROOT / "examples" / "train.py")]
-    result = subprocess.run([sys.executable, *program, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    return result.stdout.splitlines()
 
 
 def steps_and_samples(lines: list[str]) -> tuple[list[str], list[str]]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.vllm_backend.launching import ROOT, RUNNER, assert_tokens_versioned, hf_prompt_logprobs, launch_env
-from tests.envs.test_verifiers_env import model_turns, rubric_reward
+from tests.envs.verifiers_checks import model_turns, rubric_reward
 from verifiers_rl.core.rollout import read_rollouts
 
 ENV_ARGS = {"kind": "multi", "max_turns": 2, "max_seq_len": 128, "sampling_args": {"max_tokens": 8}}
