@@ -176,12 +176,12 @@ class ContinuousGenerator(GeneratorThread):
                         f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    due = sum(flight.deadline <= index for flight in self._in_flight.values())
                     raise GenerationTimeout(
                         f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({len(self._finished)} of "
-                        f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight, "
-                        f"{sum(g.deadline <= index for g in self._in_flight.values())} of them due by this batch; "
-                        f"engine policy version {self.engine.policy_version}); the engine or an environment is "
-                        f"stuck.")
+                        f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight, {due} of them "
+                        f"due by this batch; engine policy version {self.engine.policy_version}); the engine or an "
+                        f"environment is stuck.")
                 self._condition.wait(timeout=min(remaining, 1.0))
             chosen = {id(group) for group in taken}
             self._finished = [group for group in self._finished if id(group) not in chosen]
@@ -212,7 +212,7 @@ class ContinuousGenerator(GeneratorThread):
         if len(self._finished) < size:
             return None
         taken = sorted(self._finished, key=lambda group: group.deadline)[:size]  # a stable sort: finish order
-        running = [group.deadline for group in self._in_flight.values()]
+        running = [flight.deadline for flight in self._in_flight.values()]
         due = [group.deadline for group in self._finished] + running
         for b in range(index, max(due)):
             later = sum(group.deadline > b for group in taken)
@@ -270,7 +270,7 @@ class ContinuousGenerator(GeneratorThread):
         curriculum, and the positions: the next to draw and those in flight with their retry counts."""
         with self._condition:
             pending = {self._handed: [r for group in self._finished for r in group.rollouts]} if self._finished else {}
-            in_flight = sorted([*((p, group.retry) for p, group in self._in_flight.items()), *self._redo])
+            in_flight = sorted([*((p, flight.retry) for p, flight in self._in_flight.items()), *self._redo])
             return pending, None, {"next_position": self._next_position, "in_flight": [list(p) for p in in_flight]}
 
     def pending(self) -> dict[int, list[Rollout]]:
