@@ -11,6 +11,8 @@ import torch
 
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout
 
+from tests.helpers.engines import sample_seeded
+
 # Very different lengths (a long tail), a group of four samples of one prompt, more requests than rows; the last
 # prompt is longer than any running row's context when it joins.
 LENGTHS = [3, 32, 4, 20, 2, 12, 6, 26]
@@ -27,11 +29,7 @@ def requests_of(seed_base: int):
 
 def alone(engine, prompt, max_new_tokens, temperature, seed):
     """The request decoded by itself through ``sample`` (the engine's batch-at-a-time path) under its rollout seed."""
-    async def one():
-        with sampling_for_rollout(RolloutSampling(seed, temperature)):
-            return await engine.sample(prompt, max_new_tokens)
-
-    return asyncio.run(one())
+    return sample_seeded(engine, [prompt], [seed], max_new_tokens, temperature)[0]
 
 
 def in_thread(make_awaitable) -> tuple[threading.Thread, dict]:
