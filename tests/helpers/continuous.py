@@ -58,11 +58,12 @@ def joined(thread: threading.Thread, out: dict, timeout: float = 60.0):
     return out["result"]
 
 
-def wait_until(condition, timeout: float = 30.0) -> None:
+def wait_until(condition, timeout: float = 30.0, poll: float = 0.001) -> None:
+    """Return once ``condition()`` holds, polling every ``poll`` s; fail the test after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
+        time.sleep(poll)
 
 
 async def seeded(engine, prompt, max_new_tokens, temperature, seed, delay=0.0):

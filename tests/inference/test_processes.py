@@ -19,14 +19,9 @@ import psutil
 
 from verifiers_rl.inference.vllm.processes import run_preemptible
 
+from tests.helpers.continuous import wait_until
+
 CMD = [sys.executable, str(Path(__file__).parent / "preemptible_cmd.py")]
-
-
-def wait_until(condition, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def signals_seen(out: Path) -> int:
@@ -38,9 +33,9 @@ def send_to_self(out: Path, plan: list[tuple[int, int]]) -> threading.Thread:
     """For each (signal, n): once the command is ready and has seen n signals, send ``signal`` to this process."""
 
     def run():
-        wait_until(lambda: (out / "ready.json").exists())
+        wait_until(lambda: (out / "ready.json").exists(), timeout=60, poll=0.05)
         for sig, seen in plan:
-            wait_until(lambda: signals_seen(out) >= seen)
+            wait_until(lambda: signals_seen(out) >= seen, timeout=60, poll=0.05)
             os.kill(os.getpid(), sig)
 
     thread = threading.Thread(target=run, daemon=True)
