@@ -88,6 +88,8 @@ def test_vllm_fields_are_validated():
         vllm_config(vllm_max_retries=-1)
     with pytest.raises(ValueError, match="vllm_reconnect_timeout_s must be >= 0"):
         vllm_config(vllm_reconnect_timeout_s=-1)
+    with pytest.raises(ValueError, match="vllm_server_timeout must be >= 0"):
+        vllm_config(vllm_server_timeout=-1)
     # The wait for a restarted server happens inside a batch's generation, which generation_timeout_s bounds.
     url = "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match=r"vllm_reconnect_timeout_s \(300 s\) must be below generation_timeout_s"):

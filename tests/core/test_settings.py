@@ -30,6 +30,7 @@ KNOBS = dict(
     temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1, max_completion_length=99,
     # VLLMSettings
     vllm_max_concurrency=7, vllm_request_timeout_s=77.0, vllm_max_retries=5, vllm_reconnect_timeout_s=30.0,
+    vllm_server_timeout=45.0,
     vllm_weights_dir="/tmp/weights", vllm_weight_transfer="gloo", vllm_weight_transfer_address="10.0.0.1",
     weight_sync_bucket_mb=64.0, chat_template_kwargs={"enable_thinking": False},
     # EvalSettings

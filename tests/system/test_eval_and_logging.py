@@ -12,6 +12,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -171,6 +172,22 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
+
+
+def test_eval_waits_vllm_server_timeout_for_a_server_then_names_the_url(tiny_model_dir, caplog, capsys):
+    from verifiers_rl.inference.vllm.http import VLLMUnavailableError
+    from verifiers_rl.core.engine import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    with caplog.at_level("WARNING"), pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {url}"):
+        eval_cli.main(["--model", tiny_model_dir, "--vllm_server_url", url, "--vllm_server_timeout", "2"])
+    waited = time.monotonic() - started
+    assert f"Waiting up to 2 s for a vLLM server at {url}" in caplog.text
+    assert 2 <= waited < 60  # it polled for the 2 s asked, not the 240 s default
+    with pytest.raises(SystemExit):
+        eval_cli.parse_args(["--vllm_server_url", url, "--vllm_server_timeout", "-1"])
+    assert "error: --vllm_server_timeout must be >= 0, got -1." in capsys.readouterr().err
 
 
 def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_ours(tmp_path):

@@ -127,17 +127,20 @@ def test_ddp_run_stops_on_every_rank_when_the_server_dies(doomed, tmp_path):
 
 
 def test_ddp_run_without_a_server_stops_quickly(vllm_servers, tmp_path):
-    # No server at the address: the main process's engine check fails (after its 30 s grace for a server still
-    # starting), and the launcher stops the other rank, which waits on the main process.
+    # No server at the address: the main process's engine check fails after --vllm_server_timeout (its wait for a
+    # server still starting; TRL's default 240 s would outlast DDP_DEADLINE_S), and the launcher stops the other
+    # rank, which waits on the main process.
     url = f"http://127.0.0.1:{free_port()}"
     started = time.monotonic()
     try:
         # Only the model folder is used.
-        result = subprocess.run(ddp_command(vllm_servers["tied"].model_dir, url, tmp_path, 2), cwd=ROOT,
-                                env=launch_env(), capture_output=True, text=True, timeout=DDP_DEADLINE_S)
+        command = ddp_command(vllm_servers["tied"].model_dir, url, tmp_path, 2, extra=("--vllm_server_timeout", "5"))
+        result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True,
+                                timeout=DDP_DEADLINE_S)
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"the run did not stop within {DDP_DEADLINE_S} s:\n{(error.stdout or b'')[-6000:]!r}")
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-6000:]
+    assert f"Waiting up to 5 s for a vLLM server at {url}" in output, output[-6000:]
     assert f"No vLLM server at {url}" in output and "verifiers-rl vllm-serve" in output
     print(f"the DDP run without a server stopped after {time.monotonic() - started:.1f} s")

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from verifiers_rl.core.engine import SamplingConfig
-from verifiers_rl.inference.vllm.http import check_server_url
+from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
 
@@ -93,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max_batch_size", type=int, default=64, help="Most rollouts per generate call (embedded engine).")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--vllm_server_url", default=None, help="Generate through this vLLM server (serving --model).")
+    parser.add_argument("--vllm_server_timeout", type=float, default=SERVER_WAIT_S,
+                        help="Seconds to wait for a --vllm_server_url server that is still starting (as training's).")
     args = parser.parse_args(argv)
     try:
         args.env_kwargs = json.loads(args.env_args)
@@ -106,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1, got {value}.")
     if args.temperature < 0 or args.holdout < 0:
         parser.error("--temperature and --holdout must be >= 0.")
+    if args.vllm_server_timeout < 0:
+        parser.error(f"--vllm_server_timeout must be >= 0, got {args.vllm_server_timeout:g}.")
     try:  # the engine's settings, as training builds them (inference.factory.build_engine)
         args.sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
                                        repetition_penalty=args.repetition_penalty)
@@ -191,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
-                         vllm={"chat_template_kwargs": args.chat_template_kwargs},
+                         vllm={"chat_template_kwargs": args.chat_template_kwargs, "wait_s": args.vllm_server_timeout},
                          max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
     progress = RolloutProgress(len(rows) * settings.samples_per_prompt)
     try:

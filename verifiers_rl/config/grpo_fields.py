@@ -87,7 +87,8 @@ GRPO_FIELDS: dict[str, Field] = {
     "vllm_server_base_url": _TRL_VLLM,
     "vllm_server_host": _TRL_VLLM,
     "vllm_server_port": _TRL_VLLM,
-    "vllm_server_timeout": _TRL_VLLM,
+    "vllm_server_timeout": _acts("with --vllm_server_url: how long the run's first check waits for a server that is "
+                                 "still starting (polling its /health, saying so) before it stops naming the URL"),
     "vllm_group_port": _TRL_VLLM,
     "vllm_gpu_memory_utilization": _TRL_VLLM,
     "vllm_max_model_length": _TRL_VLLM,

@@ -32,7 +32,7 @@ from verifiers_rl.core.choices import (
 )
 from verifiers_rl.core.curriculum import EASY_RANGE, HARD_RANGE, CurriculumSettings
 from verifiers_rl.core.launch import launched_world_size
-from verifiers_rl.inference.vllm.http import check_server_url
+from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
 
 
@@ -258,6 +258,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "server that stops answering is left out until it answers again at the same address (it then gets the "
             "current weights); with all of them down the run waits vllm_reconnect_timeout_s."
         },
+    )
+    vllm_server_timeout: Annotated[float, NON_NEGATIVE] = field(
+        default=SERVER_WAIT_S,
+        metadata={"help": "Seconds the run's first check waits for a --vllm_server_url server that is still starting "
+                          "(polling its /health, saying so) before it stops naming the URL (TRL's field and default)."},
     )
     vllm_max_concurrency: Annotated[int, AT_LEAST_ONE] = field(
         default=64, metadata={"help": "Most requests in flight to the vLLM server (it batches them)."}

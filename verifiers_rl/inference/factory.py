@@ -12,7 +12,7 @@ import torch
 
 from verifiers_rl.core.engine import SamplingConfig
 from verifiers_rl.core.settings import keywords, settings_from
-from verifiers_rl.inference.vllm.http import server_urls
+from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, server_urls
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +21,11 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
                 vllm: dict[str, Any] | None = None, require_weight_sync: bool = True,
                 generate_in_loop_thread: bool = False, max_batch_size: int = 64, dtype: torch.dtype = torch.float32,
                 continuous_rows: int = 0):
-    """A ``VLLMEngine`` client of ``vllm_server_url`` (a ``MultiServerEngine`` when it names several; checked now: it must answer and serve ``model``; a server still
-    starting gets 30 s; ``vllm``: its other arguments), or the embedded HF engine on its own copy of ``model``'s
-    weights, on the GPU when there is one (``generate`` follows the embedding's device), serving continuously with
-    ``continuous_rows`` (``EmbeddedEngine``; a server batches continuously itself and refuses it)."""
+    """A ``VLLMEngine`` client of ``vllm_server_url`` (a ``MultiServerEngine`` when it names several; checked now: it
+    must answer and serve ``model``; a server still starting gets ``vllm``'s ``wait_s``, else ``SERVER_WAIT_S``;
+    ``vllm``: its other arguments), or the embedded HF engine on its own copy of ``model``'s weights, on the GPU
+    when there is one (``generate`` follows the embedding's device), serving continuously with ``continuous_rows``
+    (``EmbeddedEngine``; a server batches continuously itself and refuses it)."""
     urls = server_urls(vllm_server_url)
     if urls and continuous_rows:
         raise ValueError(f"continuous_rows={continuous_rows} (--continuous_batching_rows) sets the embedded engine's "
@@ -33,12 +34,12 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
         from verifiers_rl.inference.vllm.pool import MultiServerEngine
 
         return MultiServerEngine(urls, model=model, sampling=sampling, require_weight_sync=require_weight_sync,
-                                 wait_s=30.0, **(vllm or {}))
+                                 **{"wait_s": SERVER_WAIT_S, **(vllm or {})})
     if vllm_server_url:
         from verifiers_rl.inference.vllm.engine import VLLMEngine
 
         return VLLMEngine(urls[0], model=model, sampling=sampling, require_weight_sync=require_weight_sync,
-                          wait_s=30.0, **(vllm or {}))
+                          **{"wait_s": SERVER_WAIT_S, **(vllm or {})})
     from verifiers_rl.inference.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=max_batch_size, dtype=dtype,
@@ -71,6 +72,7 @@ class VLLMSettings:
     weight_transfer: str = field(default="files", metadata={"from": "vllm_weight_transfer"})
     weight_transfer_address: str | None = field(default=None, metadata={"from": "vllm_weight_transfer_address"})
     weight_transfer_bucket_mb: float = field(default=256.0, metadata={"from": "weight_sync_bucket_mb"})
+    wait_s: float = field(default=SERVER_WAIT_S, metadata={"from": "vllm_server_timeout"})
     chat_template_kwargs: dict | None = None  # what its chat() asks the server's template for
     token_versions: bool = False  # continuous generation (--groups_in_flight): each token's version, exactly
 

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 # check() and health() bound their own requests: they ask "are you there", not "generate".
 CHECK_TIMEOUT_S = 10.0
 START_HINT = "start one with: verifiers-rl vllm-serve --model MODEL --port PORT"
+# How long a run's first check waits for a server still starting (a CPU build takes 1-2 min): TRL's
+# vllm_server_timeout default; --vllm_server_timeout sets it.
+SERVER_WAIT_S = 240.0
 # Failures worth another attempt: the server is (re)starting or went away mid-request.
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
