@@ -190,6 +190,9 @@ def test_sigterm_checkpoints_stops_and_the_resumed_run_equals_the_uninterrupted_
     # synced, as the schedule says) before the checkpoint was written: which of the two is timing.
     saved = load_run_state(out / checkpoints[0])
     assert saved.pending_batches in ([saved.next_batch], [saved.next_batch, saved.next_batch + 1]), saved
+    # Their generation counts are kept with them, to be logged when they are trained.
+    assert sorted(saved.pending_stats) == sorted(map(str, saved.pending_batches)), saved
+    assert all(stats["rollouts_failed"] == 0 for stats in saved.pending_stats.values()), saved
 
     log = run(prefix, out, args + ["--save_rollouts_path", str(rollouts), "--resume_from_checkpoint", "latest"],
               tmp_path / "resumed.log")

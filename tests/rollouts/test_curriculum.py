@@ -17,6 +17,7 @@ from verifiers_rl.envs import Rubric, Sample, SingleTurnEnv, load_environment
 from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries
 from verifiers_rl.rollouts.curriculum import Curriculum, build_curriculum
 from verifiers_rl.rollouts.generator import AsyncGenerator
+from verifiers_rl.training.run_state import RunState, load_run_state, pending_stats, save_run_state
 
 EASY_HARD = CurriculumSettings(window=2, easy_above=0.75, hard_below=0.25, set_aside_epochs=1)
 
@@ -210,7 +211,7 @@ def test_the_state_round_trips_through_json(tokenizer):
 
 @pytest.mark.parametrize("k, filter_groups", [(0, False), (1, True)])
 def test_the_generator_sets_rows_aside_logs_it_and_a_snapshot_resumes_to_the_same_batches(tokenizer, k,
-                                                                                        filter_groups):
+                                                                                        filter_groups, tmp_path):
     # Rows 0-1 always pass (easy), 2-3 never (hard), 4-9 half the time (with filter_groups rows 0-3 have no signal:
     # refills come from the rows not set aside, and their groups are recorded too).
     env = scripted_env(tokenizer, [1.0, 1.0, 0.0, 0.0] + [None] * 6)
@@ -238,7 +239,7 @@ def test_the_generator_sets_rows_aside_logs_it_and_a_snapshot_resumes_to_the_sam
             gen.close()
         return batches, saved
 
-    batches, (pending, state) = take(generator(), range(6), checkpoint_after=2)
+    batches, (pending, state, counts_saved) = take(generator(), range(6), checkpoint_after=2)
     seen = [row for batch in batches for row in rows_of(batch)]
     counts = [(b.stats["curriculum/set_aside_easy"], b.stats["curriculum/set_aside_hard"]) for b in batches]
     firsts = [f"Say something ({i})." for i in range(4)]
@@ -252,8 +253,12 @@ def test_the_generator_sets_rows_aside_logs_it_and_a_snapshot_resumes_to_the_sam
     assert len(pending) == k and state["cursors"] != [0]
     resumed = generator()
     resumed.engine.policy_version = 3
-    resumed.restore(3, pending, json.loads(json.dumps(state)))
+    saved = RunState(0, 3, 0, 1, 8, 1, 0, {}, {})  # the counts through the checkpoint's state file, as JSON
+    save_run_state(tmp_path, saved, pending, state, counts_saved)
+    counts_read = pending_stats(load_run_state(tmp_path))
+    assert sorted(counts_read) == sorted(pending) == list(range(3, 3 + k))
+    resumed.restore(3, pending, json.loads(json.dumps(state)), stats=counts_read)
     again, _ = take(resumed, range(3, 6))
     assert [rows_of(b) for b in again] == [rows_of(b) for b in batches[3:]]
-    # A pending batch comes back without its generation counts (a checkpoint keeps only its rollouts).
-    assert [b.stats for b in again[k:]] == [b.stats for b in batches[3 + k:]]
+    # Every batch logs the counts the uninterrupted run logged, the pending ones' read back from the checkpoint.
+    assert [b.stats for b in again] == [b.stats for b in batches[3:]]

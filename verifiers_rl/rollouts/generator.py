@@ -352,15 +352,19 @@ class AsyncGenerator(GeneratorThread):
         with self._condition:
             return {index: list(rollouts) for index, rollouts in sorted(self._ready.items())}
 
-    def snapshot(self) -> tuple[dict[int, list[Rollout]], dict | None]:
-        """``pending()`` and the curriculum's state after those batches (None without one), taken together."""
+    def snapshot(self) -> tuple[dict[int, list[Rollout]], dict | None, dict[int, dict[str, float]]]:
+        """``pending()``, the curriculum's state after those batches (None without one) and their generation counts
+        (``Batch.stats``, by index), taken together."""
         with self._condition:
-            return self.pending(), None if self.curriculum is None else self.curriculum.to_json()
+            pending = self.pending()
+            curriculum = None if self.curriculum is None else self.curriculum.to_json()
+            return pending, curriculum, {index: dict(self._stats.get(index, {})) for index in pending}
 
     def restore(self, next_batch: int, pending: dict[int, list[Rollout]], curriculum: dict | None = None,
-                where: str = "the checkpoint") -> None:
+                where: str = "the checkpoint", stats: dict[int, dict[str, float]] | None = None) -> None:
         """Continue a run whose next batch to train is ``next_batch`` with the ``pending`` batches it had generated
-        ahead and its ``curriculum`` state after them (before ``start``)."""
+        ahead, their generation counts (``stats``, logged as they are trained) and its ``curriculum`` state after
+        them (before ``start``)."""
         if curriculum is not None:
             self.curriculum.load_json(curriculum, where)
         if self._thread is not None:
@@ -369,6 +373,7 @@ class AsyncGenerator(GeneratorThread):
         if sorted(pending) != expected:
             raise ValueError(f"Pending batches {sorted(pending)} do not follow batch {next_batch} without gaps.")
         self._ready = dict(pending)
+        self._stats.update({index: dict(counts) for index, counts in (stats or {}).items() if index in pending})
         self._next_index = next_batch + len(pending)
 
     # --- the generator thread -----------------------------------------------------------------------------------

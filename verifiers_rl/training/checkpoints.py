@@ -25,6 +25,7 @@ from verifiers_rl.training.run_state import (
     check_fits,
     load_curriculum,
     load_pending,
+    pending_stats,
     load_rank_batch,
     load_run_state,
     model_signature,
@@ -112,14 +113,17 @@ class RunCheckpoints:
                                       "--sync_ref_model, whose reference model stays the initial one. Resume it "
                                       "without --sync_ref_model, or start a new run.")
             if self.generator is not None:
-                positions = {} if saved.generator is None else {"positions": saved.generator}
-                if positions and not isinstance(self.generator, ContinuousGenerator):
+                continuous = isinstance(self.generator, ContinuousGenerator)
+                if saved.generator is not None and not continuous:
                     raise CheckpointError(
                         f"{path} was written under continuous generation (--groups_in_flight "
                         f"{saved.generator.get('groups_in_flight', 'N')}): it keeps finished groups and the prompts "
                         "in flight, not whole batches. Resume it with --groups_in_flight N (N >= 1).")
+                # Continuous generation forms its batches anew from the pending groups; batch at a time takes each
+                # pending batch back with its generation counts, logged when it is trained.
+                extra = {"positions": saved.generator} if continuous else {"stats": pending_stats(saved)}
                 self.generator.restore(saved.next_batch, load_pending(path, saved), self._curriculum_of(path),
-                                       str(path), **positions)
+                                       str(path), **extra)
             self._truncate_saved_rollouts(saved)
             return str(path), saved
 
@@ -252,10 +256,10 @@ class RunCheckpoints:
             target = self.args.save_rollouts_path
             if target and os.path.exists(target):
                 state.save_rollouts = {"path": os.path.abspath(target), "bytes": os.path.getsize(target)}
-            pending, curriculum = {}, None
+            pending, curriculum, stats = {}, None, None
             if isinstance(self.generator, ContinuousGenerator):  # continuous: the positions in flight, taken together
                 pending, curriculum, state.generator = self.generator.checkpoint_state()
                 state.generator["groups_in_flight"] = self.args.groups_in_flight
             elif self.generator is not None:
-                pending, curriculum = self.generator.snapshot()
-            save_run_state(folder, state, pending, curriculum)
+                pending, curriculum, stats = self.generator.snapshot()
+            save_run_state(folder, state, pending, curriculum, stats)

@@ -67,6 +67,9 @@ class RunState:
     model: dict[str, Any]  # the architecture config (``model_signature``)
     source: dict[str, Any]  # {"kind": "replay", "path", "sha256"} or {"kind": "live", "environment", "rows_sha256", ...}
     pending_batches: list[int] = field(default_factory=list)
+    # Batch at a time: each pending batch's generation counts (``Batch.stats``: groups kept and dropped, refills,
+    # curriculum), logged when it is trained, by batch index (a JSON key).
+    pending_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     save_rollouts: dict[str, Any] | None = None  # {"path", "bytes"}: the rollouts file's length at the checkpoint
     # Continuous generation (--groups_in_flight): {"next_position", "in_flight": [[position, retry], ...]}; its
     # pending groups are one pending batch. None: batch at a time.
@@ -239,9 +242,9 @@ def verify_manifest(folder: Path) -> str | None:
 
 
 def save_run_state(folder: Path, state: RunState, pending: dict[int, list[Rollout]],
-                   curriculum: dict | None = None) -> None:
-    """Write ``state``, the pending batches and the ``curriculum``'s state (when there is one) into ``folder`` (main
-    process)."""
+                   curriculum: dict | None = None, stats: dict[int, dict[str, float]] | None = None) -> None:
+    """Write ``state``, the pending batches, their generation counts (``stats``, by batch) and the ``curriculum``'s
+    state (when there is one) into ``folder`` (main process)."""
     if curriculum is not None:
         (folder / CURRICULUM_FILE).write_text(json.dumps(curriculum, sort_keys=True))
     if pending:
@@ -249,6 +252,7 @@ def save_run_state(folder: Path, state: RunState, pending: dict[int, list[Rollou
         for index, rollouts in pending.items():
             write_rollouts(folder / PENDING_DIR / f"batch-{index}.jsonl", rollouts)
     state.pending_batches = sorted(pending)
+    state.pending_stats = {str(index): dict(stats[index]) for index in sorted(pending) if stats and index in stats}
     (folder / STATE_FILE).write_text(json.dumps(dataclasses.asdict(state), indent=1, sort_keys=True))
 
 
@@ -267,6 +271,11 @@ def load_curriculum(folder: Path) -> dict | None:
 
 def load_pending(folder: Path, state: RunState) -> dict[int, list[Rollout]]:
     return {index: read_rollouts(folder / PENDING_DIR / f"batch-{index}.jsonl") for index in state.pending_batches}
+
+
+def pending_stats(state: RunState) -> dict[int, dict[str, float]]:
+    """The pending batches' generation counts, by batch index (none in a checkpoint written before they were kept)."""
+    return {int(index): dict(stats) for index, stats in state.pending_stats.items()}
 
 
 def check_fits(saved: RunState, current: RunState, folder: Path) -> None:
