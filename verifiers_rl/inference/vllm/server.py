@@ -367,16 +367,21 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve a model with vLLM for verifiers_rl (generation + weight sync); Ctrl-C stops it.",
     )
     parser.add_argument("--model", required=True, help="local folder (or hub id) of the model")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--port", type=int, default=8000, help="the (first) server's port (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: %(default)s; 0.0.0.0 for trainers on other machines, which "
+                        f"needs ${API_KEY_ENV})")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     parser.add_argument("--venv", default=None, help=f"the vLLM venv (default ${VENV_ENV_VAR} or <repo>/.venv-vllm)")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="longest prompt + completion a request may hold, at least the run's --max_seq_len "
+                        "(default: %(default)s)")
+    parser.add_argument("--dtype", default="float32", help="vLLM's weight and activation dtype (default: %(default)s)")
     parser.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile / CUDA graphs")
-    parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, whole GiB")
-    parser.add_argument("--max-logprobs", type=int, default=5)
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, whole GiB (default: %(default)s)")
+    parser.add_argument("--max-logprobs", type=int, default=5, help="most log-probs per token a request may ask for (default: %(default)s)")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0,
+                        help="how long to wait for the server's /health before giving up (default: %(default)s)")
     parser.add_argument("--log", default="-", help="file for the server's output (default: this terminal)")
     parser.add_argument("--weight-transfer", choices=TRANSFERS, default="files",
                         help="how the trainer sends weights: files (snapshots on a shared filesystem), nccl (GPUs), "
@@ -392,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
                         "stops; a second signal stops both at once")
     parser.add_argument("--stop-grace-s", type=float, default=1800.0,
                         help="with --then: how long the command may take to exit after a SIGTERM/SIGINT (to finish "
-                        "its step and write a checkpoint) before it is killed")
+                        "its step and write a checkpoint) before it is killed (default: %(default)s s)")
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--then" in argv:
