@@ -174,7 +174,7 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     assert last.startswith(f"error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
 
 
-def test_eval_waits_vllm_server_timeout_for_a_server_then_names_the_url(tiny_model_dir, caplog, capsys):
+def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine_flags_beside_one(tiny_model_dir, caplog, capsys):
     from verifiers_rl.inference.vllm.http import VLLMUnavailableError
     from verifiers_rl.core.engine import free_port
 
@@ -188,6 +188,11 @@ def test_eval_waits_vllm_server_timeout_for_a_server_then_names_the_url(tiny_mod
     with pytest.raises(SystemExit):
         eval_cli.parse_args(["--vllm_server_url", url, "--vllm_server_timeout", "-1"])
     assert "error: --vllm_server_timeout must be >= 0, got -1." in capsys.readouterr().err
+    # The embedded engine's settings are refused beside a server, not ignored.
+    with pytest.raises(SystemExit):
+        eval_cli.parse_args(["--vllm_server_url", url, "--dtype", "bfloat16", "--max_batch_size", "8"])
+    assert ("error: --dtype bfloat16, --max_batch_size 8 sets the embedded engine, which --vllm_server_url replaces"
+            in capsys.readouterr().err)
 
 
 def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_ours(tmp_path):

@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42, help="Seeds the samples (and --holdout); 42 is the trainer's default.")
     parser.add_argument("--output", default=None, help="Write one JSON line per rollout here.")
     parser.add_argument("--max_batch_size", type=int, default=64, help="Most rollouts per generate call (embedded engine).")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="The embedded engine's precision (a vLLM server has its own: vllm-serve --dtype).")
     parser.add_argument("--vllm_server_url", default=None, help="Generate through this vLLM server (serving --model).")
     parser.add_argument("--vllm_server_timeout", type=float, default=SERVER_WAIT_S,
                         help="Seconds to wait for a --vllm_server_url server that is still starting (as training's).")
@@ -119,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         check_server_url(args.vllm_server_url, "--vllm_server_url")
     except ValueError as error:
         parser.error(str(error))
+    embedded_only = [f"--{name} {getattr(args, name)}" for name in ("dtype", "max_batch_size")
+                     if getattr(args, name) != parser.get_default(name)]
+    if args.vllm_server_url and embedded_only:
+        parser.error(f"{', '.join(embedded_only)} sets the embedded engine, which --vllm_server_url replaces (the "
+                     "server has its own: verifiers-rl vllm-serve --dtype; it batches requests itself).")
     return args
 
 
