@@ -174,7 +174,8 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     assert last.startswith(f"error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
 
 
-def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine_flags_beside_one(tiny_model_dir, caplog, capsys):
+def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine_flags_beside_one(
+        tiny_model_dir, caplog, capsys):
     from verifiers_rl.inference.vllm.http import VLLMUnavailableError
     from verifiers_rl.core.engine import free_port
 
