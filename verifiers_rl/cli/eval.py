@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
-                         vllm={"chat_template_kwargs": args.chat_template_kwargs, "wait_s": args.vllm_server_timeout},
+                         vllm={"chat_template_kwargs": args.chat_template_kwargs,
+                               "wait_s": args.vllm_server_timeout},
                          max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
     progress = RolloutProgress(len(rows) * settings.samples_per_prompt)
     try:

@@ -276,9 +276,6 @@ class ContinuousGenerator(GeneratorThread):
     def pending(self) -> dict[int, list[Rollout]]:
         return self.checkpoint_state()[0]
 
-    def snapshot(self) -> tuple[dict[int, list[Rollout]], None]:
-        return self.checkpoint_state()[:2]
-
     def restore(self, next_batch: int, pending: dict[int, list[Rollout]], curriculum: dict | None = None,
                 where: str = "the checkpoint", positions: dict | None = None) -> None:
         """Continue a run whose next batch is ``next_batch``: the ``pending`` groups wait for their batches, and the

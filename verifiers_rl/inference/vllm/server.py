@@ -369,8 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="local folder (or hub id) of the model")
     parser.add_argument("--port", type=int, default=8000, help="the (first) server's port (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: %(default)s; 0.0.0.0 for trainers on other machines, which "
-                        f"needs ${API_KEY_ENV})")
+                        help="address to listen on (default: %(default)s; 0.0.0.0 for trainers on other machines, "
+                        f"which needs ${API_KEY_ENV})")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
     parser.add_argument("--venv", default=None, help=f"the vLLM venv (default ${VENV_ENV_VAR} or <repo>/.venv-vllm)")
     parser.add_argument("--max-model-len", type=int, default=2048,
@@ -378,8 +378,10 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="vLLM's weight and activation dtype (default: %(default)s)")
     parser.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile / CUDA graphs")
-    parser.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache size on CPU, whole GiB (default: %(default)s)")
-    parser.add_argument("--max-logprobs", type=int, default=5, help="most log-probs per token a request may ask for (default: %(default)s)")
+    parser.add_argument("--kv-cache-gib", type=int, default=1,
+                        help="KV cache size on CPU, whole GiB (default: %(default)s)")
+    parser.add_argument("--max-logprobs", type=int, default=5,
+                        help="most log-probs per token a request may ask for (default: %(default)s)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0,
                         help="how long to wait for the server's /health before giving up (default: %(default)s)")
     parser.add_argument("--log", default="-", help="file for the server's output (default: this terminal)")
