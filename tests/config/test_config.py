@@ -99,6 +99,23 @@ def test_vllm_fields_are_validated():
         vllm_config(vllm_weight_transfer="tcp")
 
 
+@pytest.mark.parametrize("knob, value, enabler, enabled", [
+    ("vllm_server_timeout", 5.0, "--vllm_server_url", {"vllm_server_url": "http://127.0.0.1:8000"}),
+    ("vllm_max_concurrency", 8, "--vllm_server_url", {"vllm_server_url": "http://127.0.0.1:8000"}),
+    ("vllm_weight_transfer", "gloo", "--vllm_server_url", {"vllm_server_url": "http://127.0.0.1:8000"}),
+    ("max_refill_batches", 5, "--filter_groups zero_variance", {"filter_groups": "zero_variance"}),
+    ("weight_sync_probe_every", 2, "the weight-sync probe", {}),
+    ("weight_sync_probe_tolerance", 0.1, "the weight-sync probe", {}),
+    ("eval_num_examples", 5, "evaluation", {"eval_steps": 2}),
+    ("eval_temperature", 0.5, "evaluation", {"eval_strategy": "steps", "eval_steps": 2}),
+])
+def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, value, enabler, enabled):
+    off = {"weight_sync_probe_tokens": 0} if knob.startswith("weight_sync_probe") else {}
+    with pytest.raises(ValueError, match=rf"^--{knob} {value} acts only with {enabler}.*it would change nothing"):
+        vllm_config(**{knob: value}, **off)
+    assert getattr(vllm_config(**{knob: value}, **enabled), knob) == value  # with it, the knob is taken
+
+
 def test_bf16_stays_off_with_use_cpu_where_a_gpu_is(monkeypatch):
     # A GPU machine's use_cpu run (the CPU reference of tests/gpu) must train in fp32 like any CPU run.
     import torch

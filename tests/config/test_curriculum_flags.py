@@ -62,3 +62,13 @@ def test_a_checkpoint_without_the_curriculums_state_is_refused(tmp_path, caplog)
     with caplog.at_level(logging.WARNING):
         assert checkpoints._curriculum_of(tmp_path / "with") is None
     assert "holds a curriculum's state; this run has none" in caplog.text
+
+
+def test_tuning_a_curriculum_without_a_threshold_is_refused_by_name():
+    from verifiers_rl.rollouts.curriculum import build_curriculum
+
+    env = SimpleNamespace(name="toy")  # one environment (no entries), its rows its own
+    with pytest.raises(ValueError, match=r"^--curriculum_window 3, --curriculum_set_aside_epochs 2 tunes the "
+                       r"curriculum, which acts only with --curriculum_easy_above or --curriculum_hard_below"):
+        build_curriculum(config(curriculum_window=3, curriculum_set_aside_epochs=2), env, [])
+    assert build_curriculum(config(), env, []) is None  # nothing asked: no curriculum, no error

@@ -44,8 +44,9 @@ RUN_GIVEN = {"world_size", "reward_functions", "pad_token_id", "attention_cost",
 
 
 def config() -> RLConfig:
+    # eval_steps: the eval_* knobs act only with evaluation (RLConfig refuses them without it).
     return RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=8,
-                    vllm_server_url="http://127.0.0.1:8000", **KNOBS)
+                    vllm_server_url="http://127.0.0.1:8000", eval_steps=1, **KNOBS)
 
 
 def test_every_settings_field_carries_its_config_fields_value(tiny_model_dir):

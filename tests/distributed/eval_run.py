@@ -30,7 +30,7 @@ def run(model: str, rollouts: str | None, out: Path, evaluating: bool) -> None:
         output_dir=str(out / "trainer" / name), use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         max_steps=2, learning_rate=1e-2, lr_scheduler_type="constant", max_seq_len=128, rollouts_per_step=8,
         rollouts_path=rollouts, num_generations=4, micro_batching="padded", gradient_checkpointing=False, disable_tqdm=True, seed=0,
-        eval_steps=1 if evaluating else None, eval_samples_per_prompt=2,
+        **({"eval_steps": 1, "eval_samples_per_prompt": 2} if evaluating else {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(model)
     environment = load_environment("reverse_text", tokenizer=tokenizer, **ENV_ARGS)

@@ -173,6 +173,15 @@ def test_a_bad_entry_curriculum_is_refused_naming_the_entry(curriculum, message)
     assert message in str(error.value) and "entry 0 (arithmetic)" in str(error.value)
 
 
+def test_an_entry_that_tunes_a_curriculum_without_a_threshold_is_refused_naming_it(tokenizer):
+    env = mixture(tokenizer, curricula=({"window": 2}, {"hard_below": 0.0}))
+    with pytest.raises(ValueError, match=r"--env entry 'reverse_text': curriculum: \{'window': 2\} tunes a "
+                                         r"curriculum, which acts only with easy_above or hard_below"):
+        build_curriculum(config(), env, list(env.dataset))
+    # With a threshold from the flags the entry's window acts.
+    assert build_curriculum(config(curriculum_easy_above=1.0), env, list(env.dataset)).settings[0].window == 2
+
+
 def test_an_entry_that_crosses_the_flags_is_refused_naming_it(tokenizer):
     env = mixture(tokenizer, curricula=(None, {"hard_below": 0.6}))
     with pytest.raises(ValueError, match=r"--env entry 'arithmetic': curriculum.hard_below \(0.6\) must be below "

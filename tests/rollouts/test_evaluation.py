@@ -125,7 +125,7 @@ def _train(tiny_model_dir, tokenizer, tmp_path, mode: str, evaluating: bool):
         output_dir=str(tmp_path / f"{mode}-{evaluating}"), use_cpu=True, report_to="none", save_strategy="no",
         logging_steps=1, max_steps=3, learning_rate=1e-2, lr_scheduler_type="constant", rollouts_per_step=8,
         num_generations=4, max_seq_len=128, max_off_policy_steps=1 if mode == "k1" else 0, gradient_checkpointing=False,
-        disable_tqdm=True, seed=3, eval_steps=1 if evaluating else None, eval_samples_per_prompt=2,
+        disable_tqdm=True, seed=3, **({"eval_steps": 1, "eval_samples_per_prompt": 2} if evaluating else {}),
     )
     engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=8),
                             generate_in_loop_thread=mode != "k1")

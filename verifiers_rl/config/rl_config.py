@@ -527,6 +527,25 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         from verifiers_rl.rollouts.evaluation import EvalSettings
 
         EvalSettings.from_config(self)  # the eval_* knobs are checked where they are used (raises naming the knob)
+        self._check_enablers()
+
+    def _check_enablers(self) -> None:
+        """A knob that acts only beside another (its enabler), given without it, is refused naming both: accepted,
+        it would change nothing while the user believes it does."""
+        evaluating = ("evaluation (--eval_strategy steps or epoch, or --eval_steps N)", self.eval_strategy != "no")
+        probing = ("the weight-sync probe (--weight_sync_probe_tokens N >= 2)", self.weight_sync_probe_tokens > 0)
+        enablers = {
+            **{name: ("--vllm_server_url", bool(self.vllm_server_url)) for name in _SERVER_KNOBS},
+            "max_refill_batches": ("--filter_groups zero_variance", self.filter_groups != "none"),
+            "weight_sync_probe_every": probing,
+            "weight_sync_probe_tolerance": probing,
+            **{name: evaluating for name in _EVAL_KNOBS},
+        }
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, (enabler, enabled) in enablers.items():
+            if not enabled and getattr(self, name) != defaults[name]:
+                raise ValueError(f"--{name} {getattr(self, name)} acts only with {enabler}, which this run does not "
+                                 f"set: it would change nothing. Set it too, or leave --{name} out.")
 
     def _check_continuous_generation(self, curriculum: bool) -> None:
         """What --groups_in_flight N (continuous generation) does not combine with, refused by name."""
@@ -543,6 +562,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 raise ValueError(f"--groups_in_flight {self.groups_in_flight} (continuous generation) does not combine "
                                  f"with {flag}: {reason}. Use --groups_in_flight 0 (batch at a time) for it.")
 
+
+# The vLLM client's knobs (--vllm_server_url's) and evaluation's (--eval_strategy's): RLConfig._check_enablers.
+_SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_timeout_s", "vllm_max_retries",
+                 "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer", "vllm_weight_transfer_address")
+_EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold")
 
 # GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.
 _SHOWN_TO_GRPO_CONFIG = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",

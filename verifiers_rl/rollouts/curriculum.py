@@ -18,6 +18,7 @@ import copy
 import logging
 import statistics
 from collections.abc import Sequence
+from dataclasses import fields
 
 from verifiers_rl.core.curriculum import CurriculumSettings
 from verifiers_rl.core.rollout import Rollout, group_episodes
@@ -218,9 +219,23 @@ def build_curriculum(args, environment, rows: Sequence) -> Curriculum | None:
     if hasattr(environment, "entry_order"):
         settings = [base.overridden(entry.curriculum, f"--env entry {entry.name!r}: ") if entry.curriculum else base
                     for entry in environment.entries]
+        for entry, entry_settings in zip(environment.entries, settings):
+            if entry.curriculum and not entry_settings.active:
+                raise ValueError(f"--env entry {entry.name!r}: curriculum: {entry.curriculum} tunes a curriculum, "
+                                 "which acts only with easy_above or hard_below (the entry's own, or "
+                                 "--curriculum_easy_above / --curriculum_hard_below); neither is set for it, so it "
+                                 "would change nothing.")
     else:
         settings = [base]
     if not any(s.active for s in settings):
+        # The window, pass reward and epochs tune a curriculum: with no threshold anywhere they would change nothing.
+        default = CurriculumSettings()
+        tuned = [f"--{f.metadata['from']} {getattr(base, f.name)}" for f in fields(CurriculumSettings)
+                 if getattr(base, f.name) != getattr(default, f.name)]
+        if tuned:
+            raise ValueError(f"{', '.join(tuned)} tunes the curriculum, which acts only with --curriculum_easy_above "
+                             "or --curriculum_hard_below (or a mixture entry's curriculum: thresholds); none is set, "
+                             "so it would change nothing. Set a threshold, or leave it out.")
         return None
     if getattr(environment, "draw_rows", None) is not None and not hasattr(environment, "entry_order"):
         raise ValueError(f"--curriculum_easy_above / --curriculum_hard_below: {environment.name} orders its own rows "
