@@ -59,6 +59,12 @@ def test_cli_errors_are_clear(tmp_path):
     assert result.returncode != 0 and "Unknown environment 'no_such_env'" in result.stderr
     result = run_script(["--rollouts_path", str(tmp_path / "missing.jsonl"), "--model", "tiny"], tmp_path)
     assert result.returncode != 0 and "missing.jsonl' does not exist" in result.stderr
+    # A value RLConfig refuses: one line naming the flag, as argparse's own errors, no traceback.
+    result = run_script(["--groups_in_flight", "4", "--max_off_policy_steps", "0", "--model", "tiny"], tmp_path)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert last.startswith("verifiers-rl train: error: --groups_in_flight 4 (continuous generation) does not combine "
+                           "with --max_off_policy_steps 0"), last
 
 
 def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):

@@ -121,7 +121,10 @@ def build_parser() -> TrlParser:
 def main(argv: list[str] | None = None) -> int:
     progress.plain_output_when_redirected()  # no carriage-return bars in a log file
     parser = build_parser()
-    script_args, config = parser.parse_args_and_config(args=argv)
+    try:
+        script_args, config = parser.parse_args_and_config(args=argv)
+    except ValueError as error:  # RLConfig's checks name the flag: a usage error in one line, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)
