@@ -30,16 +30,17 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     if urls and continuous_rows:
         raise ValueError(f"continuous_rows={continuous_rows} (--continuous_batching_rows) sets the embedded engine's "
                          "running batch; a vLLM server already batches continuously. Leave it 0.")
+    client = {"wait_s": SERVER_WAIT_S, **(vllm or {})}
     if len(urls) > 1:
         from verifiers_rl.inference.vllm.pool import MultiServerEngine
 
         return MultiServerEngine(urls, model=model, sampling=sampling, require_weight_sync=require_weight_sync,
-                                 **{"wait_s": SERVER_WAIT_S, **(vllm or {})})
+                                 **client)
     if vllm_server_url:
         from verifiers_rl.inference.vllm.engine import VLLMEngine
 
         return VLLMEngine(urls[0], model=model, sampling=sampling, require_weight_sync=require_weight_sync,
-                          **{"wait_s": SERVER_WAIT_S, **(vllm or {})})
+                          **client)
     from verifiers_rl.inference.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=max_batch_size, dtype=dtype,

@@ -213,7 +213,7 @@ def build_curriculum(args, environment, rows: Sequence) -> Curriculum | None:
     """The curriculum ``args`` (an ``RLConfig``: ``--curriculum_*``) and a mixture's entries (their ``curriculum:``)
     ask for over ``environment``'s ``rows``, or None when no threshold is set. Raises ValueError naming the entry whose
     settings cannot work, or an environment that orders its own rows otherwise than a mixture."""
-    from verifiers_rl.core.settings import settings_from
+    from verifiers_rl.core.settings import settings_from, source_of
 
     base = settings_from(args, CurriculumSettings)
     if hasattr(environment, "entry_order"):
@@ -230,7 +230,7 @@ def build_curriculum(args, environment, rows: Sequence) -> Curriculum | None:
     if not any(s.active for s in settings):
         # The window, pass reward and epochs tune a curriculum: with no threshold anywhere they would change nothing.
         default = CurriculumSettings()
-        tuned = [f"--{f.metadata['from']} {getattr(base, f.name)}" for f in fields(CurriculumSettings)
+        tuned = [f"--{source_of(f)} {getattr(base, f.name)}" for f in fields(CurriculumSettings)
                  if getattr(base, f.name) != getattr(default, f.name)]
         if tuned:
             raise ValueError(f"{', '.join(tuned)} tunes the curriculum, which acts only with --curriculum_easy_above "
