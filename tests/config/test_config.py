@@ -99,6 +99,16 @@ def test_vllm_fields_are_validated():
         vllm_config(vllm_weight_transfer="tcp")
 
 
+_ENABLER_OFF = {
+    "weight_sync_probe_every": {"weight_sync_probe_tokens": 0},
+    "weight_sync_probe_tolerance": {"weight_sync_probe_tokens": 0},
+    "importance_cap": {"importance_correction": "none"},
+    "importance_cap_min": {"importance_correction": "none"},
+    "num_completions_to_print": {"print_samples_every": 0},
+    "max_tokens_per_microbatch": {"micro_batching": "padded", "share_prompt_training": "off"},
+}
+
+
 @pytest.mark.parametrize("knob, value, enabler, enabled", [
     ("vllm_server_timeout", 5.0, "--vllm_server_url", {"vllm_server_url": "http://127.0.0.1:8000"}),
     ("vllm_max_concurrency", 8, "--vllm_server_url", {"vllm_server_url": "http://127.0.0.1:8000"}),
@@ -108,9 +118,15 @@ def test_vllm_fields_are_validated():
     ("weight_sync_probe_tolerance", 0.1, "the weight-sync probe", {}),
     ("eval_num_examples", 5, "evaluation", {"eval_steps": 2}),
     ("eval_temperature", 0.5, "evaluation", {"eval_strategy": "steps", "eval_steps": 2}),
+    ("dr_grpo_horizon", 64, "--loss_type dr_grpo", {"loss_type": "dr_grpo"}),
+    ("importance_cap", 3.0, "an importance correction", {"importance_correction": "token_mask"}),
+    ("importance_cap_min", 0.5, "an importance correction", {"importance_correction": "sequence_truncate"}),
+    ("importance_sequence_log_ratio", "sum", "a sequence-level correction", {"importance_correction": "sequence_mask"}),
+    ("num_completions_to_print", 2, "sample printing", {"print_samples_every": 5}),
+    ("max_tokens_per_microbatch", 2048, "packed rows", {"micro_batching": "padded", "share_prompt_training": "on"}),
 ])
 def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, value, enabler, enabled):
-    off = {"weight_sync_probe_tokens": 0} if knob.startswith("weight_sync_probe") else {}
+    off = _ENABLER_OFF.get(knob, {})  # the others' enablers are off by default
     with pytest.raises(ValueError, match=rf"^--{knob} {value} acts only with {enabler}.*it would change nothing"):
         vllm_config(**{knob: value}, **off)
     assert getattr(vllm_config(**{knob: value}, **enabled), knob) == value  # with it, the knob is taken

@@ -117,3 +117,14 @@ def test_trls_names_map_onto_ours_and_a_conflict_is_refused():
         config(vllm_importance_sampling_mode="token_mask", importance_correction="sequence_truncate")
     with pytest.raises(ValueError, match="vllm_importance_sampling_clip_max .*importance_cap=1.5"):
         config(vllm_importance_sampling_clip_max=5.0, importance_cap=1.5)
+
+
+def test_trls_importance_knobs_without_its_correction_are_refused_and_a_token_mode_keeps_our_log_ratio():
+    # vllm_importance_sampling_correction=False turns TRL's correction off: its mode and bounds would tune nothing.
+    with pytest.raises(ValueError, match="vllm_importance_sampling_clip_min acts only with "
+                                         "vllm_importance_sampling_correction=True"):
+        RLConfig(output_dir="/tmp/unused", report_to="none", vllm_importance_sampling_correction=False,
+                 vllm_importance_sampling_clip_min=0.5)
+    # A token mode has no sequence log-ratio: TRL's "sum" is not carried over (ours would then be refused as unused).
+    token = RLConfig(output_dir="/tmp/unused", report_to="none", vllm_importance_sampling_mode="token_mask")
+    assert (token.importance_correction, token.importance_sequence_log_ratio) == ("token_mask", "mean")

@@ -180,9 +180,11 @@ def test_loss_and_gradient_equal_trls(tiny_model_dir, tiny_model, tmp_path, case
     ours_knobs = {k: v for k, v in knobs.items()}
     if not uses_is:
         ours_knobs["importance_correction"] = "none"  # TRL corrects sampler log-probs only when it drives vLLM
+    if knobs["loss_type"] == "dr_grpo":
+        ours_knobs["dr_grpo_horizon"] = COMPLETION_TOKENS  # the other losses refuse it (nothing to divide by)
     ours = RLTrainer(model=copy.deepcopy(tiny_model), processing_class=tokenizer,
                      args=RLConfig(**_common(tmp_path, "ours"), rollouts_path=str(tmp_path / "batch.jsonl"),
-                                   max_steps=1, dr_grpo_horizon=COMPLETION_TOKENS, micro_batching="padded",
+                                   max_steps=1, micro_batching="padded",
                                    share_prompt_training="off", **ours_knobs))
 
     def inject(rank_batch):

@@ -13,6 +13,7 @@ import torch
 from tests.helpers.micro_batches import gather_from_micro_batch, scatter_to_micro_batch
 from verifiers_rl.config.grpo_fields import TRL_LOSS_TYPES
 from verifiers_rl.config.rl_config import RLConfig, _choices
+from verifiers_rl.core.choices import SEQUENCE_CORRECTIONS
 from verifiers_rl.rollouts.synthetic import random_rollouts
 from verifiers_rl.training.batching import BatchingConfig, compute_advantages, plan_batch, prepare_sequences
 from verifiers_rl.training.loss import (
@@ -37,6 +38,13 @@ def test_each_registry_holds_exactly_the_configs_choices(flag):
     assert set(REGISTRIES[flag].names) == choices
     help_text = next(f for f in RLConfig.__dataclass_fields__.values() if f.name == flag).metadata["help"]
     assert all(name in help_text for name in choices), f"--{flag}'s help lists each choice"
+
+
+def test_the_configs_sequence_corrections_are_those_registered_at_the_sequence_level():
+    # RLConfig refuses --importance_sequence_log_ratio beside any other correction (its list, not the registry).
+    sequence = {name for name in IMPORTANCE_CORRECTIONS.names if IMPORTANCE_CORRECTIONS.get(name).options["level"]
+                == "sequence"}
+    assert sequence == set(SEQUENCE_CORRECTIONS)
 
 
 def test_unknown_names_are_refused_by_flag():

@@ -139,7 +139,10 @@ def markdown() -> str:
         "and on a machine without a GPU the command sets `use_cpu` itself. A field that tunes another setting (the",
         "vLLM client's without `vllm_server_url`, evaluation's without `eval_strategy`/`eval_steps`, the refill",
         "rounds without `filter_groups`, the probe's without `weight_sync_probe_tokens`, the curriculum's without",
-        "a threshold) is refused when that setting is off: it would change nothing.",
+        "a threshold, `dr_grpo_horizon` without `loss_type dr_grpo`, the importance caps without a correction and",
+        "`importance_sequence_log_ratio` without a sequence-level one, `num_completions_to_print` without",
+        "`print_samples_every`, `max_tokens_per_microbatch` with padded rows and no prompt sharing) is refused when",
+        "that setting is off: it would change nothing.",
     ]
     for title, names in SECTIONS.items():
         lines += ["", f"## {title}", "", "| field | default | command default | choices / range | what it does |",

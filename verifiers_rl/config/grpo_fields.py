@@ -238,22 +238,29 @@ def _is_set(config, name: str) -> bool:
 def trl_importance_correction(config) -> dict | None:
     """Our importance-correction fields for the ``vllm_importance_sampling_*`` fields a user set, TRL's meaning
     (TRL's defaults fill the unset ones): ratio exp(p - q) per token, or exp(sum_t (p - q)) per sequence; truncate
-    clamps to [clip_min, clip_max], mask zeroes outside it (no bound where None); correction=False turns it off.
+    clamps to [clip_min, clip_max], mask zeroes outside it (no bound where None); correction=False turns it off
+    (and refuses the others: nothing left to tune).
     None when none is set (ours apply as given)."""
     if not any(_is_set(config, name) for name in _TRL_IS):
         return None
     if not config.vllm_importance_sampling_correction:
+        tuned = [name for name in _TRL_IS if name != "vllm_importance_sampling_correction" and _is_set(config, name)]
+        if tuned:
+            raise ValueError(f"{tuned[0]} acts only with vllm_importance_sampling_correction=True, which this run "
+                             "turns off: it would change nothing. Leave it out, or turn the correction on.")
         return {"importance_correction": "none"}
     mode = config.vllm_importance_sampling_mode
     if mode not in _TRL_IS_MODES:
         raise ValueError(f"Unknown vllm_importance_sampling_mode {mode!r}; expected one of {', '.join(_TRL_IS_MODES)}.")
     clip_max = config.vllm_importance_sampling_cap or config.vllm_importance_sampling_clip_max  # cap: deprecated
-    return {
+    ours = {
         "importance_correction": mode,
         "importance_cap": math.inf if clip_max is None else clip_max,
         "importance_cap_min": config.vllm_importance_sampling_clip_min,
-        "importance_sequence_log_ratio": "sum",
     }
+    if mode.startswith("sequence"):  # a token mode has no sequence log-ratio to sum
+        ours["importance_sequence_log_ratio"] = "sum"
+    return ours
 
 
 def apply_trl_names(config) -> None:

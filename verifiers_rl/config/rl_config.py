@@ -22,6 +22,7 @@ from verifiers_rl.core.choices import (
     MicroBatchingMode,
     OverlongPolicy,
     ScaleRewards,
+    SEQUENCE_CORRECTIONS,
     SequenceLogRatio,
     Range,
     SharePromptTraining,
@@ -534,7 +535,18 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         it would change nothing while the user believes it does."""
         evaluating = ("evaluation (--eval_strategy steps or epoch, or --eval_steps N)", self.eval_strategy != "no")
         probing = ("the weight-sync probe (--weight_sync_probe_tokens N >= 2)", self.weight_sync_probe_tokens > 0)
+        correcting = ("an importance correction (--importance_correction other than none)",
+                      self.importance_correction != "none")
         enablers = {
+            "dr_grpo_horizon": ("--loss_type dr_grpo", self.loss_type == "dr_grpo"),
+            "importance_cap": correcting,
+            "importance_cap_min": correcting,
+            "importance_sequence_log_ratio": ("a sequence-level correction (--importance_correction sequence_truncate "
+                                              "or sequence_mask)", self.importance_correction in SEQUENCE_CORRECTIONS),
+            "num_completions_to_print": ("sample printing (--print_samples_every N >= 1)", self.print_samples_every > 0),
+            "max_tokens_per_microbatch": ("packed rows (--micro_batching packed or auto) or shared prompts "
+                                          "(--share_prompt_training on or auto)",
+                                          self.micro_batching != "padded" or self.share_prompt_training != "off"),
             **{name: ("--vllm_server_url", bool(self.vllm_server_url)) for name in _SERVER_KNOBS},
             "max_refill_batches": ("--filter_groups zero_variance", self.filter_groups != "none"),
             "weight_sync_probe_every": probing,
@@ -542,6 +554,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             **{name: evaluating for name in _EVAL_KNOBS},
         }
         defaults = {f.name: f.default for f in fields(self)}
+        defaults["max_tokens_per_microbatch"] = 4 * self.max_seq_len  # what __post_init__ fills in when not given
         for name, (enabler, enabled) in enablers.items():
             if not enabled and getattr(self, name) != defaults[name]:
                 raise ValueError(f"--{name} {getattr(self, name)} acts only with {enabler}, which this run does not "

@@ -15,6 +15,8 @@ LossType = Literal["grpo", "dr_grpo", "token_mean", "seq_mean_token_sum"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 CorrectionMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "none"]
 SequenceLogRatio = Literal["mean", "sum"]
+# The corrections whose ratio is per sequence (their level in training/loss.py; a test keeps the two equal).
+SEQUENCE_CORRECTIONS = ("sequence_truncate", "sequence_mask")
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ScaleRewards = Literal["group", "batch", "none"]
 OverlongPolicy = Literal["error", "truncate"]
