@@ -119,6 +119,8 @@ _ENABLER_OFF = {
     ("eval_num_examples", 5, "evaluation", {"eval_steps": 2}),
     ("eval_temperature", 0.5, "evaluation", {"eval_strategy": "steps", "eval_steps": 2}),
     ("dr_grpo_horizon", 64, "--loss_type dr_grpo", {"loss_type": "dr_grpo"}),
+    ("use_bias_correction_kl", False, "the KL term", {"beta": 0.1}),
+    ("ref_model_sync_steps", 64, "--sync_ref_model", {"beta": 0.1, "sync_ref_model": True}),
     ("importance_cap", 3.0, "an importance correction", {"importance_correction": "token_mask"}),
     ("importance_cap_min", 0.5, "an importance correction", {"importance_correction": "sequence_truncate"}),
     ("importance_sequence_log_ratio", "sum", "a sequence-level correction", {"importance_correction": "sequence_mask"}),

@@ -104,7 +104,8 @@ def test_a_synced_reference_model_mixes_as_trl_says_and_resumes_exactly(backend,
     resumed, want = saved_reference(tmp_path / "resumed" / "checkpoint-5"), saved_reference(full / "checkpoint-5")
     assert want.keys() == initial.keys() and all(torch.equal(resumed[k], want[k]) for k in want)
     if backend == "single":  # a checkpoint without the reference (its run's stayed the initial model) is refused
-        plain = [a for a in args if a not in ("--sync_ref_model", "true")]
+        mix = ("--sync_ref_model", "--ref_model_sync_steps", "--ref_model_mixup_alpha")  # refused without the first
+        plain = [a for i, a in enumerate(args) if a not in mix and args[i - 1] not in mix]
         run(prefix, tmp_path / "plain", plain + ["--max_steps", "1"], tmp_path / "plain.log")
         log = run(prefix, tmp_path / "bad", args + ["--resume_from_checkpoint", str(tmp_path / "plain" / "checkpoint-1")],
                   tmp_path / "bad.log", expect=1)

@@ -108,8 +108,8 @@ def test_sync_ref_model_mixes_the_adapters_and_resumes_exactly(lora_work, tiny_m
         args = RLConfig(output_dir=str(tmp_path / name), use_cpu=True, report_to="none", max_steps=steps,
                         rollouts_path=str(lora_work / "r.jsonl"), rollouts_per_step=4, max_seq_len=64,
                         learning_rate=5e-2, beta=0.5, logging_steps=1, gradient_checkpointing=False, disable_tqdm=True,
-                        sync_ref_model=sync, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5,
-                        save_strategy="steps", save_steps=1, **extra)
+                        save_strategy="steps", save_steps=1, **extra,  # the mix's knobs only with sync_ref_model
+                        **(dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5) if sync else {}))
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
         seen = Adapters()
         made = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),

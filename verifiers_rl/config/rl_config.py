@@ -539,6 +539,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                       self.importance_correction != "none")
         enablers = {
             "dr_grpo_horizon": ("--loss_type dr_grpo", self.loss_type == "dr_grpo"),
+            "use_bias_correction_kl": ("the KL term (--beta > 0)", self.beta > 0),
+            "ref_model_mixup_alpha": ("--sync_ref_model", self.sync_ref_model),
+            "ref_model_sync_steps": ("--sync_ref_model", self.sync_ref_model),
             "importance_cap": correcting,
             "importance_cap_min": correcting,
             "importance_sequence_log_ratio": ("a sequence-level correction (--importance_correction sequence_truncate "
