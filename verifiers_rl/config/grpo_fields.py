@@ -38,8 +38,9 @@ _TRL_VLLM = _refused("TRL's own vLLM client; start ours (`verifiers-rl vllm-serv
                      "MODEL --port PORT`) and pass --vllm_server_url http://HOST:PORT")
 _ADAPTIVE = _refused("the adaptive entropy controller is not implemented; a fixed --entropy_coef acts")
 _IS = _acts("when any vllm_importance_sampling_* field is set, TRL's correction (its defaults fill the rest) "
-            "replaces ours: --importance_correction = the mode (none when correction=False), --importance_cap "
-            "[_min] = clip_max [_min], a sequence mode's log-ratio summed (--importance_sequence_log_ratio sum); "
+            "replaces ours: --importance_correction = the mode (none when correction=False, which refuses the "
+            "others), --importance_cap [_min] = clip_max [_min], a sequence mode's log-ratio summed "
+            "(--importance_sequence_log_ratio sum); "
             "left at TRL's defaults, --importance_correction applies (token_truncate, cap 2, both engines)")
 _SEQUENCE_LOSSES = _refused("the SAPO / VESPO losses are not implemented (--loss_type lists ours)")
 _CONTINUOUS = _refused("the embedded engine batches concurrent requests itself (per event loop)")
@@ -121,8 +122,8 @@ GRPO_FIELDS: dict[str, Field] = {
                             "reference (reference_model.safetensors) so a resume continues exactly; under PEFT (which "
                             "TRL refuses) the reference is the base model with a copy of the adapters, mixed the "
                             "same way (not with ZeRO-3); refused with beta = 0 (TRL's check)"),
-    "ref_model_mixup_alpha": _acts("alpha of sync_ref_model's mix"),
-    "ref_model_sync_steps": _acts("optimizer steps between sync_ref_model's mixes"),
+    "ref_model_mixup_alpha": _acts("alpha of sync_ref_model's mix; refused without sync_ref_model"),
+    "ref_model_sync_steps": _acts("optimizer steps between sync_ref_model's mixes; refused without sync_ref_model"),
     "top_entropy_quantile": _acts("the policy loss trains only tokens whose entropy is in the top quantile of the "
                                   "whole step batch (TRL: of each micro-batch); one extra gradient-free forward "
                                   "per step"),
@@ -141,10 +142,11 @@ GRPO_FIELDS: dict[str, Field] = {
     "off_policy_mask_threshold": _acts("DeepSeek-V3.2's off-policy sequence mask: a negative-advantage sequence "
                                        "whose mean KL(sampler || policy) exceeds it gets no policy loss"),
     "use_bias_correction_kl": _acts("the KL term is r * k3 (r the PPO ratio: importance-weighted to the policy "
-                                    "that sampled), TRL's default; False: plain k3"),
+                                    "that sampled), TRL's default; False: plain k3; refused with beta = 0"),
     "log_completions": _acts("means --log_completions_steps = --logging_steps (tables of the trained batch)"),
     "log_multimodal": _refused("text only: there are no images to log"),
-    "num_completions_to_print": _acts("sample completions printed every --print_samples_every steps"),
+    "num_completions_to_print": _acts("sample completions printed every --print_samples_every steps; refused with "
+                                      "--print_samples_every 0"),
     "log_unique_prompts": _refused("completion tables show the trained batch as it is"),
     "log_completions_hub_repo": _refused("completion tables go to the --report_to backends only"),
     "use_transformers_continuous_batching": _CONTINUOUS,

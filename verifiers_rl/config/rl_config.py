@@ -546,7 +546,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "importance_cap_min": correcting,
             "importance_sequence_log_ratio": ("a sequence-level correction (--importance_correction sequence_truncate "
                                               "or sequence_mask)", self.importance_correction in SEQUENCE_CORRECTIONS),
-            "num_completions_to_print": ("sample printing (--print_samples_every N >= 1)", self.print_samples_every > 0),
+            "num_completions_to_print": ("sample printing (--print_samples_every N >= 1)",
+                                         self.print_samples_every > 0),
             "max_tokens_per_microbatch": ("packed rows (--micro_batching packed or auto) or shared prompts "
                                           "(--share_prompt_training on or auto)",
                                           self.micro_batching != "padded" or self.share_prompt_training != "off"),
