@@ -101,3 +101,6 @@ def test_eval_takes_the_same_sampling_flags(capsys):
     with pytest.raises(SystemExit):
         eval_cli.parse_args(["--min_p", "1.5"])
     assert "error: --min_p must be in [0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # greedy takes the most likely token: a filter would change nothing
+        eval_cli.parse_args(["--temperature", "0", "--top_k", "3", "--min_p", "0.1"])
+    assert "error: --top_k 3, --min_p 0.1 filters what is sampled; --temperature 0 is greedy" in capsys.readouterr().err

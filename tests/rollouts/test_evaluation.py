@@ -4,8 +4,10 @@ parameters as one without (live at k = 0 and k = 1, and replay), and the bad-inp
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -15,7 +17,14 @@ from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.envs import Rubric, SingleTurnEnv, load_environment
 from verifiers_rl.envs.environment import Row
 from verifiers_rl.envs.splits import hold_out
-from verifiers_rl.rollouts.evaluation import EvalSample, EvalSettings, evaluate, pass_at_k, summarize
+from verifiers_rl.rollouts.evaluation import (
+    EvalSample,
+    EvalSettings,
+    EvaluationTimeout,
+    evaluate,
+    pass_at_k,
+    summarize,
+)
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.core.rollout import Rollout, write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
@@ -92,6 +101,31 @@ def _toy_env(tokenizer, rows=10, eval_rows=()):
 
 
 # --- evaluation rollouts --------------------------------------------------------------------------------------------
+
+
+def test_an_evaluation_whose_environment_is_stuck_fails_naming_the_timeout(tiny_model_dir, tokenizer):
+    # A reward function that never returns: without the bound the evaluation (and the run) would wait forever.
+    finished = []
+
+    async def stuck(completion, answer):
+        if answer == "0":  # row 0 never scores; the others do, each a prompt's samples finishing
+            await asyncio.sleep(3600)
+        finished.append(answer)
+        return 0.0
+
+    rows = [{"prompt": [{"role": "user", "content": str(i)}], "answer": str(i)} for i in range(3)]
+    env = SingleTurnEnv(rows, Rubric([stuck]), tokenizer, max_new_tokens=2, max_seq_len=64, eval_dataset=rows)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(EvaluationTimeout, match=r"no prompt's samples finished within 1 s \(1 of 3 prompts "
+                                                    r"waiting\).*--generation_timeout_s"):
+            evaluate(env, engine, EvalSettings(samples_per_prompt=2, seed=0, timeout_s=1.0))
+        assert time.monotonic() - started < 30 and sorted(finished) == ["1", "1", "2", "2"]
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="generation_timeout_s must be > 0"):
+        EvalSettings(timeout_s=0.0)
 
 
 def test_evaluation_is_seeded_batch_independent_and_greedy_at_temperature_zero(tiny_model_dir, tokenizer):

@@ -194,6 +194,18 @@ def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine
         eval_cli.parse_args(["--vllm_server_url", url, "--dtype", "bfloat16", "--max_batch_size", "8"])
     assert ("error: --dtype bfloat16, --max_batch_size 8 sets the embedded engine, which --vllm_server_url replaces"
             in capsys.readouterr().err)
+    with pytest.raises(SystemExit):  # and the server's wait without a server
+        eval_cli.parse_args(["--vllm_server_timeout", "5"])
+    assert "error: --vllm_server_timeout 5 acts only with --vllm_server_url" in capsys.readouterr().err
+
+
+def test_eval_refuses_environment_arguments_that_are_not_keywords_or_of_the_wrong_type(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit):
+        eval_cli.parse_args(["--env_args", "[1]"])
+    assert "error: --env_args must be a JSON object of the loader's keyword arguments" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"^--env reverse_text: 'str' object cannot be interpreted as an integer "
+                                         r"\(a TypeError while loading it"):
+        eval_cli.main(["--model", tiny_model_dir, "--env_args", '{"num_examples": "ten"}'])
 
 
 def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_ours(tmp_path):

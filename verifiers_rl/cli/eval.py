@@ -94,13 +94,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="The embedded engine's precision (a vLLM server has its own: vllm-serve --dtype).")
     parser.add_argument("--vllm_server_url", default=None, help="Generate through this vLLM server (serving --model).")
+    parser.add_argument("--generation_timeout_s", type=float, default=600.0,
+                        help="Fail when no prompt's samples finish for this many seconds (a stuck environment or "
+                             "engine), as training's.")
     parser.add_argument("--vllm_server_timeout", type=float, default=SERVER_WAIT_S,
                         help="Seconds to wait for a --vllm_server_url server that is still starting (as training's).")
     args = parser.parse_args(argv)
+    from verifiers_rl.envs.loading import keyword_arguments
+
     try:
-        args.env_kwargs = json.loads(args.env_args)
+        args.env_kwargs = keyword_arguments(json.loads(args.env_args), "--env_args")
     except json.JSONDecodeError as error:
         parser.error(f"--env_args is not valid JSON: {error}")
+    except ValueError as error:
+        parser.error(str(error))
     args.chat_template_kwargs = template_kwargs(parser, args.chat_template_kwargs)
     args.entries = mixture_entries(parser, args.env, args.env_kwargs)
     for name in ("num_examples", "samples_per_prompt", "max_batch_size"):
@@ -111,6 +118,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--temperature and --holdout must be >= 0.")
     if args.vllm_server_timeout < 0:
         parser.error(f"--vllm_server_timeout must be >= 0, got {args.vllm_server_timeout:g}.")
+    if not args.generation_timeout_s > 0:
+        parser.error(f"--generation_timeout_s must be > 0, got {args.generation_timeout_s:g}.")
     try:  # the engine's settings, as training builds them (inference.factory.build_engine)
         args.sampling = SamplingConfig(args.temperature, args.top_p, args.top_k, min_p=args.min_p,
                                        repetition_penalty=args.repetition_penalty)
@@ -125,6 +134,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.vllm_server_url and embedded_only:
         parser.error(f"{', '.join(embedded_only)} sets the embedded engine, which --vllm_server_url replaces (the "
                      "server has its own: verifiers-rl vllm-serve --dtype; it batches requests itself).")
+    if not args.vllm_server_url and args.vllm_server_timeout != parser.get_default("vllm_server_timeout"):
+        parser.error(f"--vllm_server_timeout {args.vllm_server_timeout:g} acts only with --vllm_server_url: it would "
+                     "change nothing. Set both, or leave it out.")
+    filters = [f"--{name} {getattr(args, name):g}" for name in ("top_p", "top_k", "min_p")
+               if getattr(args, name) != parser.get_default(name)]
+    if args.temperature == 0 and filters:
+        parser.error(f"{', '.join(filters)} filters what is sampled; --temperature 0 is greedy (the most likely "
+                     "token), which no filter changes. Leave them out, or sample (--temperature > 0).")
     return args
 
 
@@ -178,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(model).exists() or args.model.startswith((".", "/", "~")):
         check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)  # before the slow imports: a wrong path fails at once
     from verifiers_rl.envs import load_environment
+    from verifiers_rl.envs.loading import loader_errors_named
     from verifiers_rl.envs.mixture import load_mixture
     from verifiers_rl.envs.prepare import prepare_environment
     from verifiers_rl.rollouts.evaluation import EvalSettings, eval_rows, evaluate
@@ -191,13 +209,15 @@ def main(argv: list[str] | None = None) -> int:
     # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
     prepare = lambda env, entry=None: prepare_environment(  # noqa: E731
         env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed)
-    if args.entries is None:
-        environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
-        prepare(environment)
-    else:  # each entry on its own, as training loads a mixture (--holdout: N rows of each)
-        environment = load_mixture(args.entries, lambda entry: load_environment(
-            entry.env, tokenizer=tokenizer, **entry.env_args), prepare, "--env")
-    settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed)
+    with loader_errors_named("--env", args.env):
+        if args.entries is None:
+            environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
+            prepare(environment)
+        else:  # each entry on its own, as training loads a mixture (--holdout: N rows of each)
+            environment = load_mixture(args.entries, lambda entry: load_environment(
+                entry.env, tokenizer=tokenizer, **entry.env_args), prepare, "--env")
+    settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed,
+                            args.generation_timeout_s)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
@@ -226,11 +246,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` as a command: bad input is one clear line on stderr and exit status 2, no traceback."""
+    from verifiers_rl.rollouts.evaluation import EvaluationTimeout
+
     try:
         return main(argv)
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except EvaluationTimeout as error:  # not a usage error: the environment or the engine is stuck
+        print(f"error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

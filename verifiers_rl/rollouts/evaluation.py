@@ -30,6 +30,10 @@ from verifiers_rl.core.rollout import Rollout, group_episodes, metric_values
 from verifiers_rl.core.settings import settings_from
 
 
+class EvaluationTimeout(RuntimeError):
+    """No prompt's samples finished within ``EvalSettings.timeout_s`` (--generation_timeout_s)."""
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k estimator from ``n`` samples of which ``c`` pass (Chen et al. 2021, "Evaluating Large
     Language Models Trained on Code"): the probability that k samples drawn without replacement from the n hold a
@@ -54,6 +58,8 @@ class EvalSettings:
     temperature: float | None = field(default=None, metadata={"from": "eval_temperature"})
     pass_threshold: float = field(default=1.0, metadata={"from": "eval_pass_threshold"})
     seed: int = 0
+    # Fails the evaluation when no prompt's samples finish for this long: an environment or the engine is stuck.
+    timeout_s: float = field(default=600.0, metadata={"from": "generation_timeout_s"})
 
     def __post_init__(self):
         if self.num_examples is not None and self.num_examples < 1:
@@ -62,6 +68,8 @@ class EvalSettings:
             raise ValueError(f"eval_samples_per_prompt must be >= 1, got {self.samples_per_prompt}.")
         if self.temperature is not None and self.temperature < 0:
             raise ValueError(f"eval_temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if not self.timeout_s > 0:
+            raise ValueError(f"generation_timeout_s must be > 0, got {self.timeout_s}.")
 
     @classmethod
     def from_config(cls, args) -> "EvalSettings":
@@ -232,8 +240,24 @@ async def _rollouts(environment: Environment, engine, rows: list[Row], settings:
         return [EvalSample(row, i, first, first.reward >= settings.pass_threshold, rest)
                 for i, (first, *rest) in enumerate(episodes)]
 
-    groups = await asyncio.gather(*(group(row) for row in rows))
-    return [sample for samples in groups for sample in samples]
+    tasks = [asyncio.ensure_future(group(row)) for row in rows]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, timeout=settings.timeout_s,
+                                               return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise EvaluationTimeout(
+                    f"Evaluation: no prompt's samples finished within {settings.timeout_s:g} s ({len(pending)} of "
+                    f"{len(rows)} prompts waiting); an environment (its rollout, tools or reward functions) or the "
+                    "engine is stuck. --generation_timeout_s sets this bound.")
+            for task in done:
+                task.result()  # a group's error ends the evaluation, as gather would
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return [sample for task in tasks for sample in task.result()]
 
 
 def evaluate(environment: Environment, engine, settings: EvalSettings,
