@@ -106,6 +106,8 @@ _ENABLER_OFF = {
     "importance_cap_min": {"importance_correction": "none"},
     "num_completions_to_print": {"print_samples_every": 0},
     "max_tokens_per_microbatch": {"micro_batching": "padded", "share_prompt_training": "off"},
+    **{knob: {"rollouts_path": "r.jsonl"} for knob in ("shuffle_dataset", "max_rollout_retries",
+                                                       "curriculum_pass_reward", "top_p", "generation_timeout_s")},
 }
 
 
@@ -120,6 +122,11 @@ _ENABLER_OFF = {
     ("eval_temperature", 0.5, "evaluation", {"eval_strategy": "steps", "eval_steps": 2}),
     ("dr_grpo_horizon", 64, "--loss_type dr_grpo", {"loss_type": "dr_grpo"}),
     ("use_bias_correction_kl", False, "the KL term", {"beta": 0.1}),
+    ("shuffle_dataset", False, "live generation", {}),
+    ("max_rollout_retries", 5, "live generation", {}),
+    ("curriculum_pass_reward", 0.5, "live generation", {"curriculum_easy_above": 0.9}),
+    ("top_p", 0.5, "an inference engine", {"rollouts_path": "r.jsonl", "eval_steps": 2}),
+    ("generation_timeout_s", 100.0, "an inference engine", {"rollouts_path": "r.jsonl", "eval_steps": 2}),
     ("ref_model_sync_steps", 64, "--sync_ref_model", {"beta": 0.1, "sync_ref_model": True}),
     ("importance_cap", 3.0, "an importance correction", {"importance_correction": "token_mask"}),
     ("importance_cap_min", 0.5, "an importance correction", {"importance_correction": "sequence_truncate"}),

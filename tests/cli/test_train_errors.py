@@ -1,0 +1,59 @@
+"""``verifiers-rl train`` refuses, in one line naming the flag (exit status 2, no traceback), what the run would not
+read or cannot load: an environment flag beside a replay or without evaluation, --env_args that is not a JSON object,
+an argument the loader refuses or has the wrong type for, a mixture entry's curriculum beside continuous generation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from verifiers_rl.cli.train import main
+
+SMALL = ["--max_steps", "1", "--rollouts_per_step", "4", "--num_generations", "2", "--print_samples_every", "0"]
+
+
+def refusal(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("verifiers-rl train: error: "), last
+    return last.removeprefix("verifiers-rl train: error: ")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rollouts_path", "r.jsonl", "--env_args", '{"num_examples": 8}'], "--env_args {\"num_examples\": 8} is not "
+     "used by this run: --env is not loaded: a replay of --rollouts_path generates nothing"),
+    (["--rollouts_path", "r.jsonl", "--env", "arithmetic"], "--env arithmetic is not used by this run"),
+    (["--rollouts_path", "r.jsonl", "--tool_mode", "text"], "--tool_mode text is not used by this run: a replay"),
+    (["--rollouts_path", "r.jsonl", "--eval_steps", "1", "--eval_env", "arithmetic", "--env", "calculator"],
+     "--env calculator is not used by this run"),
+    (["--eval_env", "arithmetic"], "--eval_env arithmetic is not used by this run: no evaluation runs"),
+    (["--eval_steps", "1", "--eval_env_args", '{"num_examples": 3}'], "--eval_env_args {\"num_examples\": 3} is not "
+     "used by this run: it is --eval_env's"),
+    (["--env_args", "[1, 2]"], "--env_args must be a JSON object of the loader's keyword arguments"),
+    (["--rollouts_path", "r.jsonl", "--top_p", "0.5"], "--top_p 0.5 acts only with an inference engine"),
+])
+def test_a_flag_the_run_would_not_read_is_refused_before_anything_loads(flags, message, tmp_path, capsys):
+    assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys).startswith(message)
+
+
+@pytest.mark.parametrize("env_args, message", [
+    ({"num_examples": "ten"}, "--env reverse_text: 'str' object cannot be interpreted as an integer (a TypeError "
+                              "while loading it: is an argument in --env_args"),
+    ({"bogus": 1}, "Environment 'reverse_text' takes no argument 'bogus'"),
+])
+def test_an_argument_the_environment_cannot_take_is_one_line(env_args, message, tiny_model_dir, tmp_path, capsys):
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--env_args", json.dumps(env_args)]
+    assert refusal(argv, capsys).startswith(message)
+
+
+def test_a_mixture_entrys_curriculum_beside_continuous_generation_is_refused(tiny_model_dir, tmp_path, capsys):
+    # Continuous generation has no curriculum: the entry's thresholds were dropped before.
+    mixture = [{"env": "reverse_text", "curriculum": {"easy_above": 0.9}}, {"env": "arithmetic"}]
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--env", json.dumps(mixture),
+            "--groups_in_flight", "2"]
+    assert refusal(argv, capsys).startswith("--groups_in_flight 2 (continuous generation) does not combine with a "
+                                            "curriculum (--env entries' curriculum: thresholds)")
