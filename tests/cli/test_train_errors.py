@@ -50,6 +50,14 @@ def test_an_argument_the_environment_cannot_take_is_one_line(env_args, message, 
     assert refusal(argv, capsys).startswith(message)
 
 
+def test_an_eval_mixtures_weights_and_curriculum_are_refused(tiny_model_dir, tmp_path, capsys):
+    # Evaluation rolls out every entry's held-out rows: a weight or curriculum steers nothing there.
+    mixture = [{"env": "reverse_text", "weight": 5, "curriculum": {"easy_above": 0.5}}, {"env": "arithmetic"}]
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--eval_steps", "1",
+            "--eval_num_examples", "2", "--eval_env", json.dumps(mixture)]
+    assert refusal(argv, capsys).startswith("--eval_env entries' curriculum and weight steer training's draws")
+
+
 def test_a_mixture_entrys_curriculum_beside_continuous_generation_is_refused(tiny_model_dir, tmp_path, capsys):
     # Continuous generation has no curriculum: the entry's thresholds were dropped before.
     mixture = [{"env": "reverse_text", "curriculum": {"easy_above": 0.9}}, {"env": "arithmetic"}]

@@ -96,3 +96,10 @@ def test_the_cpu_builds_kv_cache_size_is_refused_for_another_build(tmp_path):
     with pytest.raises(VLLMServerError, match=r"--kv-cache-gib 4 sizes the KV cache of vLLM's CPU build; .*venv-gpu "
                        r"holds another build.*--gpu-memory-utilization"):
         VLLMServer("some-model", venv=gpu, kv_cache_gib=4)
+
+
+def test_the_commands_grace_is_refused_without_a_command(capsys):
+    # --stop-grace-s is how long --then's command may take after a signal: without --then there is none to wait for.
+    with pytest.raises(SystemExit):
+        main(["--model", "some-model", "--stop-grace-s", "60"])
+    assert "--stop-grace-s 60 acts only with --then" in capsys.readouterr().err

@@ -160,7 +160,7 @@ def template_kwargs(parser: argparse.ArgumentParser, text: str) -> dict:
 def mixture_entries(parser: argparse.ArgumentParser, spec: str, env_kwargs: dict):
     """The mixture ``--env`` describes (``envs.mixture.parse_entries``), None for one environment; a usage error
     names the entry."""
-    from verifiers_rl.envs.mixture import MixtureError, parse_entries
+    from verifiers_rl.envs.mixture import MixtureError, parse_entries, steering_keys
 
     try:
         entries = parse_entries(spec, "--env")
@@ -170,8 +170,7 @@ def mixture_entries(parser: argparse.ArgumentParser, spec: str, env_kwargs: dict
         parser.error(f"--env_args acts on one environment; a mixture's entries take their own: "
                      f"--env '[{{\"env\": ..., \"env_args\": {json.dumps(env_kwargs)}}}]'.")
     # Training-only keys are said, not silently dropped: evaluation rolls out every entry's held-out rows.
-    unused = sorted({key for entry in entries or [] for key in ("weight", "curriculum")
-                     if (key == "curriculum" and entry.curriculum) or (key == "weight" and entry.weight != 1.0)})
+    unused = steering_keys(entries or [])
     if unused:
         print(f"note: the entries' {' and '.join(unused)} steer training's draws; evaluation rolls out every "
               f"entry's held-out rows, so they are not used here")

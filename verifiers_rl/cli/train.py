@@ -37,7 +37,7 @@ from verifiers_rl.training.distributed import leave_process_group
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
 from verifiers_rl.envs.loading import keyword_arguments, loader_errors_named
 from verifiers_rl.envs.limits import LIMIT_FLAGS
-from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries
+from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries, steering_keys
 from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES
 from verifiers_rl.inference.factory import build_engine
@@ -228,6 +228,10 @@ def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode:
     if env_args:
         parser.error(f"{flag}_args acts on one environment; a mixture's entries take their own: "
                      f"{flag} '[{{\"env\": ..., \"env_args\": {json.dumps(env_args)}}}]'.")
+    if flag == "--eval_env" and steering_keys(entries):
+        raise ValueError(f"--eval_env entries' {' and '.join(steering_keys(entries))} steer training's draws; "
+                         "evaluation rolls out every entry's held-out rows, so they would change nothing. Leave "
+                         "them out of --eval_env.")
     resolved = []
     with loader_errors_named(flag, spec):
         environment = load_mixture(

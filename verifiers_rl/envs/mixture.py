@@ -36,6 +36,13 @@ class MixtureError(ValueError):
     """A mixture entry that cannot be used; the message names the flag and the entry."""
 
 
+def steering_keys(entries: list["MixtureEntry"]) -> list[str]:
+    """The keys among ``entries`` that steer only training's draws (a weight other than 1, a curriculum): evaluation
+    rolls out every entry's held-out rows, so there they would change nothing."""
+    return sorted({key for entry in entries for key in ("weight", "curriculum")
+                   if (key == "curriculum" and entry.curriculum) or (key == "weight" and entry.weight != 1.0)})
+
+
 @dataclass
 class MixtureEntry:
     """One environment of a mixture: ``env`` (what ``--env`` accepts for one environment), its sampling ``weight``

@@ -423,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if args.num_servers < 1:
         parser.error(f"--num-servers must be >= 1, got {args.num_servers}")
+    if not command and args.stop_grace_s != parser.get_default("stop_grace_s"):
+        parser.error(f"--stop-grace-s {args.stop_grace_s:g} acts only with --then (the command a signal goes on to): "
+                     "it would change nothing. Leave it out, or run a command with --then.")
     servers: list[VLLMServer] = []
     try:
         for index in range(args.num_servers):
