@@ -143,7 +143,8 @@ def markdown() -> str:
         "a threshold, `dr_grpo_horizon` without `loss_type dr_grpo`, `use_bias_correction_kl` without `beta`, the",
         "reference mix's without `sync_ref_model`, the importance caps without a correction and",
         "`importance_sequence_log_ratio` without a sequence-level one, `num_completions_to_print` without",
-        "`print_samples_every`, `max_tokens_per_microbatch` with padded rows and no prompt sharing; in a replay,",
+        "`print_samples_every`, `log_completions_steps` without a `report_to` backend that shows tables,",
+        "`max_tokens_per_microbatch` with padded rows and no prompt sharing; in a replay,",
         "what only live generation reads, and the sampling and engine knobs unless evaluation runs) is refused",
         "when that setting is off: it would change nothing.",
     ]

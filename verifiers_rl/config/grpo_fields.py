@@ -143,7 +143,8 @@ GRPO_FIELDS: dict[str, Field] = {
                                        "whose mean KL(sampler || policy) exceeds it gets no policy loss"),
     "use_bias_correction_kl": _acts("the KL term is r * k3 (r the PPO ratio: importance-weighted to the policy "
                                     "that sampled), TRL's default; False: plain k3; refused with beta = 0"),
-    "log_completions": _acts("means --log_completions_steps = --logging_steps (tables of the trained batch)"),
+    "log_completions": _acts("means --log_completions_steps = --logging_steps (tables of the trained batch); refused "
+                             "without a --report_to backend that shows tables"),
     "log_multimodal": _refused("text only: there are no images to log"),
     "num_completions_to_print": _acts("sample completions printed every --print_samples_every steps; refused with "
                                       "--print_samples_every 0"),

@@ -553,6 +553,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "importance_cap_min": correcting,
             "importance_sequence_log_ratio": ("a sequence-level correction (--importance_correction sequence_truncate "
                                               "or sequence_mask)", self.importance_correction in SEQUENCE_CORRECTIONS),
+            "log_completions_steps": ("a --report_to backend that shows tables (tensorboard, trackio, wandb)",
+                                      any(name in TABLE_BACKENDS for name in self.report_to or [])),
             "num_completions_to_print": ("sample printing (--print_samples_every N >= 1)",
                                          self.print_samples_every > 0),
             "max_tokens_per_microbatch": ("packed rows (--micro_batching packed or auto) or shared prompts "
@@ -592,6 +594,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
 _SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_timeout_s", "vllm_max_retries",
                  "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer", "vllm_weight_transfer_address")
 _EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold")
+# The --report_to backends that take completion tables (training/reporting.py).
+TABLE_BACKENDS = ("tensorboard", "trackio", "wandb")
 # What only live generation reads, and what only an engine (live generation or evaluation) reads.
 _LIVE_KNOBS = ("shuffle_dataset", "max_rollout_retries", "max_failed_rollouts_fraction", "curriculum_window",
                "curriculum_pass_reward", "curriculum_set_aside_epochs")
