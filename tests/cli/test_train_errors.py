@@ -65,3 +65,15 @@ def test_a_mixture_entrys_curriculum_beside_continuous_generation_is_refused(tin
             "--groups_in_flight", "2"]
     assert refusal(argv, capsys).startswith("--groups_in_flight 2 (continuous generation) does not combine with a "
                                             "curriculum (--env entries' curriculum: thresholds)")
+
+
+def test_engine_knobs_beside_a_replay_are_refused_by_the_command_which_builds_no_engine():
+    from verifiers_rl.config.rl_config import RLConfig
+
+    # RLTrainer's caller may hand it an engine beside a replay (its weights synced, evaluated): the config takes them.
+    config = RLConfig(output_dir="/tmp/unused", report_to="none", rollouts_path="r.jsonl", top_p=0.5,
+                      generation_timeout_s=100.0)
+    assert (config.top_p, config.generation_timeout_s) == (0.5, 100.0)
+    with pytest.raises(ValueError, match=r"^--top_p 0.5 acts only with an inference engine: live generation or "
+                                         r"evaluation; a replay of --rollouts_path without evaluation builds none"):
+        config.check_engine_knobs()

@@ -107,7 +107,7 @@ _ENABLER_OFF = {
     "num_completions_to_print": {"print_samples_every": 0},
     "max_tokens_per_microbatch": {"micro_batching": "padded", "share_prompt_training": "off"},
     **{knob: {"rollouts_path": "r.jsonl"} for knob in ("shuffle_dataset", "max_rollout_retries",
-                                                       "curriculum_pass_reward", "top_p", "generation_timeout_s")},
+                                                       "curriculum_pass_reward")},
 }
 
 
@@ -125,8 +125,6 @@ _ENABLER_OFF = {
     ("shuffle_dataset", False, "live generation", {}),
     ("max_rollout_retries", 5, "live generation", {}),
     ("curriculum_pass_reward", 0.5, "live generation", {"curriculum_easy_above": 0.9}),
-    ("top_p", 0.5, "an inference engine", {"rollouts_path": "r.jsonl", "eval_steps": 2}),
-    ("generation_timeout_s", 100.0, "an inference engine", {"rollouts_path": "r.jsonl", "eval_steps": 2}),
     ("ref_model_sync_steps", 64, "--sync_ref_model", {"beta": 0.1, "sync_ref_model": True}),
     ("importance_cap", 3.0, "an importance correction", {"importance_correction": "token_mask"}),
     ("importance_cap_min", 0.5, "an importance correction", {"importance_correction": "sequence_truncate"}),

@@ -19,7 +19,7 @@ from verifiers_rl.training.step_loss import loss_settings
 # dropped or bypassed shows.
 KNOBS = dict(
     # LossSettings
-    importance_sampling_level="sequence", epsilon=0.3, epsilon_high=0.4, delta=1.5, importance_correction="token_mask",
+    importance_sampling_level="sequence", epsilon=0.3, epsilon_high=0.4, delta=1.5, importance_correction="sequence_mask",
     importance_cap=3.0, importance_cap_min=0.1, importance_sequence_log_ratio="sum", beta=0.05,
     use_bias_correction_kl=False, off_policy_mask_threshold=0.7,
     # BatchingConfig
@@ -35,6 +35,7 @@ KNOBS = dict(
     weight_sync_bucket_mb=64.0, chat_template_kwargs={"enable_thinking": False},
     # EvalSettings
     eval_num_examples=4, eval_samples_per_prompt=3, eval_temperature=0.5, eval_pass_threshold=0.5, seed=7,
+    generation_timeout_s=120.0,
     # CurriculumSettings
     curriculum_window=3, curriculum_pass_reward=0.8, curriculum_easy_above=0.9, curriculum_hard_below=0.1,
     curriculum_set_aside_epochs=2,
@@ -44,9 +45,9 @@ RUN_GIVEN = {"world_size", "reward_functions", "pad_token_id", "attention_cost",
 
 
 def config() -> RLConfig:
-    # eval_steps: the eval_* knobs act only with evaluation (RLConfig refuses them without it).
+    # eval_steps, loss_type: the eval_* knobs and dr_grpo_horizon act only with them (RLConfig refuses them without).
     return RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=8,
-                    vllm_server_url="http://127.0.0.1:8000", eval_steps=1, **KNOBS)
+                    vllm_server_url="http://127.0.0.1:8000", eval_steps=1, loss_type="dr_grpo", **KNOBS)
 
 
 def test_every_settings_field_carries_its_config_fields_value(tiny_model_dir):

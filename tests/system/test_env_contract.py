@@ -4,6 +4,7 @@ length contract between the trainer's flags and the environment's limits, and cl
 The command's ``main`` runs in this process (one import of torch/transformers for all the runs)."""
 
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,7 @@ def test_flags_given_tells_a_given_flag_from_a_default(tmp_path):
 
 
 def test_lengths_default_to_the_environment_and_a_disagreeing_flag_fails_before_generating(tmp_path, tokenizer_dir,
-                                                                                           caplog):
+                                                                                           caplog, capsys):
     env_file = tmp_path / "my_env.py"
     env_file.write_text(ENV_FILE)
     from transformers import AutoTokenizer
@@ -84,14 +85,16 @@ def test_lengths_default_to_the_environment_and_a_disagreeing_flag_fails_before_
     with pytest.raises(LengthContractError, match=r"--max_completion_length=16 .* whose max_new_tokens is 64"):
         resolve_limits(env, quickstart, {"max_completion_length"})
 
-    # Through the script: the error comes at start-up (no engine, no generation), naming both values.
-    with pytest.raises(LengthContractError, match="--max_seq_len=128 disagrees .* max_seq_len is 384"):
+    # Through the script: the error comes at start-up (no engine, no generation), one line naming both values.
+    with pytest.raises(SystemExit) as stopped:
         train_script.main(["--model", tokenizer_dir, "--env", str(env_file), "--max_seq_len", "128",
                            "--output_dir", str(tmp_path / "out")])
+    assert stopped.value.code == 2
+    assert re.search("error: --max_seq_len=128 disagrees .* max_seq_len is 384", capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
 
-def test_the_evaluation_environment_keeps_the_length_contract(tmp_path, tokenizer_dir):
+def test_the_evaluation_environment_keeps_the_length_contract(tmp_path, tokenizer_dir, capsys):
     """--eval_env: a limit it does not state takes the trainer's; a stated one must agree with a length flag given
     (an error at start-up naming --eval_env and --eval_env_args), and is its own when no flag is given."""
     from transformers import AutoTokenizer
@@ -100,9 +103,11 @@ def test_the_evaluation_environment_keeps_the_length_contract(tmp_path, tokenize
     env_file.write_text(ENV_FILE)
     evaluate = ["--model", tokenizer_dir, "--env", "reverse_text", "--eval_strategy", "steps", "--eval_steps", "1",
                 "--output_dir", str(tmp_path / "out")]
-    with pytest.raises(LengthContractError, match=r"The evaluation environment \(--eval_env\): --max_seq_len=128 "
-                                                  r"disagrees .* max_seq_len is 384.*--eval_env_args '\{\"max_seq_len"):
+    with pytest.raises(SystemExit) as stopped:
         train_script.main(evaluate + ["--eval_env", str(env_file), "--max_seq_len", "128"])
+    assert stopped.value.code == 2
+    assert re.search(r"error: The evaluation environment \(--eval_env\): --max_seq_len=128 disagrees .* max_seq_len "
+                     r"is 384.*--eval_env_args '\{\"max_seq_len", capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

@@ -160,6 +160,8 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     """The trainer, its environment and engine (``live``: RLTrainer's keywords beyond the config) and the config
     (parsed again when the environment's lengths change its defaults)."""
     check_environment_flags(script_args, config, flags_given(parser, argv, script_args, ENVIRONMENT_FLAGS))
+    if config.rollouts_path and config.eval_strategy == "no":
+        config.check_engine_knobs()  # this command builds no engine then
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)

@@ -540,11 +540,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                       self.importance_correction != "none")
         live = ("live generation from an environment (a replay of --rollouts_path generates nothing)",
                 not self.rollouts_path)
-        engine = ("an inference engine: live generation or evaluation (a replay of --rollouts_path without evaluation "
-                  "builds none)", not self.rollouts_path or self.eval_strategy != "no")
         enablers = {
             **{name: live for name in _LIVE_KNOBS},
-            **{name: engine for name in _ENGINE_KNOBS},
             "dr_grpo_horizon": ("--loss_type dr_grpo", self.loss_type == "dr_grpo"),
             "use_bias_correction_kl": ("the KL term (--beta > 0)", self.beta > 0),
             "ref_model_mixup_alpha": ("--sync_ref_model", self.sync_ref_model),
@@ -574,6 +571,15 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 raise ValueError(f"--{name} {getattr(self, name)} acts only with {enabler}, which this run does not "
                                  f"set: it would change nothing. Set it too, or leave --{name} out.")
 
+    def check_engine_knobs(self) -> None:
+        """For a run that builds no inference engine: refuse, naming it, an engine knob given (``ENGINE_KNOBS``)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        for name in ENGINE_KNOBS:
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"--{name} {getattr(self, name)} acts only with an inference engine: live generation "
+                                 "or evaluation; a replay of --rollouts_path without evaluation builds none, so it "
+                                 f"would change nothing. Leave --{name} out, or evaluate (--eval_steps N).")
+
     def _check_continuous_generation(self, curriculum: bool) -> None:
         """What --groups_in_flight N (continuous generation) does not combine with, refused by name."""
         why = {
@@ -599,8 +605,10 @@ TABLE_BACKENDS = ("tensorboard", "trackio", "wandb")
 # What only live generation reads, and what only an engine (live generation or evaluation) reads.
 _LIVE_KNOBS = ("shuffle_dataset", "max_rollout_retries", "max_failed_rollouts_fraction", "curriculum_window",
                "curriculum_pass_reward", "curriculum_set_aside_epochs")
-_ENGINE_KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "generation_timeout_s", "weight_sync_probe_tokens",
-                 "weight_sync_bucket_mb", "vllm_server_url")  # continuous_batching_rows: validate's own message
+# What only an inference engine reads: verifiers-rl train builds none for a replay without evaluation (RLTrainer's
+# caller may pass one beside a replay, so the command checks it: check_engine_knobs).
+ENGINE_KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "generation_timeout_s", "weight_sync_probe_tokens",
+                "weight_sync_bucket_mb", "vllm_server_url")  # continuous_batching_rows: validate's own message
 
 # GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.
 _SHOWN_TO_GRPO_CONFIG = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
