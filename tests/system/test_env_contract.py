@@ -5,7 +5,6 @@ The command's ``main`` runs in this process (one import of torch/transformers fo
 
 import logging
 import re
-from pathlib import Path
 
 import pytest
 import yaml
