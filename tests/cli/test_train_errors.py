@@ -67,6 +67,17 @@ def test_a_mixture_entrys_curriculum_beside_continuous_generation_is_refused(tin
                                             "curriculum (--env entries' curriculum: thresholds)")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--num_generations", "3"], "--num_generations 3 is not used by this run: a replay of --rollouts_path takes its "
+                                 "groups from the file"),
+    (["--max_completion_length", "8"], "--max_completion_length 8 is not used by this run: a replay of "
+                                       "--rollouts_path without evaluation samples nothing"),
+])
+def test_generation_sizes_beside_a_replay_are_refused(flags, message, tmp_path, capsys):
+    argv = ["--model", "tiny", "--output_dir", str(tmp_path), "--rollouts_path", "r.jsonl", "--max_steps", "1", *flags]
+    assert refusal(argv, capsys).startswith(message)
+
+
 def test_engine_knobs_beside_a_replay_are_refused_by_the_command_which_builds_no_engine():
     from verifiers_rl.config.rl_config import RLConfig
 

@@ -162,6 +162,8 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     check_environment_flags(script_args, config, flags_given(parser, argv, script_args, ENVIRONMENT_FLAGS))
     if config.rollouts_path and config.eval_strategy == "no":
         config.check_engine_knobs()  # this command builds no engine then
+    if config.rollouts_path:  # checked here: the command's defaults of these differ from RLConfig's
+        check_replay_flags(config, flags_given(parser, argv, config, ("num_generations", "max_completion_length")))
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)
@@ -212,6 +214,18 @@ def check_environment_flags(script_args: ScriptArguments, config: RLConfig, give
         if name in given and not reads[name]:
             raise ValueError(f"--{name} {getattr(script_args, name)} is not used by this run: {why[name]}. Leave "
                              "it out.")
+
+
+def check_replay_flags(config: RLConfig, given: set[str]) -> None:
+    """Refuse, in a replay, --num_generations (the file's groups are what they are) and, unless evaluation samples,
+    --max_completion_length (``given``: those set)."""
+    why = {"num_generations": "a replay of --rollouts_path takes its groups from the file"}
+    if config.eval_strategy == "no":
+        why["max_completion_length"] = "a replay of --rollouts_path without evaluation samples nothing"
+    unused = sorted(given & set(why))
+    if unused:
+        name = unused[0]
+        raise ValueError(f"--{name} {getattr(config, name)} is not used by this run: {why[name]}. Leave it out.")
 
 
 def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode: str, prepare):
