@@ -602,7 +602,7 @@ _SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_ti
 _EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold")
 # The --report_to backends that take completion tables (training/reporting.py).
 TABLE_BACKENDS = ("tensorboard", "trackio", "wandb")
-# What only live generation reads, and what only an engine (live generation or evaluation) reads.
+# What only live generation reads (a replay generates nothing).
 _LIVE_KNOBS = ("shuffle_dataset", "max_rollout_retries", "max_failed_rollouts_fraction", "curriculum_window",
                "curriculum_pass_reward", "curriculum_set_aside_epochs")
 # What only an inference engine reads: verifiers-rl train builds none for a replay without evaluation (RLTrainer's
