@@ -47,8 +47,7 @@ def test_every_builtin_runs_out_of_the_box(env, model, tmp_path, capsys, caplog,
 
 def parse(argv):
     parser = train_script.build_parser()
-    _, config = parser.parse_args_and_config(args=argv)
-    return parser, config
+    return parser, parser.parse_args_and_config(args=argv)  # (ScriptArguments, RLConfig)
 
 
 def test_flags_given_tells_a_given_flag_from_a_default(tmp_path):
@@ -60,9 +59,15 @@ def test_flags_given_tells_a_given_flag_from_a_default(tmp_path):
         ("--config", str(tmp_path / "run.yaml"), "--max_seq_len", "7"): {"max_seq_len", "max_completion_length"},
     }
     for argv, given in cases.items():
-        parser, config = parse(list(argv))
-        assert train_script.flags_given(parser, list(argv), config, LIMIT_FLAGS) == given, argv
+        parser, parsed = parse(list(argv))
+        assert train_script.flags_given(parser, list(argv), parsed, LIMIT_FLAGS) == given, argv
         assert parser.get_default("max_seq_len") == 128  # the probe put the defaults back
+    # One probe reads both halves of the parse: the script's flags (strings, None) and the config's.
+    argv = ["--env", "reverse_text", "--eval_env", "arithmetic", "--max_seq_len", "128"]
+    parser, parsed = parse(argv)
+    names = ("env", "env_args", "eval_env", "num_train_epochs", *LIMIT_FLAGS)
+    assert train_script.flags_given(parser, argv, parsed, names) == {"env", "eval_env", "max_seq_len"}
+    assert parser.get_default("env") == "reverse_text" and parser.get_default("eval_env") is None
 
 
 def test_lengths_default_to_the_environment_and_a_disagreeing_flag_fails_before_generating(tmp_path, tokenizer_dir,
@@ -115,7 +120,7 @@ def test_the_evaluation_environment_keeps_the_length_contract(tmp_path, tokenize
     def eval_env(argv):
         parser = train_script.build_parser()
         script_args, config = parser.parse_args_and_config(args=evaluate + argv)
-        given = train_script.flags_given(parser, evaluate + argv, config, LIMIT_FLAGS)
+        given = train_script.flags_given(parser, evaluate + argv, (script_args, config), LIMIT_FLAGS)
         inputs = train_script.evaluation_inputs(parser, script_args, config, tokenizer_dir, tokenizer, no_engine, given)
         return inputs["eval_environment"]
 

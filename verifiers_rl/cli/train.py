@@ -102,16 +102,17 @@ class ScriptArguments:
                                                                "loader (evaluating --env takes --env_args)."})
 
 
-def flags_given(parser: TrlParser, argv: list[str] | None, parsed, names) -> set[str]:
-    """The flags among ``names`` set on the command line or in the --config file (``parsed``, the ScriptArguments or
-    the RLConfig, is their parse): a parse with other defaults gives them the same values."""
+def flags_given(parser: TrlParser, argv: list[str] | None, parsed: tuple, names) -> set[str]:
+    """The flags among ``names`` set on the command line or in the --config file (``parsed``: their parse, the
+    ScriptArguments and the RLConfig): one parse with other defaults gives them the same values."""
     saved = {name: parser.get_default(name) for name in names}
     parser.set_defaults(**{name: _another(saved[name]) for name in names})
     try:
-        other = next(p for p in parser.parse_args_and_config(args=argv) if type(p) is type(parsed))
+        others = parser.parse_args_and_config(args=argv)
     finally:
         parser.set_defaults(**saved)
-    return {name for name in names if getattr(parsed, name) == getattr(other, name)}
+    return {name for name in names for mine, other in zip(parsed, others)
+            if name in mine.__dataclass_fields__ and getattr(mine, name) == getattr(other, name)}
 
 
 def _another(default):
@@ -159,16 +160,16 @@ def main(argv: list[str] | None = None) -> int:
 def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, config: RLConfig):
     """The trainer, its environment and engine (``live``: RLTrainer's keywords beyond the config) and the config
     (parsed again when the environment's lengths change its defaults)."""
-    check_environment_flags(script_args, config, flags_given(parser, argv, script_args, ENVIRONMENT_FLAGS))
+    # num_generations only in a replay: live, RLConfig checks it against rollouts_per_step, which a probe value fails.
+    given = flags_given(parser, argv, (script_args, config),
+                        GIVEN_FLAGS + (("num_generations",) if config.rollouts_path else ()))
     if config.rollouts_path and config.eval_strategy == "no":
         config.check_engine_knobs()  # this command builds no engine then
-    if config.rollouts_path:  # checked here: the command's defaults of these differ from RLConfig's
-        check_replay_flags(config, flags_given(parser, argv, config, ("num_generations", "max_completion_length")))
+    check_unread_flags(script_args, config, given)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)
     live = {}
-    given = flags_given(parser, argv, config, LIMIT_FLAGS)
     if not config.rollouts_path:
         current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
         environment, lengths = load_prepared(
@@ -180,7 +181,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
             # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
             parser.set_defaults(**lengths)
             script_args, config = parser.parse_args_and_config(args=argv)
-        if config.max_steps <= 0 and not flags_given(parser, argv, config, ["num_train_epochs"]):
+        if config.max_steps <= 0 and "num_train_epochs" not in given:
             config.max_steps = QUICKSTART_LIVE_STEPS
         # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
         engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
@@ -195,37 +196,33 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
 
 
 ENVIRONMENT_FLAGS = ("env", "env_args", "tool_mode", "eval_env", "eval_env_args")
+# The flags whose being set (not only their value) matters here: those the command's defaults differ on included.
+GIVEN_FLAGS = (*ENVIRONMENT_FLAGS, "num_train_epochs", *LIMIT_FLAGS)
 
 
-def check_environment_flags(script_args: ScriptArguments, config: RLConfig, given: set[str]) -> None:
-    """Refuse an environment flag (``given``: those set) that this run would not read: --env's without live
-    generation or an evaluation of --env, --eval_env's without evaluation, --eval_env_args without --eval_env."""
-    evaluating = config.eval_strategy != "no"
-    reads = {"eval_env": evaluating, "eval_env_args": evaluating and script_args.eval_env is not None,
-             "tool_mode": not config.rollouts_path or evaluating}
-    reads["env"] = reads["env_args"] = not config.rollouts_path or (evaluating and script_args.eval_env is None)
-    why = {"env": "a replay of --rollouts_path generates nothing, and no evaluation rolls --env out",
-           "env_args": "--env is not loaded: a replay of --rollouts_path generates nothing, and no evaluation rolls "
-                       "--env out",
-           "tool_mode": "a replay of --rollouts_path generates nothing, and nothing is evaluated",
-           "eval_env": "no evaluation runs (--eval_strategy steps or epoch, or --eval_steps N, turns it on)",
-           "eval_env_args": "it is --eval_env's (evaluation of --env takes --env_args), and needs evaluation on"}
-    for name in ENVIRONMENT_FLAGS:
-        if name in given and not reads[name]:
-            raise ValueError(f"--{name} {getattr(script_args, name)} is not used by this run: {why[name]}. Leave "
-                             "it out.")
-
-
-def check_replay_flags(config: RLConfig, given: set[str]) -> None:
-    """Refuse, in a replay, --num_generations (the file's groups are what they are) and, unless evaluation samples,
-    --max_completion_length (``given``: those set)."""
-    why = {"num_generations": "a replay of --rollouts_path takes its groups from the file"}
-    if config.eval_strategy == "no":
-        why["max_completion_length"] = "a replay of --rollouts_path without evaluation samples nothing"
-    unused = sorted(given & set(why))
-    if unused:
-        name = unused[0]
-        raise ValueError(f"--{name} {getattr(config, name)} is not used by this run: {why[name]}. Leave it out.")
+def check_unread_flags(script_args: ScriptArguments, config: RLConfig, given: set[str]) -> None:
+    """Refuse a flag (``given``: those set) that this run would not read: --env's without live generation or an
+    evaluation of --env, --eval_env's without evaluation, --eval_env_args without --eval_env; in a replay,
+    --num_generations (the file's groups are what they are) and, unless evaluation samples, --max_completion_length."""
+    evaluating, replay = config.eval_strategy != "no", bool(config.rollouts_path)
+    loads_env = not replay or (evaluating and script_args.eval_env is None)
+    reads = {  # flag: (read by this run, why not)
+        "env": (loads_env, "a replay of --rollouts_path generates nothing, and no evaluation rolls --env out"),
+        "env_args": (loads_env, "--env is not loaded: a replay of --rollouts_path generates nothing, and no "
+                                "evaluation rolls --env out"),
+        "tool_mode": (not replay or evaluating, "a replay of --rollouts_path generates nothing, and nothing is "
+                                                "evaluated"),
+        "eval_env": (evaluating, "no evaluation runs (--eval_strategy steps or epoch, or --eval_steps N, turns it on)"),
+        "eval_env_args": (evaluating and script_args.eval_env is not None,
+                          "it is --eval_env's (evaluation of --env takes --env_args), and needs evaluation on"),
+        "num_generations": (not replay, "a replay of --rollouts_path takes its groups from the file"),
+        "max_completion_length": (not replay or evaluating,
+                                  "a replay of --rollouts_path without evaluation samples nothing"),
+    }
+    for name, (read, why) in reads.items():
+        if name in given and not read:
+            value = getattr(script_args if name in ENVIRONMENT_FLAGS else config, name)
+            raise ValueError(f"--{name} {value} is not used by this run: {why}. Leave it out.")
 
 
 def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode: str, prepare):
@@ -244,8 +241,9 @@ def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode:
     if env_args:
         parser.error(f"{flag}_args acts on one environment; a mixture's entries take their own: "
                      f"{flag} '[{{\"env\": ..., \"env_args\": {json.dumps(env_args)}}}]'.")
-    if flag == "--eval_env" and steering_keys(entries):
-        raise ValueError(f"--eval_env entries' {' and '.join(steering_keys(entries))} steer training's draws; "
+    steering = steering_keys(entries) if flag == "--eval_env" else []
+    if steering:
+        raise ValueError(f"--eval_env entries' {' and '.join(steering)} steer training's draws; "
                          "evaluation rolls out every entry's held-out rows, so they would change nothing. Leave "
                          "them out of --eval_env.")
     resolved = []
