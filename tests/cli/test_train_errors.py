@@ -40,6 +40,15 @@ def test_a_flag_the_run_would_not_read_is_refused_before_anything_loads(flags, m
     assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys).startswith(message)
 
 
+@pytest.mark.parametrize("evaluation", [[], ["--eval_steps", "1", "--eval_num_examples", "2", "--eval_env", "arithmetic"]])
+def test_a_tool_mode_no_environment_reads_is_refused(evaluation, tiny_model_dir, tmp_path, capsys):
+    # Only tool environments read --tool_mode (tests/envs/test_tools.py: calculator does); neither of these has tools.
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--env", "reverse_text", "--tool_mode",
+            "text", *evaluation]
+    assert refusal(argv, capsys).startswith("--tool_mode text is not used by this run: no environment it loads "
+                                            "renders tools")
+
+
 @pytest.mark.parametrize("env_args, message", [
     ({"num_examples": "ten"}, "--env reverse_text: 'str' object cannot be interpreted as an integer (a TypeError "
                               "while loading it: is an argument in --env_args"),

@@ -108,6 +108,28 @@ def test_tool_modes_template_text_and_auto(tokenizer, tool_tokenizer, caplog):
         ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[undocumented])
 
 
+def test_default_tool_mode_records_what_read_it(tokenizer):
+    """--tool_mode is refused where nothing reads it: the block names the tool environments built inside it (a
+    nested load's too), none for an environment without tools, none for a ToolEnv given its own mode."""
+    from verifiers_rl.envs import load_environment
+    from verifiers_rl.envs.mixture import load_mixture, parse_entries
+
+    with default_tool_mode("text") as readers:
+        load_environment("reverse_text", tokenizer=tokenizer, tool_mode="text")
+    assert readers == []
+    with default_tool_mode("text") as readers:
+        ToolEnv([{"question": "q"}], Rubric(), tokenizer, tools=[add], tool_mode="text")
+    assert readers == []
+    with default_tool_mode("text") as readers:
+        calculator = load_environment("calculator", tokenizer=tokenizer, tool_mode="text")
+    assert calculator.tool_mode == "text" and len(readers) == 1
+    entries = parse_entries('[{"env": "reverse_text"}, {"env": "calculator"}]', "--env")
+    with default_tool_mode("text") as readers:
+        load_mixture(entries, lambda entry: load_environment(entry.env, tokenizer=tokenizer, tool_mode="text"),
+                     lambda env, entry: None, "--env")
+    assert len(readers) == 1
+
+
 def test_text_mode_tool_env_runs_tools_from_the_text(tokenizer):
     """The tiny tokenizer's template has no tool support: calls are still read from the sampled text, results come
     back as tool messages (environment tokens), and the trained ids are the sampled ids."""

@@ -39,7 +39,7 @@ from verifiers_rl.envs.loading import keyword_arguments, loader_errors_named
 from verifiers_rl.envs.limits import LIMIT_FLAGS
 from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries, steering_keys
 from verifiers_rl.envs.prepare import prepare_environment
-from verifiers_rl.envs.tools import TOOL_MODES
+from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.core.models import load_tokenizer, resolve_model
 from verifiers_rl.training.preemption import TrainingPreempted
@@ -90,7 +90,8 @@ class ScriptArguments:
         default="auto",
         metadata={"help": "How tool environments show tools to the model: 'template' (the chat template's tool "
                   "support), 'text' (described in the system prompt, calls parsed from the text), or 'auto' (the "
-                  "template if it shows tools, else text).", "choices": list(TOOL_MODES)},
+                  "template if it shows tools, else text). Refused where the run loads no tool environment (a ToolEnv, or a verifiers environment, whose rollouts may bring tools).",
+                  "choices": list(TOOL_MODES)},
     )
     eval_env: str | None = field(
         default=None,
@@ -170,24 +171,28 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     model = resolve_model(script_args.model)
     tokenizer = load_tokenizer(model)
     live = {}
-    if not config.rollouts_path:
-        current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
-        environment, lengths = load_prepared(
-            parser, script_args.env, env_args, "--env", tokenizer, script_args.tool_mode,
-            lambda env, args_flag, context: prepare_environment(
-                env, chat_template_kwargs=config.chat_template_kwargs, lengths=current, given=given,
-                holdout=config.eval_holdout, seed=config.seed, args_flag=args_flag, context=context))
-        if lengths != current:
-            # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
-            parser.set_defaults(**lengths)
-            script_args, config = parser.parse_args_and_config(args=argv)
-        if config.max_steps <= 0 and "num_train_epochs" not in given:
-            config.max_steps = QUICKSTART_LIVE_STEPS
-        # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
-        engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
-        live = {"environment": environment, "engine": engine}
-    live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live, given))
+    with default_tool_mode(script_args.tool_mode) as tool_mode_readers:
+        if not config.rollouts_path:
+            current = {flag: getattr(config, flag) for flag in LIMIT_FLAGS}
+            environment, lengths = load_prepared(
+                parser, script_args.env, env_args, "--env", tokenizer, script_args.tool_mode,
+                lambda env, args_flag, context: prepare_environment(
+                    env, chat_template_kwargs=config.chat_template_kwargs, lengths=current, given=given,
+                    holdout=config.eval_holdout, seed=config.seed, args_flag=args_flag, context=context))
+            if lengths != current:
+                # Parsed again so that what derives from the lengths (the packed micro-batch budget) follows them.
+                parser.set_defaults(**lengths)
+                script_args, config = parser.parse_args_and_config(args=argv)
+            if config.max_steps <= 0 and "num_train_epochs" not in given:
+                config.max_steps = QUICKSTART_LIVE_STEPS
+            # The engine (its own copy of the weights, or a client of a server) lives on the main process only.
+            engine = build_engine(config, model, tokenizer) if config.process_index == 0 else None
+            live = {"environment": environment, "engine": engine}
+        live.update(evaluation_inputs(parser, script_args, config, model, tokenizer, live, given))
     try:
+        if script_args.tool_mode != "auto" and not tool_mode_readers:
+            raise ValueError(f"--tool_mode {script_args.tool_mode} is not used by this run: no environment it loads "
+                             "renders tools (ToolEnv and verifiers environments read it). Leave it out.")
         return RLTrainer(model=model, args=config, processing_class=tokenizer, **live), live, config
     except ValueError:
         if live.get("engine") is not None:

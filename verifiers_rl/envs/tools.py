@@ -21,22 +21,36 @@ logger = logging.getLogger(__name__)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_MODES = ("auto", "template", "text")
 _DEFAULT_TOOL_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("verifiers_rl_tool_mode", default="auto")
+# The readers of the innermost default_tool_mode block (None outside one): "was --tool_mode used at all?"
+_TOOL_MODE_READERS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("verifiers_rl_tool_mode_readers",
+                                                                                      default=None)
 
 
 @contextlib.contextmanager
 def default_tool_mode(mode: str):
-    """Tool environments built inside this block default to ``mode`` (how ``--tool_mode`` reaches any loader)."""
+    """Tool environments built inside this block default to ``mode`` (how ``--tool_mode`` reaches any loader).
+    Yields the names of what read the mode inside (``current_tool_mode``; a nested block's readers included): empty
+    when nothing built there renders tools."""
     if mode not in TOOL_MODES:
         raise ValueError(f"Unknown tool mode {mode!r}; expected one of {', '.join(TOOL_MODES)} (--tool_mode).")
-    token = _DEFAULT_TOOL_MODE.set(mode)
+    readers: list[str] = []
+    token, readers_token = _DEFAULT_TOOL_MODE.set(mode), _TOOL_MODE_READERS.set(readers)
     try:
-        yield
+        yield readers
     finally:
         _DEFAULT_TOOL_MODE.reset(token)
+        _TOOL_MODE_READERS.reset(readers_token)
+        outer = _TOOL_MODE_READERS.get()
+        if outer is not None:
+            outer.extend(readers)
 
 
-def current_tool_mode() -> str:
-    """The tool mode tool environments built now default to (``default_tool_mode``; ``auto`` outside one)."""
+def current_tool_mode(reader: str = "") -> str:
+    """The tool mode tool environments built now default to (``default_tool_mode``; ``auto`` outside one); the
+    block records ``reader`` as having read it."""
+    readers = _TOOL_MODE_READERS.get()
+    if readers is not None:
+        readers.append(reader)
     return _DEFAULT_TOOL_MODE.get()
 
 
@@ -64,7 +78,7 @@ class ToolRenderer:
 
     def __init__(self, tokenizer: Any, schemas: Sequence[dict[str, Any]], mode: str | None = None, name: str = "ToolEnv",
                  chat_template_kwargs: dict[str, Any] | None = None):
-        mode = _DEFAULT_TOOL_MODE.get() if mode is None else mode
+        mode = current_tool_mode(name) if mode is None else mode
         if mode not in TOOL_MODES:
             raise ValueError(f"{name}: unknown tool_mode {mode!r}; expected one of {', '.join(TOOL_MODES)} (--tool_mode).")
         self.tokenizer = tokenizer

@@ -99,7 +99,7 @@ class VerifiersEnv(Environment):
             )
         self.vf_env = vf_env
         self.model_name = model_name
-        self.tool_mode = tool_mode or current_tool_mode()
+        self.tool_mode = tool_mode or current_tool_mode(name)  # tools may come with a rollout's state
         sampling_args = dict(getattr(vf_env, "sampling_args", None) or {})
         stated_new = sampling_args.get("max_tokens") or sampling_args.get("max_completion_tokens")
         self.unstated_limits = frozenset(
