@@ -171,7 +171,7 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
                             env=launch_env(threads=None), capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
+    assert last.startswith(f"verifiers-rl eval: error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
 
 
 def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine_flags_beside_one(

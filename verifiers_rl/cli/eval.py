@@ -25,6 +25,7 @@ from pathlib import Path
 from verifiers_rl.core.engine import SamplingConfig
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 
+PROG = "verifiers-rl eval"  # as argparse prefixes its usage errors: every error line starts the same way
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
 
 
@@ -61,7 +62,7 @@ def check_model_folder(path: Path, tokenizer: bool = True) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="verifiers-rl eval", description=__doc__.split("\n\n")[0],
+        prog=PROG, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2",
@@ -250,10 +251,10 @@ def cli(argv: list[str] | None = None) -> int:
     try:
         return main(argv)
     except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
     except EvaluationTimeout as error:  # not a usage error: the environment or the engine is stuck
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
 
 
