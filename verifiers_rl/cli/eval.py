@@ -43,7 +43,8 @@ def check_model_folder(path: Path, tokenizer: bool = True) -> None:
     if not path.is_dir():
         raise ModelFolderError(f"--model {str(path)!r}: no such folder.")
     if not any(any(path.glob(pattern)) for pattern in WEIGHT_FILES):
-        checkpoints = sorted(path.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1)
+        step = lambda p: int(p.name.split("-")[-1]) if p.name.split("-")[-1].isdigit() else -1  # noqa: E731
+        checkpoints = sorted(path.glob("checkpoint-*"), key=step)
         if any(path.glob("global_step*")):
             hint = ("it holds DeepSpeed ZeRO-3 shards only (global_step*/). Save whole weights with "
                     "\"stage3_gather_16bit_weights_on_model_save\": true in the DeepSpeed config (accelerate_configs/"
@@ -56,7 +57,8 @@ def check_model_folder(path: Path, tokenizer: bool = True) -> None:
         raise ModelFolderError(f"--model {str(path)!r} has no model weights to evaluate: {hint}")
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         raise ModelFolderError(f"--model {str(path)!r} has weights but no config.json.")
-    if tokenizer and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if tokenizer and not any((path / f).is_file() for f in tokenizer_files):
         raise ModelFolderError(f"--model {str(path)!r} has no tokenizer; pass --tokenizer (e.g. the base model).")
 
 
@@ -66,13 +68,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", default="smollm2",
-                        help="A folder (a trained --output_dir or any checkpoint-N in it), 'smollm2', 'tiny', or a hub id.")
+                        help="A folder (a trained --output_dir or any checkpoint-N in it), 'smollm2', 'tiny', or a "
+                             "hub id.")
     parser.add_argument("--tokenizer", default=None, help="Tokenizer folder or id; default: the model's.")
-    parser.add_argument("--env", default="reverse_text", help="A built-in name, 'pkg.module:function', a .py file, or a verifiers 0.4 (v1) "
-                        "environment module (as --env of examples/train.py). Several: a mixture, as training's --env: "
-                        "a JSON list of entries {\"env\": ..., \"env_args\": {...}, \"name\": ...}, or a .yaml file "
-                        "holding that list or a training --config (only its env: list is read); each entry's held-out "
-                        "rows are evaluated and reported on their own and together.")
+    parser.add_argument("--env", default="reverse_text",
+                        help="A built-in name, 'pkg.module:function', a .py file, or a verifiers 0.4 (v1) environment "
+                             "module (as training's --env). Several: a mixture, as training's --env: a JSON list of "
+                             "entries {\"env\": ..., \"env_args\": {...}, \"name\": ...}, or a .yaml file holding that "
+                             "list or a training --config (only its env: list is read); each entry's held-out rows are "
+                             "evaluated and reported on their own and together.")
     parser.add_argument("--env_args", default="{}", help="JSON keyword arguments for the environment's loader.")
     parser.add_argument("--chat_template_kwargs", default="{}",
                         help="JSON variables for the chat template, as training's --chat_template_kwargs "
@@ -89,9 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pass_threshold", type=float, default=1.0, help="A sample passes when its reward is >= this.")
     parser.add_argument("--holdout", type=int, default=0,
                         help="Evaluate N training rows held out by a --seed shuffle (what --eval_holdout N holds out).")
-    parser.add_argument("--seed", type=int, default=42, help="Seeds the samples (and --holdout); 42 is the trainer's default.")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="Seeds the samples (and --holdout); 42 is the trainer's default.")
     parser.add_argument("--output", default=None, help="Write one JSON line per rollout here.")
-    parser.add_argument("--max_batch_size", type=int, default=64, help="Most rollouts per generate call (embedded engine).")
+    parser.add_argument("--max_batch_size", type=int, default=64,
+                        help="Most rollouts per generate call (embedded engine).")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="The embedded engine's precision (a vLLM server has its own: vllm-serve --dtype).")
     parser.add_argument("--vllm_server_url", default=None, help="Generate through this vLLM server (serving --model).")
@@ -193,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = resolve_model(args.model)
     if Path(model).exists() or args.model.startswith((".", "/", "~")):
-        check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)  # before the slow imports: a wrong path fails at once
+        # Before the slow imports: a wrong path fails at once.
+        check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)
     from verifiers_rl.envs import load_environment
     from verifiers_rl.envs.loading import loader_errors_named
     from verifiers_rl.envs.mixture import load_mixture
@@ -216,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # each entry on its own, as training loads a mixture (--holdout: N rows of each)
             environment = load_mixture(args.entries, lambda entry: load_environment(
                 entry.env, tokenizer=tokenizer, **entry.env_args), prepare, "--env")
-    settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold, args.seed,
-                            args.generation_timeout_s)
+    settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold,
+                            args.seed, args.generation_timeout_s)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
