@@ -21,8 +21,8 @@ printed: how many requests drew identical tokens (the same seeds; a row's float 
 Decode step: one forward of the running rows' newest tokens; each row's first token comes from its prompt's forward,
 on both sides. ``continuous`` counts its steps and rows (``RunningBatchStats.rows_per_step``); for ``batch`` they
 follow from the lengths (a batch steps until its longest row ends, row r runs in its first length_r - 1 steps).
-Occupancy: mean rows per decode step. The trainer's generator does not use continuous batching yet: this measures
-the engine alone.
+Occupancy: mean rows per decode step. This measures the engine alone; through the trainer (``--groups_in_flight``
+with ``--continuous_batching_rows``) see ``long_tail.py``.
 
     PYTHONPATH=. .venv/bin/python benchmarks/continuous_batching.py           # SmolLM2-135M, 64 requests, 3 repeats
     PYTHONPATH=. .venv/bin/python benchmarks/continuous_batching.py --quick   # a smoke test (tiny model), under a minute

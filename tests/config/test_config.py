@@ -107,7 +107,7 @@ _ENABLER_OFF = {
     "num_completions_to_print": {"print_samples_every": 0},
     "max_tokens_per_microbatch": {"micro_batching": "padded", "share_prompt_training": "off"},
     **{knob: {"rollouts_path": "r.jsonl"} for knob in ("shuffle_dataset", "max_rollout_retries",
-                                                       "curriculum_pass_reward")},
+                                                       "curriculum_pass_reward", "max_off_policy_steps")},
 }
 
 
@@ -124,6 +124,7 @@ _ENABLER_OFF = {
     ("use_bias_correction_kl", False, "the KL term", {"beta": 0.1}),
     ("shuffle_dataset", False, "live generation", {}),
     ("max_rollout_retries", 5, "live generation", {}),
+    ("max_off_policy_steps", 0, "live generation", {}),  # a replay trains the file's batches as they come
     ("curriculum_pass_reward", 0.5, "live generation", {"curriculum_easy_above": 0.9}),
     ("ref_model_sync_steps", 64, "--sync_ref_model", {"beta": 0.1, "sync_ref_model": True}),
     ("importance_cap", 3.0, "an importance correction", {"importance_correction": "token_mask"}),

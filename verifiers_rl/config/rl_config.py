@@ -178,7 +178,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     )
     max_off_policy_steps: Annotated[int, NON_NEGATIVE] = field(
         default=1,
-        metadata={"help": "k: generation runs up to k optimizer steps ahead of training (0 = synchronous)."},
+        metadata={"help": "k: generation runs up to k optimizer steps ahead of training (0 = synchronous). A replay of "
+                          "--rollouts_path generates nothing: refused there."},
     )
     groups_in_flight: Annotated[int, NON_NEGATIVE] = field(
         default=0,
@@ -604,7 +605,7 @@ _EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature
 TABLE_BACKENDS = ("tensorboard", "trackio", "wandb")
 # What only live generation reads (a replay generates nothing).
 _LIVE_KNOBS = ("shuffle_dataset", "max_rollout_retries", "max_failed_rollouts_fraction", "curriculum_window",
-               "curriculum_pass_reward", "curriculum_set_aside_epochs")
+               "curriculum_pass_reward", "curriculum_set_aside_epochs", "max_off_policy_steps")
 # What only an inference engine reads: verifiers-rl train builds none for a replay without evaluation (RLTrainer's
 # caller may pass one beside a replay, so the command checks it: check_engine_knobs).
 ENGINE_KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "generation_timeout_s", "weight_sync_probe_tokens",
