@@ -277,6 +277,25 @@ class DeviceSetupHooks:
         self.__dict__["_distributed_state"] = value
 
 
+def point_at_published_best(trainer, run_dir: str, root: str) -> None:
+    """HF looks for the best checkpoint (``best_global_step``'s) under the folder it wrote to, our partial root
+    (``TrainerHooks._save_checkpoint``): point ``best_model_checkpoint`` at its published place instead (this step's
+    once renamed), in the state and in the trainer_state.json just written, so that rotation keeps it and
+    ``load_best_model_at_end`` finds it."""
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    state = trainer.state
+    if not state.best_global_step:
+        return
+    best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+    if state.best_global_step != state.global_step and not os.path.isdir(best):
+        return  # an earlier step that was never saved (a save_steps between): nothing to point at
+    state.best_model_checkpoint = best
+    if trainer.args.should_save:
+        state.save_to_json(os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", TRAINER_STATE_NAME))
+
+
 class TrainerHooks:
     """The HF ``Trainer`` private methods ``RLTrainer`` overrides (a mixin before ``GRPOTrainer``), in one place.
 
@@ -303,9 +322,10 @@ class TrainerHooks:
                 super(TrainerHooks, self)._save_checkpoint(model, trial)
             finally:
                 self._checkpoint_root = None
+            point_at_published_best(self, run_dir, root)
 
         run_dir = super()._get_output_dir(trial)
-        self.checkpoints.save(run_dir, self.state.global_step, write_hf, self.state.best_model_checkpoint)
+        self.checkpoints.save(run_dir, self.state.global_step, write_hf, lambda: self.state.best_model_checkpoint)
 
     # HF reads its files and DeepSpeed's in these three: each as data, a crafted one refused by name.
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

@@ -106,6 +106,8 @@ _ENABLER_OFF = {
     "importance_cap_min": {"importance_correction": "none"},
     "num_completions_to_print": {"print_samples_every": 0},
     "max_tokens_per_microbatch": {"micro_batching": "padded", "share_prompt_training": "off"},
+    # HF's own check comes first where checkpoints are saved by steps but never evaluated (its message names both).
+    "load_best_model_at_end": {"save_strategy": "no"},
     **{knob: {"rollouts_path": "r.jsonl"} for knob in ("shuffle_dataset", "max_rollout_retries",
                                                        "curriculum_pass_reward", "max_off_policy_steps")},
 }
@@ -132,12 +134,28 @@ _ENABLER_OFF = {
     ("importance_sequence_log_ratio", "sum", "a sequence-level correction", {"importance_correction": "sequence_mask"}),
     ("num_completions_to_print", 2, "sample printing", {"print_samples_every": 5}),
     ("max_tokens_per_microbatch", 2048, "packed rows", {"micro_batching": "padded", "share_prompt_training": "on"}),
+    ("load_best_model_at_end", True, "evaluation", {"eval_steps": 2}),
+    ("metric_for_best_model", "pass@1", "evaluation", {"eval_steps": 2}),
+    ("greater_is_better", False, "a best-checkpoint metric", {"eval_steps": 2, "metric_for_best_model": "pass@1"}),
 ])
 def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, value, enabler, enabled):
     off = _ENABLER_OFF.get(knob, {})  # the others' enablers are off by default
     with pytest.raises(ValueError, match=rf"^--{knob} {value} acts only with {enabler}.*it would change nothing"):
         vllm_config(**{knob: value}, **off)
     assert getattr(vllm_config(**{knob: value}, **enabled), knob) == value  # with it, the knob is taken
+
+
+def test_best_checkpoint_settings_name_what_our_evaluation_logs():
+    with pytest.raises(ValueError, match=r"^--save_strategy best saves a checkpoint when an evaluation finds a new "
+                                         r"best --metric_for_best_model; this run does not evaluate"):
+        vllm_config(save_strategy="best")
+    # Unset, the metric is the evaluation's mean reward (HF's default, the eval loss, is never computed here), and
+    # tensorboard's name for a metric (eval/...) is the metric's.
+    assert vllm_config(save_strategy="best", eval_steps=2).metric_for_best_model == "reward"
+    best = vllm_config(load_best_model_at_end=True, eval_steps=2)
+    assert (best.metric_for_best_model, best.greater_is_better) == ("reward", True)
+    assert vllm_config(metric_for_best_model="eval/pass@1", eval_steps=2).metric_for_best_model == "pass@1"
+    assert vllm_config(eval_steps=2).metric_for_best_model is None  # nothing asked for a best checkpoint
 
 
 def test_bf16_stays_off_with_use_cpu_where_a_gpu_is(monkeypatch):

@@ -219,8 +219,8 @@ def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_our
     assert RLConfig(report_to="none", eval_steps=3, **common).eval_strategy == "steps"
     with pytest.raises(ValueError, match="log_completions_steps must be >= 0"):
         RLConfig(report_to="none", log_completions_steps=-1, **common)
-    # Tables with no backend to show them would go nowhere: refused (TRL's flag as ours).
-    for flags in ({"log_completions_steps": 5}, {"log_completions": True}):
-        with pytest.raises(ValueError, match=r"^--log_completions_steps 5 acts only with a --report_to backend that "
-                                             r"shows tables"):
+    # Tables with no backend to show them would go nowhere: refused, naming the flag given (TRL's or ours).
+    for flags, named in (({"log_completions_steps": 5}, "--log_completions_steps 5"),
+                         ({"log_completions": True}, "--log_completions")):
+        with pytest.raises(ValueError, match=rf"^{named} acts only with a --report_to backend that shows tables"):
             RLConfig(report_to="none", **flags, **common)

@@ -33,13 +33,47 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "vLLM server": ("vllm_server_url", "vllm_server_timeout", "vllm_max_concurrency", "vllm_request_timeout_s",
                     "vllm_max_retries", "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer",
                     "vllm_weight_transfer_address"),
-    "Checkpoints": ("output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint"),
+    "Checkpoints": ("output_dir", "save_strategy", "save_steps", "save_total_limit", "resume_from_checkpoint",
+                    "metric_for_best_model", "greater_is_better", "load_best_model_at_end"),
     "Evaluation": ("eval_env", "eval_env_args", "eval_strategy", "eval_steps", "eval_num_examples",
                    "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold", "eval_holdout"),
     "Logging": ("logging_steps", "report_to", "run_name", "print_samples_every", "num_completions_to_print",
                 "log_completions", "log_completions_steps"),
 }
 OTHER = "Other TrainingArguments / GRPOConfig fields (docs/trl.md says what each does here)"
+
+# Inherited fields whose upstream help describes TRL's or transformers' trainer, not what the field does here.
+HELP_HERE: dict[str, str] = {
+    "generation_kwargs": "JSON object of sampling settings, each overriding its field (--temperature the trainer's "
+                         "log-prob temperature too): temperature, top_p, top_k, min_p, repetition_penalty, which both "
+                         "engines honour exactly; any other key is refused by name.",
+    "epsilon_high": "Upper clip of the PPO ratio, 1 + epsilon_high (DAPO's clip-higher: 0.28); default: --epsilon.",
+    "save_strategy": "When to write a checkpoint: 'no', 'steps' (every --save_steps), 'epoch', or 'best' (when an "
+                     "evaluation finds a new best --metric_for_best_model; needs evaluation). SIGTERM or Ctrl-C "
+                     "writes one whatever this says.",
+    "save_total_limit": "Most checkpoints kept in --output_dir, the oldest deleted first; the newest (to resume "
+                        "from) and the best (--metric_for_best_model) are always kept.",
+    "resume_from_checkpoint": "Resume from this checkpoint folder, 'latest' (the newest intact checkpoint-N in "
+                              "--output_dir) or 'auto' (latest, or a fresh start where there is none): the resumed "
+                              "run ends with the uninterrupted run's parameters.",
+    "metric_for_best_model": "The evaluation metric that picks the best checkpoint (--save_strategy best, "
+                             "--load_best_model_at_end; rotation keeps it): reward, pass@k, rewards/<function>, "
+                             "... as evaluation logs them (an eval/ prefix is allowed). Default with those two: "
+                             "reward. Needs evaluation.",
+    "greater_is_better": "Whether a larger --metric_for_best_model is better; default: yes unless its name ends in "
+                         "loss.",
+    "load_best_model_at_end": "At the end, load the best checkpoint's weights (--metric_for_best_model), which the "
+                              "final save writes. Needs evaluation, and checkpoints at evaluation steps "
+                              "(--save_strategy best, or the same strategy as evaluation and --save_steps a "
+                              "multiple of --eval_steps).",
+    "eval_steps": "Evaluate every N optimizer steps; given alone, it turns evaluation on (--eval_strategy steps). "
+                  "With --eval_strategy steps and no N: every --logging_steps. A float below 1: that fraction of "
+                  "the run's steps.",
+    "log_completions": "TRL's switch: --log_completions_steps set to --logging_steps (tables of the trained batch "
+                       "to the --report_to backends that show them).",
+    "num_completions_to_print": "Sample completions (with rewards) each --print_samples_every print prints; "
+                                "default: 3.",
+}
 
 
 class SectionedParser(TrlParser):
@@ -49,6 +83,7 @@ class SectionedParser(TrlParser):
         from verifiers_rl.config.rl_config import config_ranges
 
         action = super().add_argument(*args, **kwargs)
+        action.help = HELP_HERE.get(action.dest, action.help)
         allowed = config_ranges().get(action.dest)
         if allowed is not None and action.help:  # the range validate checks, as docs/config.md lists it
             action.help = f"{action.help} Range: {allowed}."
@@ -144,6 +179,7 @@ def markdown() -> str:
         "reference mix's without `sync_ref_model`, the importance caps without a correction and",
         "`importance_sequence_log_ratio` without a sequence-level one, `num_completions_to_print` without",
         "`print_samples_every`, `log_completions_steps` without a `report_to` backend that shows tables,",
+        "`greater_is_better` without a best-checkpoint metric,",
         "`max_tokens_per_microbatch` with padded rows and no prompt sharing; in a replay,",
         "what only live generation reads, and the sampling and engine knobs unless evaluation runs) is refused",
         "when that setting is off: it would change nothing.",
@@ -155,7 +191,8 @@ def markdown() -> str:
             f = all_fields[name]
             default = f.default if f.default_factory is MISSING else f.default_factory()
             command = f"`{QUICKSTART[name]}`" if name in QUICKSTART and QUICKSTART[name] != default else ""
-            text = " ".join(str(f.metadata.get("help", "")).split()).replace("%%", "%").replace("|", "\\|")
+            text = HELP_HERE.get(name) or str(f.metadata.get("help", ""))
+            text = " ".join(text.split()).replace("%%", "%").replace("|", "\\|")
             lines.append(f"| `{name}` | {_default_text(default)} | {command} | {_range_text(name, choices)} | {text} |")
     placed = {name for names in SECTIONS.values() for name in names}
     others = sorted(name for name in all_fields if name not in placed and not name.startswith("_"))

@@ -433,6 +433,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             # TRL's completion logging reads buffers only its own generation fills; ours logs the batch instead.
             self.log_completions_steps = self.log_completions_steps or max(int(self.logging_steps), 1)
             self.log_completions = False
+            self._completions_flag = "log_completions"  # what a refusal of log_completions_steps names
+        self._best_checkpoint_metric()
         given = {name: getattr(self, name) for name in _SHOWN_TO_GRPO_CONFIG}
         # GRPOConfig sizes its own generation batch from GA and checks it against num_generations; that batch is
         # not ours (nor is its evaluation batch: evaluation.py samples per prompt itself), so give its checks values
@@ -454,6 +456,21 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         if self.max_tokens_per_microbatch is None:
             self.max_tokens_per_microbatch = 4 * self.max_seq_len
         self.validate()
+
+    def _best_checkpoint_metric(self) -> None:
+        """The metric HF's best-checkpoint tracking reads (``metric_for_best_model``) named as our evaluation logs it:
+        ``eval/reward`` (tensorboard's name) is ``reward``; unset beside ``load_best_model_at_end`` or ``save_strategy
+        best`` in a run that evaluates, the evaluation's mean reward (HF's default, the eval loss, is not computed)."""
+        metric = self.metric_for_best_model
+        if isinstance(metric, str) and metric.startswith("eval/"):
+            self.metric_for_best_model = metric[len("eval/"):]
+        evaluating = self.eval_strategy != "no"
+        if self.save_strategy == "best" and not evaluating:  # before HF asks for a metric no evaluation computes
+            raise ValueError("--save_strategy best saves a checkpoint when an evaluation finds a new best "
+                             "--metric_for_best_model; this run does not evaluate, so it would save none. Evaluate "
+                             "(--eval_steps N), or save by --save_strategy steps.")
+        if metric is None and evaluating and (self.load_best_model_at_end or self.save_strategy == "best"):
+            self.metric_for_best_model = "reward"
 
     def trl_view(self, **derived) -> "RLConfig":
         """A shallow copy for TRL's and HF's constructors (the trainer's ``args``): one optimizer step is one HF
@@ -564,13 +581,18 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "weight_sync_probe_every": probing,
             "weight_sync_probe_tolerance": probing,
             **{name: evaluating for name in _EVAL_KNOBS},
+            "greater_is_better": ("a best-checkpoint metric (--metric_for_best_model, or --load_best_model_at_end / "
+                                  "--save_strategy best, which track the evaluation's reward)",
+                                  self.metric_for_best_model is not None),
         }
         defaults = {f.name: f.default for f in fields(self)}
         defaults["max_tokens_per_microbatch"] = 4 * self.max_seq_len  # what __post_init__ fills in when not given
         for name, (enabler, enabled) in enablers.items():
             if not enabled and getattr(self, name) != defaults[name]:
-                raise ValueError(f"--{name} {getattr(self, name)} acts only with {enabler}, which this run does not "
-                                 f"set: it would change nothing. Set it too, or leave --{name} out.")
+                given = getattr(self, "_completions_flag", None) if name == "log_completions_steps" else None
+                flag = f"--{given}" if given else f"--{name} {getattr(self, name)}"
+                raise ValueError(f"{flag} acts only with {enabler}, which this run does not set: it would change "
+                                 f"nothing. Set it too, or leave --{given or name} out.")
 
     def check_engine_knobs(self) -> None:
         """For a run that builds no inference engine: refuse, naming it, an engine knob given (``ENGINE_KNOBS``)."""
@@ -600,7 +622,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
 # The vLLM client's knobs (--vllm_server_url's) and evaluation's (--eval_strategy's): RLConfig._check_enablers.
 _SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_timeout_s", "vllm_max_retries",
                  "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer", "vllm_weight_transfer_address")
-_EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold")
+_EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold",
+               "load_best_model_at_end", "metric_for_best_model")
 # The --report_to backends that take completion tables (training/reporting.py).
 TABLE_BACKENDS = ("tensorboard", "trackio", "wandb")
 # What only live generation reads (a replay generates nothing).

@@ -171,10 +171,12 @@ class RunCheckpoints:
 
     # --- saving -------------------------------------------------------------------------------------------------
 
-    def save(self, run_dir: str, global_step: int, write_hf: Callable[[str], None], best_checkpoint) -> str:
+    def save(self, run_dir: str, global_step: int, write_hf: Callable[[str], None],
+             best_checkpoint: Callable[[], str | None]) -> str:
         """Write checkpoint ``global_step`` of ``run_dir``: ``write_hf(root)`` writes HF's ``checkpoint-N`` under the
         partial ``root``, this run's state goes beside it, and the folder is renamed to ``checkpoint-N`` in one step
-        once every rank has written its part. Then HF's ``save_total_limit`` rotation. Every rank calls it."""
+        once every rank has written its part. Then HF's ``save_total_limit`` rotation, which keeps
+        ``best_checkpoint()`` (read after ``write_hf``: this step's may be the best). Every rank calls it."""
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{global_step}")
         root = partial_root(run_dir, global_step)
         written = root / os.path.basename(final)
@@ -203,7 +205,7 @@ class RunCheckpoints:
             publish(root, Path(final), self.accelerator.process_index)  # a node without the main process's folder
         wait()
         if self.args.should_save:
-            rotate_checkpoints(run_dir, self.args.save_total_limit, best_checkpoint, use_mtime=True)
+            rotate_checkpoints(run_dir, self.args.save_total_limit, best_checkpoint(), use_mtime=True)
         self.last_checkpoint = final
         return final
 
