@@ -137,6 +137,7 @@ _ENABLER_OFF = {
     ("load_best_model_at_end", True, "evaluation", {"eval_steps": 2}),
     ("metric_for_best_model", "pass@1", "evaluation", {"eval_steps": 2}),
     ("greater_is_better", False, "a best-checkpoint metric", {"eval_steps": 2, "metric_for_best_model": "pass@1"}),
+    ("optim_target_modules", "all-linear", "a low-rank optimizer", {"optim": "galore_adamw"}),
 ])
 def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, value, enabler, enabled):
     off = _ENABLER_OFF.get(knob, {})  # the others' enablers are off by default

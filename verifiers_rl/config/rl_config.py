@@ -581,6 +581,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "weight_sync_probe_every": probing,
             "weight_sync_probe_tolerance": probing,
             **{name: evaluating for name in _EVAL_KNOBS},
+            "optim_target_modules": ("a low-rank optimizer that projects them (--optim galore_* or apollo_*)",
+                                     str(getattr(self.optim, "value", self.optim)).startswith(("galore", "apollo"))),
             "greater_is_better": ("a best-checkpoint metric (--metric_for_best_model, or --load_best_model_at_end / "
                                   "--save_strategy best, which track the evaluation's reward)",
                                   self.metric_for_best_model is not None),
