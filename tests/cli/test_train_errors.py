@@ -97,3 +97,18 @@ def test_engine_knobs_beside_a_replay_are_refused_by_the_command_which_builds_no
     with pytest.raises(ValueError, match=r"^--top_p 0.5 acts only with an inference engine: live generation or "
                                          r"evaluation; a replay of --rollouts_path without evaluation builds none"):
         config.check_engine_knobs()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--groups_in_fligt", "3"], "unknown flag(s) or value(s): --groups_in_fligt (did you mean --groups_in_flight?)"),
+    (["--max_stepz=2", "--nosuch"], "unknown flag(s) or value(s): --max_stepz=2 (did you mean --max_steps or --save_steps?), --nosuch."),
+    (["--env", "[]"], "--env: a mixture is a non-empty list of entries"),
+    (["--loss_type", "foo"], "argument --loss_type/--loss-type: invalid choice: 'foo'"),
+])
+def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and lines[-1].startswith(f"verifiers-rl train: error: {message}"), lines[-3:]
+    # argparse's errors print the usage above them: one line here, not the ~200 flags (--help lists them).
+    assert len([line for line in lines if "WARNING" not in line]) <= 2, lines

@@ -8,6 +8,7 @@ so); the TrainingArguments / GRPOConfig fields that a run usually sets are place
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from dataclasses import MISSING, fields
 
@@ -103,6 +104,23 @@ class SectionedParser(TrlParser):
         if unknown:
             raise ValueError(f"Unknown arguments from config file {args[at + 1]}: {unknown}.")
         return self.parse_args_into_dataclasses(args=args[:at] + args[at + 2:])
+
+    def parse_args_into_dataclasses(self, *args, return_remaining_strings: bool = False, **kwargs):
+        """HF's, with an unknown flag refused by name and the flags closest to it (HF lists the leftover strings)."""
+        *parsed, rest = super().parse_args_into_dataclasses(*args, return_remaining_strings=True, **kwargs)
+        if return_remaining_strings:
+            return (*parsed, rest)
+        if rest:
+            known = [action.option_strings[0] for action in self._actions if action.option_strings]
+            hints = [f"{word} (did you mean {' or '.join(close)}?)" if (close := difflib.get_close_matches(
+                word.split("=")[0], known, n=2)) else word for word in rest if word.startswith("-")]
+            raise ValueError(f"unknown flag(s) or value(s): {', '.join(hints or rest)}. `{self.prog} --help` lists "
+                             "every flag.")
+        return tuple(parsed)
+
+    def format_usage(self) -> str:
+        # What an error prints above itself: argparse's would list all ~200 flags there.
+        return f"usage: {self.prog} [--config FILE.yaml] [--FLAG VALUE ...]   ({self.prog} --help: every flag)\n"
 
     def format_help(self) -> str:
         formatter = self.formatter_class(prog=self.prog)
