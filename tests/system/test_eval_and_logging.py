@@ -174,6 +174,15 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     assert last.startswith(f"verifiers-rl eval: error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
 
 
+def test_eval_names_its_own_flags_where_the_held_out_split_is_too_small(tiny_model_dir, capsys):
+    status = eval_cli.cli(["--model", tiny_model_dir, "--env", "reverse_text", "--env_args",
+                           '{"num_eval_examples": 3}', "-n", "4"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last.startswith("verifiers-rl eval: error: -n 4 is larger than the held-out "
+                                                       "split of reverse_text (3 rows)"), last
+    assert "--holdout N holds out" in last and "--eval_holdout" not in last  # the trainer's flag is not eval's
+
+
 def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine_flags_beside_one(
         tiny_model_dir, caplog, capsys):
     from verifiers_rl.inference.vllm.http import VLLMUnavailableError

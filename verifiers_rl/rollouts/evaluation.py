@@ -84,16 +84,18 @@ def eval_rows(environment: Environment, num_examples: int | None, flag: str = "-
     if selection is not None:  # a mixture: each entry's own first rows, checked per entry
         return selection(num_examples, flag)
     rows = environment.eval_dataset
+    # The flags that fix it: verifiers-rl eval's (-n) or the trainer's.
+    env_flag, holdout_flag = ("--env", "--holdout") if flag == "-n" else ("--eval_env", "--eval_holdout")
     if not rows:
         raise ValueError(
-            f"{environment.name} has no held-out split to evaluate on. Evaluate another environment with --eval_env "
-            "(one built with eval_dataset=...), or hold out training rows with --eval_holdout N."
+            f"{environment.name} has no held-out split to evaluate on. Evaluate another environment with {env_flag} "
+            f"(one built with eval_dataset=...), or hold out training rows with {holdout_flag} N."
         )
     if num_examples is not None and num_examples > len(rows):
         raise ValueError(
             f"{flag} {num_examples} is larger than the held-out split of {environment.name} ({len(rows)} "
             "rows). Lower it, or give the environment a larger split (the built-ins take "
-            "--env_args '{\"num_eval_examples\": N}'; --eval_holdout N holds out N training rows)."
+            f"--env_args '{{\"num_eval_examples\": N}}'; {holdout_flag} N holds out N training rows)."
         )
     return rows if num_examples is None else rows[:num_examples]
 
