@@ -112,3 +112,18 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     assert stopped.value.code == 2 and lines[-1].startswith(f"verifiers-rl train: error: {message}"), lines[-3:]
     # argparse's errors print the usage above them: one line here, not the ~200 flags (--help lists them).
     assert len([line for line in lines if "WARNING" not in line]) <= 2, lines
+
+
+@pytest.mark.parametrize("text, message", [
+    ("model: tiny\nmax_stepz: 2\nnosuch: 1\n", "unknown key(s) max_stepz (did you mean max_steps or save_steps?), "
+                                               "nosuch; its keys are the flags' names"),
+    ("model: tiny\n  max_steps: [2\n", "is not valid YAML: mapping values are not allowed here"),
+    ("- model\n- tiny\n", "must hold a YAML mapping of flag names to values, got list."),
+    (None, "No such file or directory."),
+])
+def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    if text is not None:
+        path.write_text(text)
+    last = refusal(["--config", str(path), "--output_dir", str(tmp_path)], capsys)
+    assert last.startswith(f"--config {path}") and message in last, last

@@ -96,13 +96,17 @@ class SectionedParser(TrlParser):
         ``--env`` flag: one environment's name, or a mixture's list of entries."""
         args = list(args) if args is not None else sys.argv[1:]
         config = _yaml_config(args)
+        if config is not None:
+            unknown = [key for key in config if key != "env" and key not in {a.dest for a in self._actions}]
+            if unknown:
+                raise ValueError(f"--config {args[args.index('--config') + 1]}: unknown key(s) "
+                                 f"{', '.join(self._closest(unknown))}; its keys are the flags' names "
+                                 f"(`{self.prog} --help`).")
         if config is None or isinstance(config.get("env", {}), dict) or self.get_default("env") is None:
             return super().parse_args_and_config(args, **kwargs)
         at = args.index("--config")
         self.set_defaults(env=config.pop("env"))
-        unknown = self.set_defaults_with_config(**config)
-        if unknown:
-            raise ValueError(f"Unknown arguments from config file {args[at + 1]}: {unknown}.")
+        self.set_defaults_with_config(**config)  # every key is a flag's (checked above)
         return self.parse_args_into_dataclasses(args=args[:at] + args[at + 2:])
 
     def parse_args_into_dataclasses(self, *args, return_remaining_strings: bool = False, **kwargs):
@@ -111,12 +115,16 @@ class SectionedParser(TrlParser):
         if return_remaining_strings:
             return (*parsed, rest)
         if rest:
-            known = [action.option_strings[0] for action in self._actions if action.option_strings]
-            hints = [f"{word} (did you mean {' or '.join(close)}?)" if (close := difflib.get_close_matches(
-                word.split("=")[0], known, n=2)) else word for word in rest if word.startswith("-")]
-            raise ValueError(f"unknown flag(s) or value(s): {', '.join(hints or rest)}. `{self.prog} --help` lists "
-                             "every flag.")
+            flags = [word for word in rest if word.startswith("-")]
+            raise ValueError(f"unknown flag(s) or value(s): {', '.join(self._closest(flags, '--') or rest)}. "
+                             f"`{self.prog} --help` lists every flag.")
         return tuple(parsed)
+
+    def _closest(self, names: list[str], prefix: str = "") -> list[str]:
+        """Each of ``names`` (flags, or YAML keys without ``prefix``) with the one or two flags closest to it."""
+        known = [prefix + action.dest for action in self._actions if action.option_strings]
+        return [f"{name} (did you mean {' or '.join(close)}?)"
+                if (close := difflib.get_close_matches(name.split("=")[0], known, n=2)) else name for name in names]
 
     def format_usage(self) -> str:
         # What an error prints above itself: argparse's would list all ~200 flags there.
@@ -134,14 +142,24 @@ class SectionedParser(TrlParser):
 
 
 def _yaml_config(args: list[str]) -> dict | None:
-    """The mapping of the ``--config`` file among ``args`` (None without one, or when it holds no mapping)."""
+    """The mapping of the ``--config`` file among ``args`` (None without one); a file that cannot be read or holds
+    no mapping is a ValueError naming it."""
     if "--config" not in args or args.index("--config") + 1 >= len(args):
         return None
     import yaml
 
-    with open(args[args.index("--config") + 1]) as handle:
-        config = yaml.safe_load(handle)
-    return config if isinstance(config, dict) else None
+    path = args[args.index("--config") + 1]
+    try:
+        with open(path) as handle:
+            config = yaml.safe_load(handle)
+    except OSError as error:
+        raise ValueError(f"--config {path}: {error.strerror}.") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path} is not valid YAML: {' '.join(str(error).split())}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path} must hold a YAML mapping of flag names to values, got "
+                         f"{type(config).__name__}.")
+    return config
 
 
 def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[argparse.Action]]]:
