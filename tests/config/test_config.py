@@ -146,6 +146,18 @@ def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, 
     assert getattr(vllm_config(**{knob: value}, **enabled), knob) == value  # with it, the knob is taken
 
 
+def test_a_report_to_backend_not_installed_names_the_extra_that_installs_it(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    # wandb is not among the test set-up's extras ([logging] is): hide it either way, so the refusal is what we test.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ValueError, match=r"^--report_to wandb needs the wandb package, which is not installed: pip "
+                                         r"install 'verifiers_rl\[wandb\]'"):
+        RLConfig(output_dir="/tmp/unused", report_to="wandb")
+    assert RLConfig(output_dir="/tmp/unused", report_to="tensorboard").report_to == ["tensorboard"]  # installed by [logging]
+
+
 def test_best_checkpoint_settings_name_what_our_evaluation_logs():
     with pytest.raises(ValueError, match=r"^--save_strategy best saves a checkpoint when an evaluation finds a new "
                                          r"best --metric_for_best_model; this run does not evaluate"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
@@ -507,6 +508,12 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 "--vllm_server_url http://HOST:PORT instead (start the server with "
                 "`verifiers-rl vllm-serve --model MODEL --port PORT`)."
             )
+        for backend in self.report_to or []:
+            extra = _BACKEND_EXTRAS.get(backend)
+            if extra and importlib.util.find_spec(backend) is None:  # HF's callback would raise at the trainer
+                raise ValueError(f"--report_to {backend} needs the {backend} package, which is not installed: "
+                                 f"pip install 'verifiers_rl[{extra}]' (from this repository: pip install -e "
+                                 f"'.[{extra}]').")
         check_server_url(self.vllm_server_url, "vllm_server_url")
         if self.vllm_server_url and self.continuous_batching_rows:
             raise ValueError(f"--continuous_batching_rows {self.continuous_batching_rows} sets the embedded engine's "
@@ -626,6 +633,8 @@ _SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_ti
                  "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer", "vllm_weight_transfer_address")
 _EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold",
                "load_best_model_at_end", "metric_for_best_model")
+# The --report_to backends our extras install (pyproject.toml), by the extra.
+_BACKEND_EXTRAS = {"tensorboard": "logging", "trackio": "logging", "wandb": "wandb"}
 # The --report_to backends that take completion tables (training/reporting.py).
 TABLE_BACKENDS = ("tensorboard", "trackio", "wandb")
 # What only live generation reads (a replay generates nothing).
