@@ -119,7 +119,7 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
                                                "nosuch; its keys are the flags' names"),
     ("model: tiny\n  max_steps: [2\n", "is not valid YAML: mapping values are not allowed here"),
     ("- model\n- tiny\n", "must hold a YAML mapping of flag names to values, got list."),
-    (None, "No such file or directory."),
+    (None, "cannot read the file (No such file or directory)."),
 ])
 def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, tmp_path, capsys):
     path = tmp_path / "run.yaml"

@@ -146,16 +146,10 @@ def _yaml_config(args: list[str]) -> dict | None:
     no mapping is a ValueError naming it."""
     if "--config" not in args or args.index("--config") + 1 >= len(args):
         return None
-    import yaml
+    from verifiers_rl.core.errors import read_yaml
 
     path = args[args.index("--config") + 1]
-    try:
-        with open(path) as handle:
-            config = yaml.safe_load(handle)
-    except OSError as error:
-        raise ValueError(f"--config {path}: {error.strerror}.") from error
-    except yaml.YAMLError as error:
-        raise ValueError(f"--config {path} is not valid YAML: {' '.join(str(error).split())}") from error
+    config = read_yaml(path, "--config")
     if not isinstance(config, dict):
         raise ValueError(f"--config {path} must hold a YAML mapping of flag names to values, got "
                          f"{type(config).__name__}.")

@@ -1,4 +1,5 @@
-"""Errors raised below the training side too (compat's guarded loader), so they live where every part can import them."""
+"""Errors raised below the training side too (compat's guarded loader), so they live where every part can import
+them; and the YAML file reader whose failures name the flag that gave the file."""
 
 
 class CheckpointError(ValueError):
@@ -12,3 +13,16 @@ def unknown_keys(given, known, what: str, hint: str) -> str | None:
     if not unknown:
         return None
     return f"{what} has unknown key(s) {', '.join(map(repr, unknown))}; {hint}"
+
+
+def read_yaml(path: str, flag: str):
+    """The content of the YAML file ``flag`` names; one it cannot read or parse is a ValueError naming both."""
+    import yaml
+
+    try:
+        with open(path) as handle:
+            return yaml.safe_load(handle)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot read the file ({error.strerror}).") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{flag} {path} is not valid YAML: {' '.join(str(error).split())}") from None

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.core.curriculum import check_overrides
-from verifiers_rl.core.errors import unknown_keys
+from verifiers_rl.core.errors import read_yaml, unknown_keys
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import Sampler, derive_seed
 from verifiers_rl.envs.environment import Environment, Row, Trajectory
@@ -102,15 +102,10 @@ def _named_apart(entries: list[MixtureEntry], flag: str) -> list[MixtureEntry]:
 def read_entries(path: str, flag: str = "--env") -> Any:
     """A YAML file's mixture: the file is the list of entries, or a training ``--config`` whose ``env:`` is that list
     (only ``env:`` is read from it: the command's own flags set the rest)."""
-    import yaml
-
     try:
-        with open(path) as handle:
-            content = yaml.safe_load(handle)
-    except OSError as error:
-        raise MixtureError(f"{flag} {path}: cannot read the file ({error.strerror}).") from None
-    except yaml.YAMLError as error:
-        raise MixtureError(f"{flag} {path} is not valid YAML: {error}") from None
+        content = read_yaml(path, flag)
+    except ValueError as error:
+        raise MixtureError(str(error)) from None
     if isinstance(content, Mapping):
         if "env" not in content:
             raise MixtureError(f"{flag} {path} is a mapping without env:; give a YAML list of entries or a training "
