@@ -101,7 +101,8 @@ def test_engine_knobs_beside_a_replay_are_refused_by_the_command_which_builds_no
 
 @pytest.mark.parametrize("flags, message", [
     (["--groups_in_fligt", "3"], "unknown flag(s) or value(s): --groups_in_fligt (did you mean --groups_in_flight?)"),
-    (["--max_stepz=2", "--nosuch"], "unknown flag(s) or value(s): --max_stepz=2 (did you mean --max_steps or --save_steps?), --nosuch."),
+    (["--max_stepz=2", "--nosuch"],
+     "unknown flag(s) or value(s): --max_stepz=2 (did you mean --max_steps or --save_steps?), --nosuch."),
     (["--env", "[]"], "--env: a mixture is a non-empty list of entries"),
     (["--loss_type", "foo"], "argument --loss_type/--loss-type: invalid choice: 'foo'"),
 ])

@@ -155,7 +155,8 @@ def test_a_report_to_backend_not_installed_names_the_extra_that_installs_it(monk
     with pytest.raises(ValueError, match=r"^--report_to wandb needs the wandb package, which is not installed: pip "
                                          r"install 'verifiers_rl\[wandb\]'"):
         RLConfig(output_dir="/tmp/unused", report_to="wandb")
-    assert RLConfig(output_dir="/tmp/unused", report_to="tensorboard").report_to == ["tensorboard"]  # installed by [logging]
+    # tensorboard is installed by [logging], which the test set-up has.
+    assert RLConfig(output_dir="/tmp/unused", report_to="tensorboard").report_to == ["tensorboard"]
 
 
 def test_best_checkpoint_settings_name_what_our_evaluation_logs():

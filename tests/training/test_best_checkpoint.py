@@ -60,7 +60,8 @@ def test_rotation_keeps_the_best_checkpoint_and_the_run_ends_with_its_weights(ti
     trainer = train(tiny_model_dir, tmp_path, [0.2, 0.9, 0.5, 0.1], save_strategy="steps", save_steps=1,
                     save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="eval/reward")
     run = tmp_path / "run"
-    assert [entry["eval_reward"] for entry in trainer.state.log_history if "eval_reward" in entry] == [0.2, 0.9, 0.5, 0.1]
+    evaluations = [entry["eval_reward"] for entry in trainer.state.log_history if "eval_reward" in entry]
+    assert evaluations == [0.2, 0.9, 0.5, 0.1]
     # The newest (to resume from) and the best; rotation deleted the others.
     assert folders(run) == ["checkpoint-2", "checkpoint-4"]
     assert trainer.state.best_model_checkpoint == str(run / "checkpoint-2")
