@@ -72,8 +72,8 @@ HELP_HERE: dict[str, str] = {
                   "the run's steps.",
     "log_completions": "TRL's switch: --log_completions_steps set to --logging_steps (tables of the trained batch "
                        "to the --report_to backends that show them).",
-    "num_completions_to_print": "Sample completions (with rewards) each --print_samples_every print prints; "
-                                "default: 3.",
+    "num_completions_to_print": "How many sample completions (with rewards) each --print_samples_every print "
+                                "shows; default: 3.",
 }
 
 
