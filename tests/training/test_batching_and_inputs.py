@@ -141,6 +141,35 @@ def test_truncation_happens_before_counts():
         plan_batch(overlong_rollouts(), BatchingConfig(max_seq_len=3, overlong="truncate"))
 
 
+def test_a_replays_over_long_rollout_is_refused_before_training_naming_its_place(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from verifiers_rl.training.trainer import RLTrainer
+
+    rollouts = random_rollouts(4, 4, vocab_size=390, seed=3)
+    prompt = len(rollouts[5].prompt_ids)
+    rollouts[5].completion_ids = rollouts[5].completion_ids + [7] * 100  # the second batch's (4 a step)
+    rollouts[5].completion_mask = rollouts[5].completion_mask + [1] * 100
+    rollouts[5].completion_logprobs = rollouts[5].completion_logprobs + [-1.0] * 100
+    path = tmp_path / "overlong.jsonl"
+    write_rollouts(path, rollouts)
+
+    def trainer(**settings) -> RLTrainer:
+        settings = {"max_seq_len": 64, **settings}
+        args = RLConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", rollouts_path=str(path),
+                        rollouts_per_step=4, max_steps=2, save_strategy="no", **settings)
+        return RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+
+    total = prompt + len(rollouts[5].completion_ids)
+    with pytest.raises(SequenceTooLongError, match=rf"^{path}: rollout 6 \(group '{rollouts[5].group_id}'\) has "
+                                                   rf"{total} tokens \(prompt {prompt}\), more than max_seq_len=64\. "
+                                                   r"Raise --max_seq_len, or pass --overlong truncate"):
+        trainer()
+    assert trainer(overlong="truncate").state.global_step == 0  # cut when its batch is trained: accepted
+    with pytest.raises(SequenceTooLongError, match=r"its prompt alone fills it"):
+        trainer(overlong="truncate", max_seq_len=prompt)
+
+
 def test_counts_are_global_and_identical_on_every_rank():
     rollouts = random_rollouts(6, 4, vocab_size=50, seed=9, fully_masked_fraction=0.25)
     rank_batches = plan_batch(rollouts, BatchingConfig(world_size=3, mode="padded", rows_per_micro_batch=2, max_seq_len=64))

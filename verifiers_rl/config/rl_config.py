@@ -140,8 +140,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     overlong: OverlongPolicy = field(
         default="error",
         metadata={
-            "help": "A rollout longer than max_seq_len: 'error' refuses the batch, 'truncate' cuts the completion's "
-            "tail and marks it truncated (before any count is taken).",
+            "help": "A rollout longer than max_seq_len: 'error' refuses the batch (a replay's file: at start), "
+            "'truncate' cuts the completion's tail and marks it truncated (before any count is taken).",
         },
     )
     dr_grpo_horizon: Annotated[int | None, AT_LEAST_ONE] = field(

@@ -193,6 +193,29 @@ class TrainSequence:
         return len(self.input_ids)
 
 
+def check_fits(rollout: Rollout, max_seq_len: int, overlong: OverlongPolicy, what: str) -> bool:
+    """Whether ``rollout`` (``what`` names it in the error) fits ``max_seq_len`` tokens; False where
+    ``overlong="truncate"`` may cut its completion. Raises SequenceTooLongError where nothing may be cut."""
+    prompt_len = len(rollout.prompt_ids)
+    total = prompt_len + len(rollout.completion_ids)
+    if total <= max_seq_len:
+        return True
+    if prompt_len >= max_seq_len:
+        fix = "Raise --max_seq_len: its prompt alone fills it, so no truncation can make it fit."
+    elif overlong == "error":
+        fix = "Raise --max_seq_len, or pass --overlong truncate to cut completions."
+    else:
+        return False
+    raise SequenceTooLongError(f"{what} has {total} tokens (prompt {prompt_len}), more than max_seq_len={max_seq_len}. "
+                               f"{fix}")
+
+
+def check_all_fit(batches: list[list[Rollout]], max_seq_len: int, overlong: OverlongPolicy, source: str) -> None:
+    """``check_fits`` for every rollout of ``batches`` (a replay's, known at start: refused before any training)."""
+    for number, rollout in enumerate((rollout for batch in batches for rollout in batch), start=1):
+        check_fits(rollout, max_seq_len, overlong, f"{source}: rollout {number} (group {rollout.group_id!r})")
+
+
 def prepare_sequences(
     rollouts: list[Rollout],
     advantages: list[float],
@@ -208,15 +231,9 @@ def prepare_sequences(
     sequences = []
     for index, (rollout, advantage) in enumerate(zip(rollouts, advantages, strict=True)):
         prompt_len = len(rollout.prompt_ids)
-        total = prompt_len + len(rollout.completion_ids)
         truncated = rollout.truncated
         keep = len(rollout.completion_ids)
-        if total > max_seq_len:
-            if overlong == "error" or prompt_len >= max_seq_len:
-                raise SequenceTooLongError(
-                    f"Rollout {index} (group {rollout.group_id!r}) has {total} tokens (prompt {prompt_len}), more than "
-                    f"max_seq_len={max_seq_len}. Raise --max_seq_len, or pass --overlong truncate to cut completions."
-                )
+        if not check_fits(rollout, max_seq_len, overlong, f"Rollout {index} (group {rollout.group_id!r})"):
             keep = max_seq_len - prompt_len
             truncated = True
         completion_mask = list(rollout.completion_mask[:keep])

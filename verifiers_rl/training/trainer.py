@@ -39,7 +39,7 @@ from verifiers_rl.training.distributed import (
     record_peers,
 )
 from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
-from verifiers_rl.rollouts.generator import AsyncGenerator, RolloutSource, make_source
+from verifiers_rl.rollouts.generator import AsyncGenerator, ReplaySource, RolloutSource, make_source
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.core.launch import restart_count
 from verifiers_rl.core.modeling import unwrap
@@ -48,6 +48,7 @@ from verifiers_rl.training.checkpoints import RunCheckpoints
 from verifiers_rl.training.loss import ratio_is_per_sequence
 from verifiers_rl.training.step_loss import CustomLoss, StepLoss, loss_settings
 from verifiers_rl.training.step_metrics import StepMetrics, StepTimer
+from verifiers_rl.training.batching import check_all_fit
 from verifiers_rl.training.step_batches import StepBatches, batching_config
 from verifiers_rl.training.weight_sync import EngineWeightSync, WeightSyncCallback
 
@@ -251,6 +252,8 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         def made() -> int:
             self._source = make_source(args, rollout_source, environment, engine)
             self.generator = self._source if environment is not None else None
+            if isinstance(self._source, ReplaySource):  # a file's over-long rollout: refused now, not at its batch
+                check_all_fit(self._source.batches, args.max_seq_len, args.overlong, str(self._source.path))
             return len(self._source)
 
         num_batches = main_process_outcome(made)
