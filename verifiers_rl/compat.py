@@ -289,6 +289,8 @@ def point_at_published_best(trainer, run_dir: str, root: str) -> None:
     if not state.best_global_step:
         return
     best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+    if state.best_model_checkpoint == best:
+        return  # pointed there at an earlier save (HF changes it only when this step is the best)
     if state.best_global_step != state.global_step and not os.path.isdir(best):
         return  # an earlier step that was never saved (a save_steps between): nothing to point at
     state.best_model_checkpoint = best

@@ -97,7 +97,8 @@ class SectionedParser(TrlParser):
         args = list(args) if args is not None else sys.argv[1:]
         config = _yaml_config(args)
         if config is not None:
-            unknown = [key for key in config if key != "env" and key not in {a.dest for a in self._actions}]
+            flags = {action.dest for action in self._actions}
+            unknown = [key for key in config if key != "env" and key not in flags]
             if unknown:
                 raise ValueError(f"--config {args[args.index('--config') + 1]}: unknown key(s) "
                                  f"{', '.join(self._closest(unknown))}; its keys are the flags' names "
