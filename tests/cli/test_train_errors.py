@@ -50,8 +50,8 @@ def test_a_tool_mode_no_environment_reads_is_refused(evaluation, tiny_model_dir,
 
 
 @pytest.mark.parametrize("env_args, message", [
-    ({"num_examples": "ten"}, "--env reverse_text: 'str' object cannot be interpreted as an integer (a TypeError "
-                              "while loading it: is an argument in --env_args"),
+    ({"num_examples": "ten"}, "--env reverse_text: 'str' object cannot be interpreted as an integer (its "
+                              "arguments come from --env_args)"),
     ({"bogus": 1}, "Environment 'reverse_text' takes no argument 'bogus'"),
 ])
 def test_an_argument_the_environment_cannot_take_is_one_line(env_args, message, tiny_model_dir, tmp_path, capsys):
@@ -128,3 +128,33 @@ def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, 
         path.write_text(text)
     last = refusal(["--config", str(path), "--output_dir", str(tmp_path)], capsys)
     assert last.startswith(f"--config {path}") and message in last, last
+
+
+@pytest.mark.parametrize("source, line, error", [
+    ("def load_environment(**kwargs):\n    return int('12a')\n", 2, "ValueError"),  # the user's bug, not a usage error
+    ("def load_environment(**kwargs):\n    raise RuntimeError('no rows')\n", 2, "RuntimeError"),
+    ("def load_environment(**kwargs)\n    return 1\n", 1, "SyntaxError"),
+    ("import no_such_module_xyz\n", 1, "ModuleNotFoundError"),
+    ("def load_environment(**kwargs):\n    return {}['rows']\n", 2, "KeyError"),
+])
+@pytest.mark.parametrize("flag", ["--env", "--eval_env"])
+def test_an_environment_file_that_fails_to_load_is_one_line_saying_where(source, line, error, flag, tiny_model_dir,
+                                                                          tmp_path, capsys):
+    path = tmp_path / "broken_env.py"
+    path.write_text(source)
+    evaluation = ["--eval_steps", "1", "--eval_num_examples", "2"] if flag == "--eval_env" else []
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, flag, str(path), *evaluation]
+    last = refusal(argv, capsys)
+    assert last.startswith(f"{flag} {path}: loading it raised {error} at {path.resolve()}:{line}: "), last
+    assert "--env_args" not in last  # none were given: no hint that they are wrong
+
+
+def test_an_environment_file_that_does_not_exist_is_one_line(tiny_model_dir, tmp_path, capsys):
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--env", "missing_env.py"]
+    assert refusal(argv, capsys) == "--env missing_env.py: Environment file 'missing_env.py' does not exist."
+
+
+def test_a_tokenizer_in_env_args_is_refused_the_loader_gets_the_policys(tiny_model_dir, tmp_path, capsys):
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--env_args", '{"tokenizer": "gpt2"}']
+    assert refusal(argv, capsys).startswith("Environment 'reverse_text': 'tokenizer' cannot be one of its arguments "
+                                            "(--env_args): the policy's tokenizer is passed")

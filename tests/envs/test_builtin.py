@@ -1,13 +1,18 @@
 """Built-in environments and load_environment."""
 
 import asyncio
+import importlib.util
+import json
 import operator
+import sys
 import threading
 from fractions import Fraction
 
 import pytest
 
+from verifiers_rl.core.errors import raised_at, read_yaml
 from verifiers_rl.envs import BUILTINS, MathChecker, SingleTurnEnv, ToolEnv, load_environment
+from verifiers_rl.envs.loading import load_with_args
 from verifiers_rl.envs.builtin.calculator import calculate
 
 from .scripted import ScriptedSampler
@@ -144,6 +149,53 @@ def test_load_environment_from_module_function_and_file(tokenizer, tmp_path, mon
         load_environment("no_such_module_xyz:load_environment")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_environment(str(tmp_path / "absent.py"))
+
+
+def test_an_environment_file_imports_the_modules_beside_it_and_a_module_loads_from_the_working_directory(
+        tokenizer, tmp_path, monkeypatch):
+    (tmp_path / "sibling_helpers.py").write_text("WORD = 'beside'\n")
+    (tmp_path / "sibling_env.py").write_text(
+        "from sibling_helpers import WORD\n"
+        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
+        "def load_environment(tokenizer):\n"
+        "    return SingleTurnEnv([{'question': WORD}], Rubric(), tokenizer, name='sibling')\n")
+    folder = str(tmp_path)
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in (folder, "", ".")])
+    monkeypatch.delitem(sys.modules, "sibling_helpers", raising=False)
+    assert load_environment(str(tmp_path / "sibling_env.py"), tokenizer=tokenizer).dataset[0].prompt[-1]["content"] \
+        == "beside"  # as `python sibling_env.py` would import it
+    # A console script (verifiers-rl) leaves the working directory off sys.path; `python -m` would find it there.
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in (folder, "", ".")])
+    monkeypatch.delitem(sys.modules, "sibling_env", raising=False)
+    monkeypatch.chdir(tmp_path)
+    env = load_environment("sibling_env:load_environment", tokenizer=tokenizer)
+    assert env.name == "sibling"
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        load_environment("no_such_module_xyz:load_environment")
+
+
+def test_env_args_named_like_load_environments_own_parameters_reach_the_loader(tokenizer, tmp_path):
+    (tmp_path / "keyed_env.py").write_text(
+        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
+        "def load_environment(tokenizer, spec, tool_mode):\n"
+        "    return SingleTurnEnv([{'question': spec + tool_mode}], Rubric(), tokenizer, name='keyed')\n")
+    env = load_with_args(str(tmp_path / "keyed_env.py"), tokenizer, env_args={"spec": "a", "tool_mode": "b"})
+    assert env.dataset[0].prompt[-1]["content"] == "ab"
+    with pytest.raises(ValueError, match="'tokenizer' cannot be one of its arguments"):
+        load_with_args(str(tmp_path / "keyed_env.py"), tokenizer, env_args={"tokenizer": "gpt2"})
+
+
+def test_where_an_error_was_raised_is_the_users_line_not_the_libraries(tmp_path):
+    (tmp_path / "calls_json.py").write_text("import json\ndef load():\n    return json.loads('{')\n")
+    spec = importlib.util.spec_from_file_location("calls_json", tmp_path / "calls_json.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(json.JSONDecodeError) as raised:
+        module.load()
+    assert raised_at(raised.value) == f"{(tmp_path / 'calls_json.py').resolve()}:3"  # not json/decoder.py's line
+    with pytest.raises(ValueError) as ours:
+        read_yaml(str(tmp_path / "absent.yaml"), "--config")
+    assert raised_at(ours.value) is None  # verifiers_rl's own message says what to change
 
 
 def test_unknown_environment_lists_the_builtins():

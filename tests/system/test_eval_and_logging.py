@@ -213,8 +213,21 @@ def test_eval_refuses_environment_arguments_that_are_not_keywords_or_of_the_wron
         eval_cli.parse_args(["--env_args", "[1]"])
     assert "error: --env_args must be a JSON object of the loader's keyword arguments" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"^--env reverse_text: 'str' object cannot be interpreted as an integer "
-                                         r"\(a TypeError while loading it"):
+                                         r"\(its arguments come from --env_args\)"):
         eval_cli.main(["--model", tiny_model_dir, "--env_args", '{"num_examples": "ten"}'])
+
+
+def test_eval_passes_every_env_args_key_to_the_users_loader_and_says_where_it_fails(tiny_model_dir, tmp_path, capsys):
+    # A key named like load_environment's own parameters (spec, tool_mode) reaches the loader, not load_environment.
+    (tmp_path / "keys_env.py").write_text(
+        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
+        "def load_environment(tokenizer, spec, tool_mode):\n"
+        "    raise RuntimeError(f'got {spec} {tool_mode}')\n")
+    status = eval_cli.cli(["--model", tiny_model_dir, "--env", str(tmp_path / "keys_env.py"), "--env_args",
+                           '{"spec": "s", "tool_mode": "text"}'])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last == (f"verifiers-rl eval: error: --env {tmp_path / 'keys_env.py'}: loading it raised "
+                                    f"RuntimeError at {(tmp_path / 'keys_env.py').resolve()}:3: got s text"), last
 
 
 def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_ours(tmp_path):

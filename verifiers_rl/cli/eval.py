@@ -201,8 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(model).exists() or args.model.startswith((".", "/", "~")):
         # Before the slow imports: a wrong path fails at once.
         check_model_folder(Path(model).expanduser(), tokenizer=args.tokenizer is None)
-    from verifiers_rl.envs import load_environment
-    from verifiers_rl.envs.loading import loader_errors_named
+    from verifiers_rl.envs.loading import load_with_args, loader_errors_named
     from verifiers_rl.envs.mixture import load_mixture
     from verifiers_rl.envs.prepare import prepare_environment
     from verifiers_rl.rollouts.evaluation import EvalSettings, eval_rows, evaluate
@@ -216,13 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
     prepare = lambda env, entry=None: prepare_environment(  # noqa: E731
         env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed)
-    with loader_errors_named("--env", args.env):
+    with loader_errors_named("--env", args.env, bool(args.env_kwargs)):
         if args.entries is None:
-            environment = load_environment(args.env, tokenizer=tokenizer, **args.env_kwargs)
+            environment = load_with_args(args.env, tokenizer, env_args=args.env_kwargs)
             prepare(environment)
         else:  # each entry on its own, as training loads a mixture (--holdout: N rows of each)
-            environment = load_mixture(args.entries, lambda entry: load_environment(
-                entry.env, tokenizer=tokenizer, **entry.env_args), prepare, "--env")
+            environment = load_mixture(args.entries, lambda entry: load_with_args(
+                entry.env, tokenizer, env_args=entry.env_args), prepare, "--env")
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold,
                             args.seed, args.generation_timeout_s)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads

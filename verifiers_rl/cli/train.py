@@ -34,8 +34,8 @@ from verifiers_rl.training import progress
 from verifiers_rl.cli.sections import SectionedParser
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import leave_process_group
-from verifiers_rl.envs import DEFAULT_ENVIRONMENT, load_environment
-from verifiers_rl.envs.loading import keyword_arguments, loader_errors_named
+from verifiers_rl.envs import DEFAULT_ENVIRONMENT
+from verifiers_rl.envs.loading import keyword_arguments, load_with_args, loader_errors_named
 from verifiers_rl.envs.limits import LIMIT_FLAGS
 from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries, steering_keys
 from verifiers_rl.envs.prepare import prepare_environment
@@ -241,8 +241,8 @@ def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode:
     except MixtureError as error:
         parser.error(str(error))
     if entries is None:
-        with loader_errors_named(flag, spec):
-            environment = load_environment(spec, tokenizer=tokenizer, tool_mode=tool_mode, **env_args)
+        with loader_errors_named(flag, spec, bool(env_args)):
+            environment = load_with_args(spec, tokenizer, tool_mode, env_args)
         return environment, prepare(environment, f"{flag}_args", "")
     if env_args:
         parser.error(f"{flag}_args acts on one environment; a mixture's entries take their own: "
@@ -253,10 +253,9 @@ def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode:
                          "evaluation rolls out every entry's held-out rows, so they would change nothing. Leave "
                          "them out of --eval_env.")
     resolved = []
-    with loader_errors_named(flag, spec):
+    with loader_errors_named(flag, spec):  # load_mixture names the entry
         environment = load_mixture(
-            entries, lambda entry: load_environment(entry.env, tokenizer=tokenizer, tool_mode=tool_mode,
-                                                    **entry.env_args),
+            entries, lambda entry: load_with_args(entry.env, tokenizer, tool_mode, entry.env_args),
             lambda env, entry: resolved.append(prepare(env, f"{flag} entry {entry.name!r}'s env_args", "")), flag)
     if resolved[0] is None:
         return environment, None

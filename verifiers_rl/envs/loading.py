@@ -21,13 +21,15 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from verifiers_rl.core.errors import raised_at
 from verifiers_rl.envs.environment import Environment
 from verifiers_rl.envs.tools import default_tool_mode
 
@@ -46,7 +48,11 @@ def _from_module(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
-        raise ValueError(f"Environment {spec!r}: cannot import module {module_name!r} ({error}).") from error
+        if error.name != module_name.split(".")[0] or os.getcwd() in sys.path:
+            raise ValueError(f"Environment {spec!r}: cannot import module {module_name!r} ({error}).") from error
+        # As `python -m` would find it: a console script (verifiers-rl) leaves the working directory off the path.
+        sys.path.append(os.getcwd())
+        return _from_module(spec)
     if not hasattr(module, function_name):
         raise ValueError(f"Environment {spec!r}: module {module_name!r} has no {function_name!r}.")
     return getattr(module, function_name)
@@ -55,6 +61,9 @@ def _from_module(spec: str) -> Any:
 def _from_file(path: Path) -> Any:
     module_spec = importlib.util.spec_from_file_location(f"verifiers_rl_env_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # as running the file would: it may import the modules beside it
+        sys.path.insert(0, folder)
     sys.modules[module_spec.name] = module  # as an import would: dataclasses and pickling look modules up there
     module_spec.loader.exec_module(module)
     if not hasattr(module, "load_environment"):
@@ -146,6 +155,17 @@ def load_environment(spec: str, tokenizer: Any = None, *, tool_mode: str = "auto
     ``tool_mode`` (``auto``, ``template`` or ``text``) is the default of the tool environments built here. A
     keyword the loader does not take is a ValueError naming it (``--env_args``).
     """
+    return load_with_args(spec, tokenizer, tool_mode, kwargs)
+
+
+def load_with_args(spec: str, tokenizer: Any = None, tool_mode: str = "auto",
+                   env_args: Mapping[str, Any] | None = None) -> Environment:
+    """``load_environment`` with the loader's keyword arguments as one mapping (--env_args, an entry's env_args),
+    so that none of them is taken for this function's own ``spec``, ``tokenizer`` or ``tool_mode``."""
+    kwargs = dict(env_args or {})
+    if "tokenizer" in kwargs:
+        raise ValueError(f"Environment {spec!r}: 'tokenizer' cannot be one of its arguments (--env_args): the "
+                         "policy's tokenizer is passed to every loader that takes one. Leave it out.")
     try:
         environment = _load(spec, tokenizer, tool_mode, kwargs)
     except TypeError as error:
@@ -228,11 +248,20 @@ def keyword_arguments(value: Any, flag: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def loader_errors_named(flag: str, spec: str) -> Iterator[None]:
-    """Inside: a TypeError from loading ``spec`` (a keyword argument of the wrong type, or a loader returning what is
-    not an environment) is raised as a ValueError naming ``flag``, which the commands print as one line."""
+def loader_errors_named(flag: str, spec: str, given_args: bool = False) -> Iterator[None]:
+    """Inside: an error from loading ``spec`` is a ValueError naming ``flag``, which the commands print as one line:
+    the loader's own, of any type, with where it was raised (``core.errors.raised_at``); a missing file; a TypeError
+    (a call the loader's signature refuses, a loader returning what is not an environment; ``given_args``: whether
+    ``{flag}_args`` were given, which a TypeError may come from). verifiers_rl's own ValueError already says what to
+    change, and its other errors are its bugs: both are left as they are."""
     try:
         yield
-    except TypeError as error:
-        raise ValueError(f"{flag} {spec}: {error} (a TypeError while loading it: is an argument in {flag}_args, or an "
-                         "entry's env_args, of the wrong type?)") from error
+    except Exception as error:
+        where = raised_at(error)
+        if where is None and not isinstance(error, (TypeError, FileNotFoundError)):
+            raise
+        hint = ""
+        if isinstance(error, TypeError) and given_args:
+            hint = f" (its arguments come from {flag}_args{': one of the wrong type?' if where else ''})"
+        raised = f"loading it raised {type(error).__name__} at {where}: " if where else ""
+        raise ValueError(f"{flag} {spec}: {raised}{error}{hint}") from error

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.core.curriculum import check_overrides
-from verifiers_rl.core.errors import read_yaml, unknown_keys
+from verifiers_rl.core.errors import raised_at, read_yaml, unknown_keys
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import Sampler, derive_seed
 from verifiers_rl.envs.environment import Environment, Row, Trajectory
@@ -164,7 +164,9 @@ def load_mixture(entries: list[MixtureEntry], load: Callable[[MixtureEntry], Env
                 entry.environment = load(entry)
             prepare(entry.environment, entry)
         except Exception as error:
-            raise MixtureError(f"{flag} entry {entry.name!r}: {type(error).__name__}: {error}") from error
+            where = raised_at(error)  # the user's loader's own error: where it was raised
+            at = f" at {where}" if where else ""
+            raise MixtureError(f"{flag} entry {entry.name!r}: {type(error).__name__}{at}: {error}") from error
     return MixtureEnv(entries)
 
 
@@ -176,7 +178,7 @@ def mixture_of(entries: list[Mapping[str, Any]], tokenizer: Any = None, *, holdo
     ``tokenizer``; ``holdout`` rows of each entry are held out by a ``seed`` shuffle (what ``--eval_holdout``
     checks). Pass the result to ``RLTrainer(environment=...)``: it gives every entry the run's chat template kwargs
     and, to TRL-form entries, its ``trainer_state``."""
-    from verifiers_rl.envs.loading import load_environment
+    from verifiers_rl.envs.loading import load_with_args
     from verifiers_rl.envs.splits import hold_out
 
     if not isinstance(entries, (list, tuple)) or not entries:
@@ -186,7 +188,7 @@ def mixture_of(entries: list[Mapping[str, Any]], tokenizer: Any = None, *, holdo
     def load(entry: MixtureEntry) -> Environment:
         if tokenizer is None:
             raise MixtureError("it names an environment to load: pass mixture_of(..., tokenizer=...).")
-        return load_environment(entry.env, tokenizer=tokenizer, **entry.env_args)
+        return load_with_args(entry.env, tokenizer, env_args=entry.env_args)
 
     # Chat template kwargs are the trainer's to give (RLTrainer), so only the hold-out is applied here.
     return load_mixture(parsed, load, lambda env, entry: holdout and hold_out(env, holdout, seed), "mixture_of")
