@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import threading
 import time
 
 import pytest
@@ -103,9 +104,11 @@ def _toy_env(tokenizer, rows=10, eval_rows=()):
 # --- evaluation rollouts --------------------------------------------------------------------------------------------
 
 
-def test_an_evaluation_whose_environment_is_stuck_fails_naming_the_timeout(tiny_model_dir, tokenizer):
-    # A reward function that never returns: without the bound the evaluation (and the run) would wait forever.
-    finished = []
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "sync"])
+def test_an_evaluation_whose_environment_is_stuck_fails_naming_the_timeout(blocking, tiny_model_dir, tokenizer):
+    # A reward function that never returns: without the bound the evaluation (and the run) would wait forever. A
+    # synchronous one blocks the event loop itself, so the bound must be kept outside it.
+    finished, release = [], threading.Event()
 
     async def stuck(completion, answer):
         if answer == "0":  # row 0 never scores; the others do, each a prompt's samples finishing
@@ -113,16 +116,27 @@ def test_an_evaluation_whose_environment_is_stuck_fails_naming_the_timeout(tiny_
         finished.append(answer)
         return 0.0
 
+    def stuck_blocking(completion, answer):
+        if answer == "0":
+            release.wait(3600)
+        finished.append(answer)
+        return 0.0
+
     rows = [{"prompt": [{"role": "user", "content": str(i)}], "answer": str(i)} for i in range(3)]
-    env = SingleTurnEnv(rows, Rubric([stuck]), tokenizer, max_new_tokens=2, max_seq_len=64, eval_dataset=rows)
+    env = SingleTurnEnv(rows, Rubric([stuck_blocking if blocking else stuck]), tokenizer, max_new_tokens=2,
+                        max_seq_len=64, eval_dataset=rows)
     engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0))
     try:
         started = time.monotonic()
-        with pytest.raises(EvaluationTimeout, match=r"no prompt's samples finished within 1 s \(1 of 3 prompts "
-                                                    r"waiting\).*--generation_timeout_s"):
+        # The blocked loop may not have scored the other rows either: how many wait depends on the order.
+        waiting = r"[123]" if blocking else "1"
+        with pytest.raises(EvaluationTimeout, match=rf"no prompt's samples finished within 1 s \({waiting} of 3 "
+                                                    r"prompts waiting\).*--generation_timeout_s"):
             evaluate(env, engine, EvalSettings(samples_per_prompt=2, seed=0, timeout_s=1.0))
-        assert time.monotonic() - started < 30 and sorted(finished) == ["1", "1", "2", "2"]
+        assert time.monotonic() - started < 30
+        assert blocking or sorted(finished) == ["1", "1", "2", "2"]
     finally:
+        release.set()  # lets the blocked reward function's thread end
         engine.close()
     with pytest.raises(ValueError, match="generation_timeout_s must be > 0"):
         EvalSettings(timeout_s=0.0)

@@ -217,6 +217,30 @@ def test_eval_refuses_environment_arguments_that_are_not_keywords_or_of_the_wron
         eval_cli.main(["--model", tiny_model_dir, "--env_args", '{"num_examples": "ten"}'])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan."),
+    (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf."),
+    (["--holdout", "-1"], "--holdout must be >= 0, got -1."),
+    (["--pass_threshold", "nan"], "--pass_threshold must be a finite number, got nan."),
+    (["--output", "."], "--output . is a folder: name the file to write the rollouts to."),
+])
+def test_eval_refuses_a_value_naming_its_flag(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        eval_cli.parse_args(flags)
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"verifiers-rl eval: error: {message}"
+
+
+def test_eval_output_that_cannot_be_written_fails_before_evaluating(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    import verifiers_rl.inference.factory as factory
+
+    monkeypatch.setattr(factory, "make_engine", None)  # evaluating would call it: the error must come first
+    target = tmp_path / "no_such_folder" / "out.jsonl"
+    status = eval_cli.cli(["--model", tiny_model_dir, "--output", str(target)])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last == (f"verifiers-rl eval: error: --output {target}: cannot write the file (No such "
+                                    "file or directory)."), last
+
+
 def test_eval_passes_every_env_args_key_to_the_users_loader_and_says_where_it_fails(tiny_model_dir, tmp_path, capsys):
     # A key named like load_environment's own parameters (spec, tool_mode) reaches the loader, not load_environment.
     (tmp_path / "keys_env.py").write_text(

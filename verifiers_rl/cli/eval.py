@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -121,8 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be >= 1, got {value}.")
-    if args.temperature < 0 or args.holdout < 0:
-        parser.error("--temperature and --holdout must be >= 0.")
+    if args.holdout < 0:
+        parser.error(f"--holdout must be >= 0, got {args.holdout}.")
+    if not math.isfinite(args.pass_threshold):
+        parser.error(f"--pass_threshold must be a finite number, got {args.pass_threshold}.")
+    if args.output is not None and Path(args.output).is_dir():
+        parser.error(f"--output {args.output} is a folder: name the file to write the rollouts to.")
     if args.vllm_server_timeout < 0:
         parser.error(f"--vllm_server_timeout must be >= 0, got {args.vllm_server_timeout:g}.")
     if not args.generation_timeout_s > 0:
@@ -184,6 +189,16 @@ def mixture_entries(parser: argparse.ArgumentParser, spec: str, env_kwargs: dict
     return entries
 
 
+def open_output(path: str | None):
+    """``--output``'s file opened for writing (None without one); one that cannot be is a ValueError naming it."""
+    if path is None:
+        return None
+    try:
+        return open(path, "w")
+    except OSError as error:
+        raise ValueError(f"--output {path}: cannot write the file ({error.strerror}).") from None
+
+
 def entry_lines(result) -> str:
     """A mixture's entries, a line each: reward, pass@k and prompts (``eval/env/<name>/...`` in training's logs)."""
     lines = []
@@ -225,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold,
                             args.seed, args.generation_timeout_s)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
+    output = open_output(args.output)  # before evaluating: a path that cannot be written loses no results
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
                          vllm={"chat_template_kwargs": args.chat_template_kwargs,
@@ -236,10 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.close()
         engine.close()
-    if args.output:
-        with open(args.output, "w") as handle:
+    if output is not None:
+        with output:
             lines = [json.dumps(record) for sample in result.samples for record in sample.records()]
-            handle.write("".join(line + "\n" for line in lines))
+            output.write("".join(line + "\n" for line in lines))
     split = f"held out by --holdout {args.holdout}" if args.holdout else "eval split"
     print(f"model  {model}\nenv    {environment.name} ({split}), seed {args.seed}, temperature {args.temperature:g}")
     print(result.table())

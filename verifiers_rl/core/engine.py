@@ -39,8 +39,8 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0 <= self.temperature < float("inf"):  # NaN too: it would sample nothing sensible
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:

@@ -16,12 +16,16 @@ of arithmetic and calculator, an exact reversal for reverse_text's partial credi
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import json
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from verifiers_rl.envs.environment import Environment, Row
 from verifiers_rl.envs.rubric import ERRORS_METRIC
@@ -230,31 +234,20 @@ def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold
 
 
 async def _rollouts(environment: Environment, engine, rows: list[Row], settings: EvalSettings,
-                    on_group: Callable[[int], None] | None) -> list[EvalSample]:
+                    on_group: Callable[[int], None]) -> list[EvalSample]:
     async def group(row: Row) -> list[EvalSample]:
         rollouts = await environment.rollout_group(
             engine, row, f"eval-{row.index}", settings.samples_per_prompt,
             seed=derive_seed(settings.seed, "eval", row.index), temperature=settings.temperature,
         )
         episodes = group_episodes(rollouts)  # a multi-branch episode is one sample, with its one reward
-        if on_group is not None:
-            on_group(len(episodes))
+        on_group(len(episodes))
         return [EvalSample(row, i, first, first.reward >= settings.pass_threshold, rest)
                 for i, (first, *rest) in enumerate(episodes)]
 
     tasks = [asyncio.ensure_future(group(row)) for row in rows]
     try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, timeout=settings.timeout_s,
-                                               return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                raise EvaluationTimeout(
-                    f"Evaluation: no prompt's samples finished within {settings.timeout_s:g} s ({len(pending)} of "
-                    f"{len(rows)} prompts waiting); an environment (its rollout, tools or reward functions) or the "
-                    "engine is stuck. --generation_timeout_s sets this bound.")
-            for task in done:
-                task.result()  # a group's error ends the evaluation, as gather would
+        await asyncio.gather(*tasks)  # a group's error ends the evaluation
     finally:
         for task in tasks:
             task.cancel()
@@ -265,11 +258,57 @@ async def _rollouts(environment: Environment, engine, rows: list[Row], settings:
 def evaluate(environment: Environment, engine, settings: EvalSettings,
              on_group: Callable[[int], None] | None = None) -> EvalResult:
     """Roll out the held-out rows ``settings`` selects through ``engine`` (all at once; the engine batches them) in
-    an event loop of its own, and reduce them. ``on_group(n)`` is called as each prompt's n samples finish."""
+    an event loop of its own, and reduce them. ``on_group(n)`` is called as each prompt's n samples finish; when
+    none finishes for ``settings.timeout_s``, ``EvaluationTimeout``."""
     rows = eval_rows(environment, settings.num_examples)
     start = time.perf_counter()
-    samples = asyncio.run(_rollouts(environment, engine, rows, settings, on_group))
+    samples = _watched(lambda note: _rollouts(environment, engine, rows, settings, note), settings.timeout_s,
+                       on_group, len(rows))
     return summarize(samples, settings.samples_per_prompt, settings.pass_threshold, time.perf_counter() - start)
+
+
+def _watched(rollouts: Callable[[Callable[[int], None]], Any], timeout_s: float,
+             on_group: Callable[[int], None] | None, prompts: int) -> list[EvalSample]:
+    """``rollouts(note)``'s result, run in an event loop on a thread of its own while this thread keeps the
+    timeout: a synchronous reward function that hangs blocks that loop, where no timeout of its own could fire."""
+    progressed, finished, result = threading.Event(), threading.Event(), {}
+    done = [0]
+
+    def note(samples: int) -> None:
+        done[0] += 1
+        progressed.set()
+        if on_group is not None:
+            on_group(samples)
+
+    async def main() -> list[EvalSample]:
+        result["loop"] = asyncio.get_running_loop()
+        return await rollouts(note)
+
+    def run() -> None:
+        try:
+            result["samples"] = asyncio.run(main())
+        except BaseException as error:  # raised again in the caller's thread
+            result["error"] = error
+        finally:
+            finished.set()
+            progressed.set()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True,
+                              name="verifiers_rl-evaluation")
+    thread.start()
+    while not finished.is_set():
+        if not progressed.wait(timeout_s) and not finished.is_set():
+            with contextlib.suppress(KeyError, RuntimeError):  # a loop that is not running or has just ended
+                loop = result["loop"]
+                loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
+            raise EvaluationTimeout(
+                f"Evaluation: no prompt's samples finished within {timeout_s:g} s ({prompts - done[0]} of {prompts} "
+                "prompts waiting); an environment (its rollout, tools or reward functions) or the engine is stuck. "
+                "--generation_timeout_s sets this bound.")
+        progressed.clear()
+    if "error" in result:
+        raise result["error"]
+    return result["samples"]
 
 
 @dataclass
