@@ -158,3 +158,24 @@ def test_a_tokenizer_in_env_args_is_refused_the_loader_gets_the_policys(tiny_mod
     argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, "--env_args", '{"tokenizer": "gpt2"}']
     assert refusal(argv, capsys).startswith("Environment 'reverse_text': 'tokenizer' cannot be one of its arguments "
                                             "(--env_args): the policy's tokenizer is passed")
+
+
+def test_an_environment_failing_mid_run_ends_it_in_one_line_with_the_users_line(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "talk_env.py"
+    path.write_text(
+        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
+        "class Talk(SingleTurnEnv):\n"
+        "    async def generate(self, sampler, prompt, prompt_ids, state):\n"
+        "        return 'turn ' + len(prompt)\n"
+        "def load_environment(tokenizer):\n"
+        "    rows = [{'question': f'say {i}', 'answer': str(i)} for i in range(8)]\n"
+        "    return Talk(rows, Rubric([lambda completion: 0.0]), tokenizer, max_new_tokens=4, max_seq_len=128,\n"
+        "                name='talk')\n")
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path / "out"), *SMALL, "--env", str(path),
+            "--max_rollout_retries", "2"]
+    assert main(argv) == 1  # a run that failed, not a usage error
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("verifiers-rl train: error: Batch 0: "), err[-3000:]
+    assert "raised TypeError in the environment's code (not retried" in last  # once, not --max_rollout_retries more
+    assert last.endswith(f"(raised at {path.resolve()}:4)"), last

@@ -105,3 +105,39 @@ def test_stuck_engine_times_out_with_a_clear_error_and_no_thread_left(tiny_model
         trainer.train()
     assert time.monotonic() - start < 15
     assert not any(t.name == "verifiers_rl-generator" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_hanging_synchronous_reward_times_out_on_either_thread(tiny_model_dir, tmp_path, k):
+    # A plain-Python reward that never returns blocks the event loop it is scored on: a timeout inside that loop would
+    # never fire, so the bound is kept by the thread that waits for the batch (k = 0 as well as k = 1).
+    from transformers import AutoTokenizer
+
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.envs import Rubric, SingleTurnEnv
+    from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+    from verifiers_rl.rollouts.generator import GenerationTimeout
+    from verifiers_rl.training.trainer import RLTrainer
+
+    release = threading.Event()
+
+    def hangs(completion) -> float:
+        release.wait(3600)
+        return 0.0
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"question": f"Say {i}."} for i in range(8)]
+    environment = SingleTurnEnv(rows, Rubric([hangs]), tokenizer, max_new_tokens=4, max_seq_len=64)
+    args = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", max_steps=2,
+                    rollouts_per_step=8, num_generations=4, max_seq_len=64, max_completion_length=4,
+                    generation_timeout_s=3.0, max_off_policy_steps=k, gradient_checkpointing=False, disable_tqdm=True)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=4))
+    trainer = RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=environment, engine=engine)
+    start = time.monotonic()
+    try:
+        with pytest.raises(GenerationTimeout, match=r"No rollouts for batch 0 within 3 s .*--generation_timeout_s"):
+            trainer.train()
+        assert time.monotonic() - start < 30
+    finally:
+        release.set()  # the blocked reward's thread ends
+        engine.close()

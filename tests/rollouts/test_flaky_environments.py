@@ -117,3 +117,37 @@ def test_a_refusal_is_not_retried_as_if_it_were_flaky(tiny_model_dir, caplog):
                                               r".*2 trainable branches"):
         batch(tiny_model_dir, RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64,
                                           name="flaky", refused=(2,)))
+
+
+class BuggyEnv(FlakyEnv):
+    """Its code fails on the ``buggy`` rows with a TypeError: a retry under the same seeds would raise it again."""
+
+    def __init__(self, *args, buggy: tuple[int, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.buggy, self.calls = set(buggy), {}
+
+    async def generate(self, sampler, prompt, prompt_ids, state):
+        row = state["info"]["row"]
+        self.calls[row] = self.calls.get(row, 0) + 1
+        if row in self.buggy:
+            return state["info"]["row"] + "th turn"  # the environment's bug
+        return await super().generate(sampler, prompt, prompt_ids, state)
+
+
+def test_an_error_in_the_environments_code_is_not_retried(tiny_model_dir, caplog):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(4)]
+    buggy = BuggyEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64, name="flaky",
+                     buggy=(2,))
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
+        result = batch(tiny_model_dir, buggy, max_rollout_retries=2, max_failed_rollouts_fraction=0.25)
+    assert result.stats["groups_dropped_on_error"] == 1 and result.stats["rollouts_failed"] == 1  # one attempt
+    assert buggy.calls[2] == 4 and buggy.calls[1] == 4  # its 4 rollouts once, as every other group's
+    assert "raised TypeError in the environment's code (not retried" in caplog.text
+    # Beside a group that kept failing for another reason, the error counts each kind.
+    with pytest.raises(GenerationError) as stopped:
+        batch(tiny_model_dir, BuggyEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64,
+                                       name="flaky", buggy=(2,), broken=(1,)), max_rollout_retries=2)
+    assert str(stopped.value).startswith("Batch 0: 2 of 4 groups were dropped: "), stopped.value
+    assert "1 raised TypeError in the environment's code (not retried: the same seeds would raise it again)" in \
+        str(stopped.value) and "1 failed 3 time(s) each (--max_rollout_retries 2)" in str(stopped.value)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,11 @@ from trl import TrlParser
 from verifiers_rl.training import progress
 from verifiers_rl.cli.sections import SectionedParser
 from verifiers_rl.config.rl_config import RLConfig
-from verifiers_rl.training.distributed import leave_process_group
+from verifiers_rl.training.distributed import MainProcessError, leave_process_group
+from verifiers_rl.training.weight_stream import WeightSyncError
+from verifiers_rl.rollouts.evaluation import EvaluationTimeout
+from verifiers_rl.rollouts.groups import GenerationError
+from verifiers_rl.core.errors import is_our_bug, root_cause, users_line
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT
 from verifiers_rl.envs.loading import keyword_arguments, load_with_args, loader_errors_named
 from verifiers_rl.envs.limits import LIMIT_FLAGS
@@ -149,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank {trainer.accelerator.process_index}] {stopped}", flush=True)
         leave_process_group()
         return stopped.exit_code
+    except RUN_FAILURES as failed:  # the environment, the engine or the main process failed mid-run: said in a line
+        rank = f"[rank {trainer.accelerator.process_index}] " if trainer.accelerator.num_processes > 1 else ""
+        print(f"{rank}{parser.prog}: error: {failure_line(failed)}", file=sys.stderr, flush=True)
+        leave_process_group()
+        return 1
     finally:
         if live.get("engine") is not None:
             live["engine"].close()
@@ -157,6 +167,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)
     leave_process_group()
     return 0
+
+
+# What ends a run that was set up right: each message says what failed and where (the batch, the group, the flag).
+RUN_FAILURES = (GenerationError, EvaluationTimeout, MainProcessError, WeightSyncError)
+
+
+def failure_line(failed: BaseException) -> str:
+    """``failed``'s message, with the line of the user's code that raised its first cause; its traceback is printed
+    above it only where that cause looks like verifiers_rl's own bug (``core.errors.is_our_bug``)."""
+    root = root_cause(failed)
+    if is_our_bug(root):
+        traceback.print_exception(failed)
+    where = users_line(root)
+    return f"{failed}" + (f" (raised at {where})" if where else "")
 
 
 def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, config: RLConfig):

@@ -332,7 +332,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=2,
         metadata={
             "help": "Live generation: a group whose environment raised is generated again (same seeds) up to this many "
-            "times, then dropped and counted (rollouts_failed, groups_dropped_on_error)."
+            "times, then dropped and counted (rollouts_failed, groups_dropped_on_error). An error of the environment's "
+            "code (TypeError, AttributeError, NameError, NotImplementedError, ImportError) is not retried: the same "
+            "seeds would raise it again."
         },
     )
     max_failed_rollouts_fraction: Annotated[float, Range(0, high=1)] = field(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout, group_by_id
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.rollouts.generator import Batch, GenerationTimeout, GeneratorThread, PositionDraws, _close_loop
-from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts
+from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, dropped_how, generation_failed
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as batch at a time
 
@@ -172,8 +172,7 @@ class ContinuousGenerator(GeneratorThread):
                 if taken is not None:
                     break
                 if self._error is not None:
-                    raise GenerationError(
-                        f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
+                    raise generation_failed(self._error)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     due = sum(flight.deadline <= index for flight in self._in_flight.values())
@@ -181,7 +180,7 @@ class ContinuousGenerator(GeneratorThread):
                         f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({len(self._finished)} of "
                         f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight, {due} of them "
                         f"due by this batch; engine policy version {self.engine.policy_version}); the engine or an "
-                        f"environment is stuck.")
+                        f"environment is stuck (--generation_timeout_s sets this bound).")
                 self._condition.wait(timeout=min(remaining, 1.0))
             chosen = {id(group) for group in taken}
             self._finished = [group for group in self._finished if id(group) not in chosen]
@@ -244,9 +243,8 @@ class ContinuousGenerator(GeneratorThread):
         attempted = self.prompts_per_batch + dropped
         if dropped and (dropped > self.max_failed_rollouts_fraction * attempted or dropped >= self.prompts_per_batch):
             raise GenerationError(
-                f"Batch {index}: {dropped} groups failed {self.max_rollout_retries + 1} time(s) each "
-                f"(--max_rollout_retries {self.max_rollout_retries}) or were refused, more than "
-                f"--max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} groups "
+                f"Batch {index}: {dropped} groups {dropped_how(self._errors, self.max_rollout_retries)}, "
+                f"more than --max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} groups "
                 f"generated for it. Last error: {self._errors[-1]}") from self._errors[-1]
 
     def wait_for_older_batches(self, version: int) -> None:

@@ -16,22 +16,19 @@ of arithmetic and calculator, an exact reversal for reverse_text's partial credi
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import json
 import math
 import statistics
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from verifiers_rl.envs.environment import Environment, Row
 from verifiers_rl.envs.rubric import ERRORS_METRIC
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.core.rollout import Rollout, group_episodes, metric_values
 from verifiers_rl.core.settings import settings_from
+from verifiers_rl.core.watched import run_watched
 
 
 class EvaluationTimeout(RuntimeError):
@@ -262,53 +259,21 @@ def evaluate(environment: Environment, engine, settings: EvalSettings,
     none finishes for ``settings.timeout_s``, ``EvaluationTimeout``."""
     rows = eval_rows(environment, settings.num_examples)
     start = time.perf_counter()
-    samples = _watched(lambda note: _rollouts(environment, engine, rows, settings, note), settings.timeout_s,
-                       on_group, len(rows))
-    return summarize(samples, settings.samples_per_prompt, settings.pass_threshold, time.perf_counter() - start)
-
-
-def _watched(rollouts: Callable[[Callable[[int], None]], Any], timeout_s: float,
-             on_group: Callable[[int], None] | None, prompts: int) -> list[EvalSample]:
-    """``rollouts(note)``'s result, run in an event loop on a thread of its own while this thread keeps the
-    timeout: a synchronous reward function that hangs blocks that loop, where no timeout of its own could fire."""
-    progressed, finished, result = threading.Event(), threading.Event(), {}
     done = [0]
 
-    def note(samples: int) -> None:
-        done[0] += 1
-        progressed.set()
-        if on_group is not None:
-            on_group(samples)
+    def rollouts(progress: Callable[[], None]):
+        def note(samples: int) -> None:
+            done[0] += 1
+            progress()
+            if on_group is not None:
+                on_group(samples)
+        return _rollouts(environment, engine, rows, settings, note)
 
-    async def main() -> list[EvalSample]:
-        result["loop"] = asyncio.get_running_loop()
-        return await rollouts(note)
-
-    def run() -> None:
-        try:
-            result["samples"] = asyncio.run(main())
-        except BaseException as error:  # raised again in the caller's thread
-            result["error"] = error
-        finally:
-            finished.set()
-            progressed.set()
-
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), daemon=True,
-                              name="verifiers_rl-evaluation")
-    thread.start()
-    while not finished.is_set():
-        if not progressed.wait(timeout_s) and not finished.is_set():
-            with contextlib.suppress(KeyError, RuntimeError):  # a loop that is not running or has just ended
-                loop = result["loop"]
-                loop.call_soon_threadsafe(lambda: [task.cancel() for task in asyncio.all_tasks(loop)])
-            raise EvaluationTimeout(
-                f"Evaluation: no prompt's samples finished within {timeout_s:g} s ({prompts - done[0]} of {prompts} "
-                "prompts waiting); an environment (its rollout, tools or reward functions) or the engine is stuck. "
-                "--generation_timeout_s sets this bound.")
-        progressed.clear()
-    if "error" in result:
-        raise result["error"]
-    return result["samples"]
+    samples = run_watched(rollouts, settings.timeout_s, lambda: EvaluationTimeout(
+        f"Evaluation: no prompt's samples finished within {settings.timeout_s:g} s ({len(rows) - done[0]} of "
+        f"{len(rows)} prompts waiting); an environment (its rollout, tools or reward functions) or the engine is "
+        "stuck. --generation_timeout_s sets this bound."), name="verifiers_rl-evaluation")
+    return summarize(samples, settings.samples_per_prompt, settings.pass_threshold, time.perf_counter() - start)
 
 
 @dataclass

@@ -21,10 +21,11 @@ from typing import Protocol
 from verifiers_rl.core.curriculum import CurriculumSettings
 from verifiers_rl.core.sampling import derive_seed, epoch_order
 from verifiers_rl.core.settings import settings_from
+from verifiers_rl.core.watched import run_watched
 from verifiers_rl.core.rollout import (NOT_SAMPLED, Rollout, RolloutFormatError, group_by_id, group_episodes,
                                       read_rollouts)
 from verifiers_rl.rollouts.curriculum import build_curriculum
-from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, has_signal
+from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, generation_failed, has_signal
 
 logger = logging.getLogger(__name__)
 
@@ -290,25 +291,22 @@ class AsyncGenerator(GeneratorThread):
         deadline = time.monotonic() + self.timeout_s
         while not done():
             if self._error is not None:
-                raise GenerationError(f"Generation failed: {type(self._error).__name__}: {self._error}") from self._error
+                raise generation_failed(self._error)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._timeout(index)
             self._condition.wait(timeout=min(remaining, 1.0))
 
     def _generate_here(self, index: int) -> list[Rollout]:
-        loop = asyncio.new_event_loop()
         started = time.perf_counter()
         try:
-            with self._batch_lock:
-                task = loop.create_task(asyncio.wait_for(self._generate(index), self.timeout_s))
-                rollouts = loop.run_until_complete(task)
-        except asyncio.TimeoutError:
-            raise self._timeout(index) from None
+            with self._batch_lock:  # on a thread of its own: a hanging synchronous reward cannot stop the bound
+                rollouts = run_watched(lambda progress: self._generate(index), self.timeout_s,
+                                       lambda: self._timeout(index), name="verifiers_rl-generate")
+        except GenerationTimeout:
+            raise
         except Exception as error:
-            raise GenerationError(f"Generation failed: {type(error).__name__}: {error}") from error
-        finally:
-            _close_loop(loop)
+            raise generation_failed(error)
         self._generation_s[index] = time.perf_counter() - started
         self._next_index = max(self._next_index, index + 1)
         self._publish_curriculum(index)
@@ -321,7 +319,8 @@ class AsyncGenerator(GeneratorThread):
     def _timeout(self, index: int) -> GenerationTimeout:
         return GenerationTimeout(
             f"No rollouts for batch {index} within {self.timeout_s:.0f} s (engine policy version "
-            f"{self.engine.policy_version}); the engine or an environment is stuck."
+            f"{self.engine.policy_version}); the engine or an environment is stuck (--generation_timeout_s sets this "
+            "bound)."
         )
 
     def wait_for_older_batches(self, version: int) -> None:

@@ -17,6 +17,16 @@ class GenerationError(RuntimeError):
     """Generation, an environment or a reward function failed; raised where the trainer waits for a batch."""
 
 
+def generation_failed(error: BaseException) -> GenerationError:
+    """``error`` as what the trainer raises: itself when it is a GenerationError already (it says which batch and
+    why), else one that names it."""
+    if isinstance(error, GenerationError):
+        return error
+    failed = GenerationError(f"Generation failed: {type(error).__name__}: {error}")
+    failed.__cause__ = error
+    return failed
+
+
 def has_signal(group: list[Rollout]) -> bool:
     """Whether a group's rewards differ: a group of equal rewards has advantage 0 under every reward scaling, so it
     adds nothing to the gradient (only compute)."""
@@ -33,6 +43,34 @@ def _server_lost(error: BaseException | None) -> bool:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return False
+
+
+# Errors of the environment's code: a retry runs the same code on the same seeds, so it would raise them again.
+CODE_ERRORS = (TypeError, AttributeError, NameError, NotImplementedError, ImportError)
+
+
+def not_retried(error: BaseException | None) -> str | None:
+    """Why a failed group is dropped at once (None: it is retried): a refusal, or an error of the environment's code
+    (what a ``RolloutError`` says it was caused by)."""
+    if isinstance(error, RolloutRefused):
+        return "were refused (not retried: the same seeds would refuse them again)"
+    if isinstance(error, RolloutError) and isinstance(error.__cause__, CODE_ERRORS):
+        return (f"raised {type(error.__cause__).__name__} in the environment's code (not retried: the same seeds "
+                "would raise it again)")
+    return None
+
+
+def dropped_how(errors: list[BaseException], max_rollout_retries: int) -> str:
+    """How the groups whose last errors are ``errors`` came to be dropped: "failed 3 time(s) each", "were refused
+    ...", or each kind with its count."""
+    retried = f"failed {max_rollout_retries + 1} time(s) each (--max_rollout_retries {max_rollout_retries})"
+    kinds: dict[str, int] = {}
+    for error in errors:
+        kind = not_retried(error) or retried
+        kinds[kind] = kinds.get(kind, 0) + 1
+    if len(kinds) == 1:
+        return next(iter(kinds))
+    return "were dropped: " + "; ".join(f"{n} {kind}" for kind, n in kinds.items())
 
 
 class GroupRollouts:
@@ -57,8 +95,8 @@ class GroupRollouts:
     async def of(self, picks: list[tuple[str, object, int]], stats: dict[str, float], index: int,
                  on_group=None) -> list[list[Rollout]]:
         """The groups of ``picks``; a group whose rollout raised is generated again (same seeds) up to
-        ``max_rollout_retries`` times, then dropped (a ``RolloutRefused`` at once: the same seeds refuse again). Counted in the batch's ``rollouts_failed`` (failed attempts) and
-        ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
+        ``max_rollout_retries`` times, then dropped (at once where ``not_retried`` says the same seeds would fail
+        again). Counted in the batch's ``rollouts_failed`` (failed attempts) and ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
         them) fails the batch with the last error. ``on_group(row, group)`` sees each generated group (a curriculum)."""
         results = await asyncio.gather(*(self.attempt(row, group_id, seed) for group_id, row, seed in picks))
         if on_group is not None:
@@ -72,14 +110,9 @@ class GroupRollouts:
         stats["groups_dropped_on_error"] = stats.get("groups_dropped_on_error", 0.0) + dropped
         if dropped and (not groups or dropped > self.max_failed_rollouts_fraction * len(results)):
             errors = [error for group, _, error in results if group is None]
-            refused = sum(isinstance(error, RolloutRefused) for error in errors)
-            retried = (f"{self.max_rollout_retries + 1} time(s) each (--max_rollout_retries "
-                       f"{self.max_rollout_retries})")
-            how = (f"failed {retried}" if not refused else
-                   "were refused (not retried: the same seeds would refuse them again)" if refused == dropped else
-                   f"were refused ({refused}, not retried: the same seeds would refuse them again) or failed {retried}")
             raise GenerationError(
-                f"Batch {index}: {dropped} of {len(results)} groups {how}, more than --max_failed_rollouts_fraction "
+                f"Batch {index}: {dropped} of {len(results)} groups {dropped_how(errors, self.max_rollout_retries)}, "
+                f"more than --max_failed_rollouts_fraction "
                 f"{self.max_failed_rollouts_fraction:g} of the batch. Last error: {errors[0]}"
             ) from errors[0]
         if dropped:
@@ -102,6 +135,10 @@ class GroupRollouts:
             except RolloutError as failed:
                 if _server_lost(failed):  # not a flaky environment: the engine already waited for its server
                     raise
+                if not_retried(failed):
+                    logger.warning("Group %s %s: %s", group_id, not_retried(failed).replace("were ", "was ", 1),
+                                   failed)
+                    return None, attempt + 1, failed
                 error = failed
                 logger.warning("Group %s, attempt %d of %d: %s", group_id, attempt + 1, self.max_rollout_retries + 1,
                                failed)

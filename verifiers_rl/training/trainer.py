@@ -39,7 +39,7 @@ from verifiers_rl.training.distributed import (
     record_peers,
 )
 from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
-from verifiers_rl.rollouts.generator import AsyncGenerator, ReplaySource, RolloutSource, make_source
+from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.core.launch import restart_count
 from verifiers_rl.core.modeling import unwrap
@@ -370,7 +370,8 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
             self.preemption.uninstall()
             segmented_attention.uninstall()  # transformers' own sdpa again (the forward installs ours when needed)
             if self.generator is not None:
-                self.generator.close()
+                # A thread stuck past the generation timeout (a hanging synchronous reward) ignores a cancel.
+                self.generator.close(timeout_s=2.0 if isinstance(sys.exc_info()[1], GenerationTimeout) else 30.0)
             if self._built_engine and self.engine is not None:
                 self.engine.close()  # the engine this trainer built for TRL's form
         stopped_by = self._preemption.stopped_by
