@@ -53,6 +53,11 @@ INHERITED_RANGES: dict[str, Range] = {
     "delta": POSITIVE,
     "off_policy_mask_threshold": NON_NEGATIVE,
     "top_entropy_quantile": Range(0, strict=True, high=1),
+    "logging_steps": POSITIVE,  # a float below 1: that fraction of the run's steps (as eval_steps, save_steps)
+    "eval_steps": POSITIVE,
+    "save_steps": POSITIVE,
+    "save_total_limit": AT_LEAST_ONE,  # unset: keep every checkpoint
+    "seed": NON_NEGATIVE,
 }
 
 
@@ -592,6 +597,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             **{name: evaluating for name in _EVAL_KNOBS},
             "optim_target_modules": ("a low-rank optimizer that projects them (--optim galore_* or apollo_*)",
                                      str(getattr(self.optim, "value", self.optim)).startswith(("galore", "apollo"))),
+            "save_steps": ("--save_strategy steps", self.save_strategy == "steps"),
+            "save_total_limit": ("checkpoints (--save_strategy steps, epoch or best)", self.save_strategy != "no"),
             "greater_is_better": ("a best-checkpoint metric (--metric_for_best_model, or --load_best_model_at_end / "
                                   "--save_strategy best, which track the evaluation's reward)",
                                   self.metric_for_best_model is not None),
