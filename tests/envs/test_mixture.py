@@ -33,6 +33,10 @@ def mixture(tokenizer, entries=ENTRIES, prepare=lambda env, entry: None) -> Mixt
 def test_a_single_environment_is_not_a_mixture():
     assert parse_entries("reverse_text") is None
     assert parse_entries("reasoning_gym:leg_counting=2,basic_arithmetic") is None
+    # One entry's JSON object is neither: said so, not "cannot import module '{"env"'".
+    with pytest.raises(MixtureError, match=r"^--env \{\"env\": \"arithmetic\"\}: one JSON object\. A mixture is a "
+                                           r"JSON list of entries \('\[\{\"env\": \"arithmetic\"\}\]'\)"):
+        parse_entries('{"env": "arithmetic"}')
 
 
 @pytest.mark.parametrize("entries, message", [

@@ -63,8 +63,11 @@ def test_clear_errors(tokenizer, monkeypatch):
         load_environment("reasoning_gym:leg_counting", tokenizer=tokenizer, config={"legs": 3})
     with pytest.raises(ValueError, match=r"\['dice'\] are not among the tasks"):
         load_environment("reasoning_gym:leg_counting,gcd", tokenizer=tokenizer, config={"dice": {}})
-    with pytest.raises(ValueError, match="weights must be > 0"):
-        load_environment("reasoning_gym:leg_counting=0", tokenizer=tokenizer)
+    for weights in ("leg_counting=0", "leg_counting=inf", "leg_counting=nan"):
+        with pytest.raises(ValueError, match=r"weights must be finite numbers > 0; \['leg_counting'\] are not"):
+            load_environment(f"reasoning_gym:{weights}", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="task 'leg_counting' is named twice"):  # not its second weight silently
+        load_environment("reasoning_gym:leg_counting=3,gcd,leg_counting", tokenizer=tokenizer)
     # reasoning-gym is installed here; its absence is simulated (a None entry makes the import fail).
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)
     with pytest.raises(ModuleNotFoundError, match=r"optional extra \[reasoning-gym\]: pip install -e \"\.\[reasoning-gym\]\""):

@@ -181,6 +181,14 @@ def test_eval_names_its_own_flags_where_the_held_out_split_is_too_small(tiny_mod
     assert status == 2 and last.startswith("verifiers-rl eval: error: -n 4 is larger than the held-out "
                                                        "split of reverse_text (3 rows)"), last
     assert "--holdout N holds out" in last and "--eval_holdout" not in last  # the trainer's flag is not eval's
+    assert eval_cli.cli(["--model", tiny_model_dir, "--env", "reverse_text", "--holdout", "5000"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == ("verifiers-rl eval: error: --holdout 5000: reverse_text has 1000 training rows; hold out between 1 "
+                    "and 999 of them."), last
+    # reasoning-gym sizes its held-out split with its own argument, which the hint names.
+    assert eval_cli.cli(["--model", tiny_model_dir, "--env", "reasoning_gym:leg_counting", "-n", "500"]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "reasoning-gym takes --env_args '{\"eval_size\": N}'" in last and "num_eval_examples" not in last, last
 
 
 def test_eval_waits_vllm_server_timeout_for_a_server_and_refuses_embedded_engine_flags_beside_one(

@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.tokenizer or model)
     # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
     prepare = lambda env, entry=None: prepare_environment(  # noqa: E731
-        env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed)
+        env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed,
+        holdout_flag="--holdout")
     with loader_errors_named("--env", args.env, bool(args.env_kwargs)):
         if args.entries is None:
             environment = load_with_args(args.env, tokenizer, env_args=args.env_kwargs)

@@ -78,6 +78,9 @@ def parse_entries(value: Any, flag: str = "--env") -> list[MixtureEntry] | None:
     if isinstance(value, str) and value.endswith(YAML_SUFFIXES):
         value = read_entries(value, flag)
     if isinstance(value, str):
+        if value.lstrip().startswith("{"):
+            raise MixtureError(f"{flag} {value}: one JSON object. A mixture is a JSON list of entries ('[{value}]'); "
+                               f"one environment is its name, its arguments in {flag}_args.")
         if not value.lstrip().startswith("["):
             return None
         try:

@@ -23,10 +23,11 @@ def prepare_environment(
     seed: int = 0,
     args_flag: str = "--env_args",
     context: str = "",
+    holdout_flag: str = "--eval_holdout",
 ) -> dict[str, int] | None:
     """Apply, in order, ``chat_template_kwargs`` (``Environment.use_chat_template_kwargs``), the length contract
     (``lengths``: the trainer's current ``LIMIT_FLAGS`` values, ``given``: those the user set; ``None`` skips it) and
-    ``hold_out(environment, holdout, seed)`` (0 skips it).
+    ``hold_out(environment, holdout, seed)`` (0 skips it; its errors name ``holdout_flag``).
 
     Returns the values the length flags must take (``resolve_limits``), or ``None`` when ``lengths`` is ``None``.
     Raises ``LengthContractError`` naming ``args_flag`` when a given flag disagrees with a stated limit.
@@ -37,5 +38,5 @@ def prepare_environment(
         resolved = resolve_limits(environment, {flag: lengths[flag] for flag in LIMIT_FLAGS}, set(given), args_flag,
                                   context)
     if holdout:
-        hold_out(environment, holdout, seed)
+        hold_out(environment, holdout, seed, holdout_flag)
     return resolved

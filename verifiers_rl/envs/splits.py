@@ -55,21 +55,21 @@ def disjoint_rows(
     return picked
 
 
-def hold_out(environment: Environment, count: int, seed: int) -> None:
+def hold_out(environment: Environment, count: int, seed: int, flag: str = "--eval_holdout") -> None:
     """Move ``count`` rows of ``environment.dataset``, chosen by a shuffle seeded with ``seed``, into
     ``environment.eval_dataset`` (replacing the split it had). The rows keep their indices, and the training rows
-    their order. Applying the same holdout twice is a no-op; a different one is an error."""
+    their order. Applying the same holdout twice is a no-op; a different one is an error (naming ``flag``)."""
     applied = getattr(environment, "_verifiers_rl_holdout", None)
     if applied is not None:
         if applied != (count, seed):
             raise ValueError(
-                f"{environment.name}: rows were already held out with --eval_holdout {applied[0]} (seed {applied[1]})."
+                f"{environment.name}: rows were already held out with {flag} {applied[0]} (seed {applied[1]})."
             )
         return
     rows = environment.dataset
     if not 0 < count < len(rows):
         raise ValueError(
-            f"--eval_holdout {count}: {environment.name} has {len(rows)} training rows; hold out between 1 and "
+            f"{flag} {count}: {environment.name} has {len(rows)} training rows; hold out between 1 and "
             f"{len(rows) - 1} of them."
         )
     order = list(range(len(rows)))

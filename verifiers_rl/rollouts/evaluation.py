@@ -93,10 +93,13 @@ def eval_rows(environment: Environment, num_examples: int | None, flag: str = "-
             f"(one built with eval_dataset=...), or hold out training rows with {holdout_flag} N."
         )
     if num_examples is not None and num_examples > len(rows):
+        # The loader argument that sizes the split: reasoning-gym's, or the built-ins'.
+        larger = ("reasoning-gym takes --env_args '{\"eval_size\": N}'" if environment.name.startswith("reasoning_gym:")
+                  else "the built-ins take --env_args '{\"num_eval_examples\": N}'")
         raise ValueError(
             f"{flag} {num_examples} is larger than the held-out split of {environment.name} ({len(rows)} "
-            "rows). Lower it, or give the environment a larger split (the built-ins take "
-            f"--env_args '{{\"num_eval_examples\": N}}'; {holdout_flag} N holds out N training rows)."
+            f"rows). Lower it, or give the environment a larger split ({larger}; {holdout_flag} N holds out N training "
+            "rows)."
         )
     return rows if num_examples is None else rows[:num_examples]
 

@@ -14,6 +14,7 @@ appears among the training rows (small task spaces repeat questions). These are 
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,15 +45,18 @@ def parse_tasks(tasks: str | Sequence[str] | Mapping[str, float]) -> dict[str, f
         weights = {}
         for part in (p.strip() for p in parts):
             name, _, weight = part.partition("=")
+            if name.strip() in weights:  # a second weight would silently replace the first
+                raise ValueError(f"reasoning_gym: task {name.strip()!r} is named twice in {tasks!r}; name it once, "
+                                 "with its weight (task=w).")
             try:
                 weights[name.strip()] = float(weight) if weight else 1.0
             except ValueError:
                 raise ValueError(f"reasoning_gym: the weight of {name!r} must be a number, got {weight!r}.") from None
     if not weights or "" in weights:
         raise ValueError(f"reasoning_gym: name at least one task, e.g. reasoning_gym:leg_counting (got {tasks!r}).")
-    bad = [name for name, weight in weights.items() if not weight > 0]
+    bad = [name for name, weight in weights.items() if not 0 < weight < math.inf]
     if bad:
-        raise ValueError(f"reasoning_gym: task weights must be > 0; {bad} are not.")
+        raise ValueError(f"reasoning_gym: task weights must be finite numbers > 0; {bad} are not.")
     return weights
 
 
