@@ -40,7 +40,7 @@ def run(model: str, k: int, steps: int, out: Path, env: str, env_args: dict, tim
         save: bool = False) -> None:
     args = RLConfig(
         output_dir=str(out / f"trainer_k{k}"), report_to="none", logging_steps=1,
-        save_strategy="steps" if save else "no", save_steps=steps,
+        **({"save_strategy": "steps", "save_steps": steps} if save else {"save_strategy": "no"}),
         max_steps=steps, learning_rate=3e-3, lr_scheduler_type="constant", rollouts_per_step=32, num_generations=8,
         max_seq_len=64, max_off_policy_steps=k, loss_type="token_mean", gradient_checkpointing=False,
         disable_tqdm=True, seed=0, generation_timeout_s=timeout_s, **extra,

@@ -34,8 +34,9 @@ def rollouts(tmp_path_factory) -> Path:
 
 def trainer(model_dir: str, rollouts: Path, out: Path, steps: int, save_every: int | None = 1) -> RLTrainer:
     args = RLConfig(output_dir=str(out), use_cpu=True, report_to="none", rollouts_path=str(rollouts),
-                    rollouts_per_step=8, max_steps=steps, save_strategy="steps" if save_every else "no",
-                    save_steps=save_every or 1, disable_tqdm=True, learning_rate=1e-3, lr_scheduler_type="constant",
+                    rollouts_per_step=8, max_steps=steps,
+                    **({"save_strategy": "steps", "save_steps": save_every} if save_every else {"save_strategy": "no"}),
+                    disable_tqdm=True, learning_rate=1e-3, lr_scheduler_type="constant",
                     gradient_checkpointing=False)  # constant: runs of 3 and 4 steps share their first steps exactly
     return RLTrainer(model_dir, args, processing_class=AutoTokenizer.from_pretrained(model_dir))
 
