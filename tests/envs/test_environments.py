@@ -210,6 +210,10 @@ def test_dataset_validation(tokenizer):
         SingleTurnEnv([{"prompt": [{"role": "user"}]}], Rubric(), tokenizer)
     with pytest.raises(TypeError, match="'info' must be a dict"):
         SingleTurnEnv([{"question": "a", "info": "x"}], Rubric(), tokenizer)
+    with pytest.raises(TypeError, match=r"SingleTurnEnv: dataset row 1: 'question' must be a string, got int 0\."):
+        SingleTurnEnv([{"question": "a"}, {"question": 0}], Rubric(), tokenizer)
+    with pytest.raises(ValueError, match=r"SingleTurnEnv: eval_dataset row 0 needs 'prompt'"):  # which split it is in
+        SingleTurnEnv([{"question": "a"}], Rubric(), tokenizer, eval_dataset=[{"answer": "b"}])
     no_template = copy.deepcopy(tokenizer)
     no_template.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template"):

@@ -109,10 +109,11 @@ class Environment(ABC):
         self.chat_template_kwargs = self._reachable(chat_template_kwargs)
         self.max_new_tokens = max_new_tokens
         self.max_seq_len = max_seq_len
-        self._all_rows = [self._row(index, record, system_prompt) for index, record in enumerate(dataset)]
+        self._all_rows = [self._row(index, record, system_prompt, "dataset") for index, record in enumerate(dataset)]
         if not self._all_rows:
             raise ValueError(f"{self.name}: the dataset is empty; an environment needs at least one row.")
-        self._all_eval_rows = [self._row(index, record, system_prompt) for index, record in enumerate(eval_dataset or ())]
+        self._all_eval_rows = [self._row(index, record, system_prompt, "eval_dataset")
+                               for index, record in enumerate(eval_dataset or ())]
         self._keep_fitting_rows()
 
     def adopt_limits(self, max_seq_len: int | None = None, max_new_tokens: int | None = None) -> None:
@@ -184,14 +185,17 @@ class Environment(ABC):
     def _prompt_lengths(self, rows: list[Row]) -> list[int]:
         return [len(self.prompt_ids(row.prompt)) for row in rows]
 
-    def _row(self, index: int, record: Any, system_prompt: str | None) -> Row:
-        where = f"{self.name}: dataset row {index}"
+    def _row(self, index: int, record: Any, system_prompt: str | None, split: str) -> Row:
+        where = f"{self.name}: {split} row {index}"
         if not isinstance(record, Mapping):
             raise TypeError(f"{where} is a {type(record).__name__}; expected a dict with 'prompt' or 'question'.")
         if record.get("prompt") is not None:
             prompt = check_messages(record["prompt"], f"{where}, 'prompt'")
         elif isinstance(record.get("question"), str):
             prompt = [{"role": "user", "content": record["question"]}]
+        elif "question" in record:
+            raise TypeError(f"{where}: 'question' must be a string, got {type(record['question']).__name__} "
+                            f"{record['question']!r:.80}.")
         else:
             raise ValueError(
                 f"{where} needs 'prompt' (a list of chat messages) or 'question' (a string); it has keys {sorted(record)}."
