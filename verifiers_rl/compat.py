@@ -298,6 +298,16 @@ def point_at_published_best(trainer, run_dir: str, root: str) -> None:
         state.save_to_json(os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", TRAINER_STATE_NAME))
 
 
+def check_best_metric(name: str | None, metrics: dict[str, float]) -> None:
+    """Raise ``BestMetricError`` when ``metrics`` (an evaluation's, ``eval_``-prefixed) lack the metric ``name``."""
+    if name is not None and f"eval_{name.removeprefix('eval_')}" not in metrics:
+        from verifiers_rl.core.errors import BestMetricError
+
+        logged = ", ".join(sorted(key.removeprefix("eval_") for key in metrics))
+        raise BestMetricError(f"--metric_for_best_model {name}: the evaluation logs no metric of that name; it "
+                              f"logs {logged}.")
+
+
 class TrainerHooks:
     """The HF ``Trainer`` private methods ``RLTrainer`` overrides (a mixin before ``GRPOTrainer``), in one place.
 
@@ -309,7 +319,7 @@ class TrainerHooks:
     """
 
     OVERRIDDEN = ("_get_output_dir", "_save_checkpoint", "_prepare_for_training", "_load_rng_state",
-                  "_load_from_checkpoint", "_issue_warnings_after_load")
+                  "_load_from_checkpoint", "_issue_warnings_after_load", "_determine_best_metric")
     _checkpoint_root: str | None = None  # set while HF writes a checkpoint (under its partial name)
 
     def _get_output_dir(self, trial) -> str:
@@ -328,6 +338,12 @@ class TrainerHooks:
 
         run_dir = super()._get_output_dir(trial)
         self.checkpoints.save(run_dir, self.state.global_step, write_hf, lambda: self.state.best_model_checkpoint)
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
+        """HF's, with a --metric_for_best_model that the evaluation does not log refused by name (HF raises a
+        KeyError). The names depend on the environment's reward functions, so the first evaluation is where it shows."""
+        check_best_metric(self.args.metric_for_best_model, metrics)
+        return super()._determine_best_metric(metrics, trial)
 
     # HF reads its files and DeepSpeed's in these three: each as data, a crafted one refused by name.
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):

@@ -80,3 +80,16 @@ def test_save_strategy_best_saves_the_steps_whose_evaluation_improved(tiny_model
     assert trainer.args.metric_for_best_model == "reward"  # unset: the evaluation's mean reward
     assert folders(tmp_path / "run") == [f"checkpoint-{step}" for step in saved]
     assert trainer.state.best_model_checkpoint == str(tmp_path / "run" / f"checkpoint-{saved[-1]}")
+
+
+def test_a_best_metric_the_evaluation_does_not_log_is_refused_naming_the_ones_it_does(tiny_model_dir, tmp_path):
+    from verifiers_rl.core.errors import BestMetricError
+
+    with pytest.raises(BestMetricError, match=r"^--metric_for_best_model rewards/nope: the evaluation logs no metric "
+                                              r"of that name; it logs .*pass@1, .*reward, .*rewards/reward"):
+        train(tiny_model_dir, tmp_path, [0.2, 0.9], save_strategy="best", metric_for_best_model="rewards/nope")
+    # A name it logs (the reward function's, as tensorboard shows it) is taken.
+    (tmp_path / "ok").mkdir()
+    trainer = train(tiny_model_dir, tmp_path / "ok", [0.2, 0.9], save_strategy="best",
+                    metric_for_best_model="eval/rewards/reward")
+    assert trainer.state.best_metric == 0.9

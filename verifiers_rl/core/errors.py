@@ -14,6 +14,10 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from: missing, incomplete, crafted, or made by a run this one is not."""
 
 
+class BestMetricError(ValueError):
+    """--metric_for_best_model names no metric the evaluation logs (known at the first evaluation)."""
+
+
 def unknown_keys(given, known, what: str, hint: str) -> str | None:
     """The message refusing ``given``'s keys outside ``known`` (``what`` names the mapping, ``hint`` says where
     they belong), None when every key is known."""
