@@ -84,3 +84,13 @@ def test_progress_bar_only_on_a_terminal():
     state = type("State", (), {"is_world_process_zero": True, "max_steps": 3, "global_step": 0})()
     callback.on_train_begin(None, state, None)
     assert callback.bar is None
+
+
+def test_the_summary_is_written_when_the_last_steps_metrics_come_with_it(capsys):
+    # --logging_strategy no: HF logs the run's end (train_runtime) together with the last step's metrics.
+    callback = StepProgressCallback(lambda: [], show_bar=False)
+    state = type("State", (), {"is_world_process_zero": True, "max_steps": 2, "global_step": 2})()
+    args = type("Args", (), {"print_samples_every": 0})()
+    callback.on_log(args, state, None, logs={"reward": 0.5, "reward_std": 0.1, "train_runtime": 3.0})
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("step 2/2 | reward 0.500") and lines[1] == "done: 2 steps in 3 s", lines

@@ -168,7 +168,7 @@ class StepProgressCallback(TrainerCallback):
                     self._write(format_samples(state.global_step, samples))
         elif "eval_reward" in logs:
             self._write(format_eval_line(state.global_step, logs))
-        elif "train_runtime" in logs:
+        if "train_runtime" in logs:  # with the last step's metrics when they were not logged at their step
             self._write(format_summary(state.global_step, logs["train_runtime"], self.rewards, max_steps=state.max_steps))
 
     def on_train_end(self, args, state, control, **kwargs):
