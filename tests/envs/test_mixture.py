@@ -66,7 +66,7 @@ def test_a_mixture_from_json_text_and_a_bad_json_list():
         parse_entries('[{"env": }]')
 
 
-def test_a_mixture_from_a_yaml_file_of_entries_or_a_training_config(tmp_path):
+def test_a_mixture_from_a_yaml_file_of_entries_or_a_training_config(tmp_path, caplog):
     import yaml
 
     listed, config = tmp_path / "mix.yaml", tmp_path / "run.yml"
@@ -75,6 +75,7 @@ def test_a_mixture_from_a_yaml_file_of_entries_or_a_training_config(tmp_path):
     assert [e.name for e in parse_entries(str(listed))] == ["reverse_text", "arithmetic", "reverse_long"]
     assert [(e.name, e.weight) for e in parse_entries(str(config), "--eval_env")] == [("reverse_text", 1.0),
                                                                                      ("arithmetic", 2.5)]
+    assert f"--eval_env {config}: only its env: list is read; its other keys (max_steps) are not" in caplog.text
     for content, message in [({"max_steps": 3}, "is a mapping without env:"), ("reverse_text", "holds a list"),
                              ("[a: b", "is not valid YAML")]:
         (tmp_path / "bad.yaml").write_text(content if isinstance(content, str) and "[" in content

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -27,6 +28,8 @@ from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import Sampler, derive_seed
 from verifiers_rl.envs.environment import Environment, Row, Trajectory
 from verifiers_rl.envs.messages import Messages
+
+logger = logging.getLogger(__name__)
 
 ENTRY_KEYS = ("env", "weight", "env_args", "name", "curriculum")
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -113,6 +116,10 @@ def read_entries(path: str, flag: str = "--env") -> Any:
         if "env" not in content:
             raise MixtureError(f"{flag} {path} is a mapping without env:; give a YAML list of entries or a training "
                                "--config whose env: is one.")
+        others = sorted(set(content) - {"env"})
+        if others:  # said, not silently dropped: the user may have meant --config
+            logger.warning("%s %s: only its env: list is read; its other keys (%s) are not (pass the file as --config "
+                           "to train with them).", flag, path, ", ".join(others))
         content = content["env"]
     if not isinstance(content, list):
         raise MixtureError(f"{flag} {path}: a mixture file holds a list of entries (or a config's env: list), got "

@@ -148,8 +148,8 @@ class RewardFunctionsEnv(Environment):
 
     # --- rows and prompts ---------------------------------------------------------------------------------------
 
-    def _row(self, index: int, record: Any, system_prompt: str | None) -> Row:
-        where = f"{self.name}: dataset row {index}"
+    def _row(self, index: int, record: Any, system_prompt: str | None, split: str) -> Row:
+        where = f"{self.name}: {split} row {index}"
         if not isinstance(record, Mapping) or "prompt" not in record:
             raise ValueError(f"{where} needs a 'prompt' column (TRL's format), got {record!r:.200}.")
         prompt = record["prompt"]

@@ -139,7 +139,7 @@ class VerifiersEnv(Environment):
         return EngineClient(sampler, max_seq_len=self.max_seq_len, max_new_tokens=self.max_new_tokens,
                             **self._client_args)
 
-    def _row(self, index: int, record: Any, system_prompt: str | None) -> VerifiersRow:
+    def _row(self, index: int, record: Any, system_prompt: str | None, split: str) -> VerifiersRow:
         from verifiers_rl.envs.adapters.verifiers_client import plain_messages
 
         record = dict(record)
@@ -147,7 +147,7 @@ class VerifiersEnv(Environment):
         if isinstance(info, str):
             info = json.loads(info)  # verifiers stores info as JSON text in some datasets, and parses it the same way
         plain = {"prompt": plain_messages(record["prompt"]), "answer": record.get("answer"), "info": info}
-        row = super()._row(index, plain, system_prompt)
+        row = super()._row(index, plain, system_prompt, split)
         return VerifiersRow(**asdict(row), vf_input=record)
 
     def render(self, messages, add_generation_prompt: bool) -> str:
