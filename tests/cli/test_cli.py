@@ -51,6 +51,9 @@ def test_train_help_shows_the_flags_by_section_in_order():
                  positions[list(sections.SECTIONS).index("Batching")]]
     assert any(line.strip().startswith("--loss_type") for line in loss)
     assert not any(line.strip().startswith("--micro_batching") for line in loss)
+    # A --no_NAME flag says what it does, not its positive flag's text with a default of False.
+    negative = lines.index("  --no_gradient_checkpointing, --no-gradient-checkpointing")
+    assert lines[negative + 1].strip() == "Turn --gradient_checkpointing off.", lines[negative:negative + 3]
 
 
 def test_every_field_of_ours_is_in_exactly_one_section():

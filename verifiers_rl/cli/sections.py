@@ -77,14 +77,32 @@ HELP_HERE: dict[str, str] = {
 }
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """HF's help formatter, except that a ``--no_NAME`` flag shows no default: it shares its field with ``--NAME``,
+    whose default is the field's, and would show False whatever that is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if _negates(action) else super()._get_help_string(action)
+
+
+def _negates(action: argparse.Action) -> bool:
+    """Whether ``action`` is HF's ``--no_NAME`` complement of a boolean that defaults to True."""
+    return isinstance(action, argparse._StoreFalseAction) and action.option_strings[0].startswith("--no_")
+
+
 class SectionedParser(TrlParser):
     """TRL's parser (dataclasses -> flags, ``--config`` YAML) whose ``--help`` lists the flags by ``SECTIONS``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, formatter_class=_Formatter, **kwargs)
 
     def add_argument(self, *args, **kwargs):
         from verifiers_rl.config.rl_config import config_ranges
 
         action = super().add_argument(*args, **kwargs)
         action.help = HELP_HERE.get(action.dest, action.help)
+        if _negates(action):  # HF gives it the positive flag's text, which reads as the opposite of what it does
+            action.help = f"Turn --{action.dest} off."
         allowed = config_ranges().get(action.dest)
         if allowed is not None and action.help:  # the range validate checks, as docs/config.md lists it
             action.help = f"{action.help} Range: {allowed}."

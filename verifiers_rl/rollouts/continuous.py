@@ -244,8 +244,8 @@ class ContinuousGenerator(GeneratorThread):
         if dropped and (dropped > self.max_failed_rollouts_fraction * attempted or dropped >= self.prompts_per_batch):
             raise GenerationError(
                 f"Batch {index}: {dropped} groups {dropped_how(self._errors, self.max_rollout_retries)}, "
-                f"more than --max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} groups "
-                f"generated for it. Last error: {self._errors[-1]}") from self._errors[-1]
+                f"more than --max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} "
+                f"groups generated for it. Last error: {self._errors[-1]}") from self._errors[-1]
 
     def wait_for_older_batches(self, version: int) -> None:
         """Nothing to wait for: weights are loaded while groups are in flight."""

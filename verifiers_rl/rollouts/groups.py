@@ -96,8 +96,9 @@ class GroupRollouts:
                  on_group=None) -> list[list[Rollout]]:
         """The groups of ``picks``; a group whose rollout raised is generated again (same seeds) up to
         ``max_rollout_retries`` times, then dropped (at once where ``not_retried`` says the same seeds would fail
-        again). Counted in the batch's ``rollouts_failed`` (failed attempts) and ``groups_dropped_on_error``; more than ``max_failed_rollouts_fraction`` of the groups dropped (or all of
-        them) fails the batch with the last error. ``on_group(row, group)`` sees each generated group (a curriculum)."""
+        again). Counted in the batch's ``rollouts_failed`` (failed attempts) and ``groups_dropped_on_error``; more
+        than ``max_failed_rollouts_fraction`` of the groups dropped (or all of them) fails the batch with the last
+        error. ``on_group(row, group)`` sees each generated group (a curriculum)."""
         results = await asyncio.gather(*(self.attempt(row, group_id, seed) for group_id, row, seed in picks))
         if on_group is not None:
             for (_, row, _), (group, _, _) in zip(picks, results):
