@@ -179,3 +179,16 @@ def test_an_environment_failing_mid_run_ends_it_in_one_line_with_the_users_line(
     assert "Traceback" not in err and last.startswith("verifiers-rl train: error: Batch 0: "), err[-3000:]
     assert "raised TypeError in the environment's code (not retried" in last  # once, not --max_rollout_retries more
     assert last.endswith(f"(raised at {path.resolve()}:4)"), last
+
+
+def test_a_fresh_run_into_an_output_dir_holding_checkpoints_is_refused(tiny_model_dir, tmp_path, capsys):
+    # Its checkpoints would overwrite the earlier run's, and rotation (newest by step) would delete its own first.
+    out = tmp_path / "out"
+    for step in (2, 10):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    assert main(["--model", tiny_model_dir, "--output_dir", str(out), *SMALL]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"verifiers-rl train: error: --output_dir {str(out)!r} holds checkpoints of an earlier run "
+                    "(checkpoint-2 to checkpoint-10): a new run there would write over them. Continue that run with "
+                    "--resume_from_checkpoint latest (or auto), or train into another --output_dir."), last
+    assert sorted(path.name for path in out.iterdir()) == ["checkpoint-10", "checkpoint-2"]  # nothing written

@@ -14,6 +14,10 @@ class CheckpointError(ValueError):
     """A checkpoint cannot be resumed from: missing, incomplete, crafted, or made by a run this one is not."""
 
 
+class OutputDirInUseError(CheckpointError):
+    """A fresh run's --output_dir holds an earlier run's checkpoints, which it would write over."""
+
+
 class BestMetricError(ValueError):
     """--metric_for_best_model names no metric the evaluation logs (known at the first evaluation)."""
 

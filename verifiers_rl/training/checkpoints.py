@@ -21,6 +21,7 @@ from verifiers_rl.training.run_state import (
     REFERENCE_FILE,
     CheckpointError,
     RunState,
+    check_fresh_output_dir,
     disk_full,
     check_fits,
     load_curriculum,
@@ -96,6 +97,11 @@ class RunCheckpoints:
         )
 
     # --- resuming -----------------------------------------------------------------------------------------------
+
+    def check_fresh(self) -> None:
+        """Before a run starts afresh: refuse an --output_dir holding checkpoints (``check_fresh_output_dir``), on
+        every rank."""
+        main_process_outcome(lambda: check_fresh_output_dir(self.args.output_dir))
 
     def restore(self, spec, global_step: int) -> str | None:
         """Check the checkpoint ``spec`` names against this run and restore the rollout source's position, the

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verifiers_rl.core.errors import CheckpointError  # noqa: F401  (raised here, and exported from here)
+from verifiers_rl.core.errors import CheckpointError, OutputDirInUseError  # noqa: F401  (raised, exported)
 from verifiers_rl.core.rollout import Rollout, read_rollouts, write_rollouts
 
 logger = logging.getLogger(__name__)
@@ -137,6 +137,18 @@ def newest_complete_checkpoint(output_dir: str | Path) -> Path | None:
         if all((path / name).is_file() for name in (TRAINER_STATE_FILE, STATE_FILE)):
             return path
     return None
+
+
+def check_fresh_output_dir(output_dir: str | Path) -> None:
+    """Refuse to start a run afresh in an ``output_dir`` holding checkpoints: its own would overwrite them one by one,
+    and --save_total_limit rotation (newest by step) would delete the new run's as the oldest."""
+    found = _checkpoints_newest_first(Path(output_dir))
+    if found:
+        names = found[0].name if len(found) == 1 else f"{found[-1].name} to {found[0].name}"
+        raise OutputDirInUseError(
+            f"--output_dir {str(output_dir)!r} holds checkpoints of an earlier run ({names}): a new run there would "
+            "write over them. Continue that run with --resume_from_checkpoint latest (or auto), or train into "
+            "another --output_dir.")
 
 
 def _checkpoints_newest_first(output_dir: Path) -> list[Path]:

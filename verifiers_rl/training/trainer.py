@@ -353,7 +353,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self.preemption.install()
         try:
             path = (self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
-                    if resume_from_checkpoint else None)
+                    if resume_from_checkpoint else self.checkpoints.check_fresh())
             self._say_restart(resume_from_checkpoint, path)
             output = super().train(resume_from_checkpoint=path, **kwargs)
         except RuntimeError as exc:
