@@ -229,6 +229,9 @@ def test_eval_refuses_environment_arguments_that_are_not_keywords_or_of_the_wron
     (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan."),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0, got inf."),
     (["--holdout", "-1"], "--holdout must be >= 0, got -1."),
+    (["-k", "4", "--temperature", "0"], "-k 4 at --temperature 0: greedy decoding gives every sample of a prompt the "
+                                        "same completion, so pass@k would equal pass@1 at k times the cost. Sample (a "
+                                        "temperature > 0), or take one sample per prompt."),
     (["--pass_threshold", "nan"], "--pass_threshold must be a finite number, got nan."),
     (["--output", "."], "--output . is a folder: name the file to write the rollouts to."),
 ])

@@ -122,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name} must be >= 1, got {value}.")
+    if args.temperature == 0 and args.samples_per_prompt > 1:
+        from verifiers_rl.rollouts.evaluation import greedy_samples
+
+        parser.error(greedy_samples(f"-k {args.samples_per_prompt}", "--temperature 0"))
     if args.holdout < 0:
         parser.error(f"--holdout must be >= 0, got {args.holdout}.")
     if not math.isfinite(args.pass_threshold):

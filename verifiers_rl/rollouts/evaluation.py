@@ -49,6 +49,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def greedy_samples(samples_flag: str, temperature_flag: str) -> str:
+    """The refusal of several samples per prompt at temperature 0, naming the two flags."""
+    return (f"{samples_flag} at {temperature_flag}: greedy decoding gives every sample of a prompt the same "
+            "completion, so pass@k would equal pass@1 at k times the cost. Sample (a temperature > 0), or take one "
+            "sample per prompt.")
+
+
 @dataclass
 class EvalSettings:
     """``num_examples`` prompts of the held-out split (None: all of it) x ``samples_per_prompt`` samples each, at
@@ -67,8 +74,11 @@ class EvalSettings:
             raise ValueError(f"eval_num_examples must be >= 1, got {self.num_examples}.")
         if self.samples_per_prompt < 1:
             raise ValueError(f"eval_samples_per_prompt must be >= 1, got {self.samples_per_prompt}.")
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"eval_temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+        if self.temperature is not None and not 0 <= self.temperature < math.inf:
+            raise ValueError(f"eval_temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}.")
+        if self.temperature == 0 and self.samples_per_prompt > 1:
+            raise ValueError(greedy_samples(f"--eval_samples_per_prompt {self.samples_per_prompt}",
+                                            "--eval_temperature 0"))
         if not self.timeout_s > 0:
             raise ValueError(f"generation_timeout_s must be > 0, got {self.timeout_s}.")
 
