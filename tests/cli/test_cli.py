@@ -40,6 +40,17 @@ def test_the_command_lists_its_subcommands_and_refuses_an_unknown_one():
     assert unknown.returncode == 2 and "unknown command 'trian'" in unknown.stderr and "train" in unknown.stderr
 
 
+def test_vllm_serve_refuses_a_model_path_that_does_not_exist_before_starting_a_server(tmp_path):
+    # vLLM would take it for a Hub id and fail in a traceback after its start-up; 'tiny'/'smollm2' resolve as training's.
+    missing = tmp_path / "no_model"
+    result = run(["vllm-serve", "--model", str(missing)], timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"verifiers-rl vllm-serve: error: --model {str(missing)!r}: no such folder, and it is not a Hugging Face Hub "
+        "id ('name' or 'org/name'). Pass a folder holding a saved model (config.json, weights, tokenizer), a Hub id, "
+        "'smollm2' or 'tiny'.")
+
+
 def test_train_help_shows_the_flags_by_section_in_order():
     result = run(["train", "--help"])
     assert result.returncode == 0, result.stderr[-2000:]

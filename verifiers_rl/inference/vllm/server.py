@@ -41,6 +41,7 @@ from pathlib import Path
 
 from verifiers_rl.vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
 from verifiers_rl.core.engine import WORKER_EXTENSION, free_port, is_loopback
+from verifiers_rl.core.models import resolve_model
 from verifiers_rl.inference.vllm.processes import ProcessFamily, run_preemptible
 from verifiers_rl.inference.vllm.weight_transfer import SERVER_BACKENDS, TRANSFERS
 
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="verifiers-rl vllm-serve",
         description="Serve a model with vLLM for verifiers_rl (generation + weight sync); Ctrl-C stops it.",
     )
-    parser.add_argument("--model", required=True, help="local folder (or hub id) of the model")
+    parser.add_argument("--model", required=True,
+                        help="local folder (or hub id) of the model; 'smollm2' and 'tiny' as training's --model")
     parser.add_argument("--port", type=int, default=8000, help="the (first) server's port (default: %(default)s)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: %(default)s; 0.0.0.0 for trainers on other machines, "
@@ -421,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             parser.error("--then needs a command after it")
     args, extra = parser.parse_known_args(argv)
+    try:  # before a server starts: a wrong path is one line now, not vLLM's traceback 20 s later
+        args.model = resolve_model(args.model)
+    except FileNotFoundError as error:
+        parser.error(str(error))
     if args.num_servers < 1:
         parser.error(f"--num-servers must be >= 1, got {args.num_servers}")
     if not command and args.stop_grace_s != parser.get_default("stop_grace_s"):
