@@ -121,13 +121,41 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     ("model: tiny\n  max_steps: [2\n", "is not valid YAML: mapping values are not allowed here"),
     ("- model\n- tiny\n", "must hold a YAML mapping of flag names to values, got list."),
     (None, "cannot read the file (No such file or directory)."),
+    # Each value as its flag's type reads the command line (YAML's numbers, lists and booleans skipped that check).
+    ("max_steps: [2, 3]\n", ": max_steps: [2, 3] is not an integer."),
+    ("max_steps: true\n", ": max_steps: True is not an integer."),
+    ("seed: 1.5\n", ": seed: 1.5 is not an integer."),
+    ("groups_in_flight: 1.5\n", ": groups_in_flight: 1.5 is not an integer."),
+    ("num_generations: 2.0\n", ": num_generations: 2.0 is not an integer."),  # an optional field's type too
+    ("temperature: [0.5]\n", ": temperature: [0.5] is not a number."),
+    ("bf16: maybe\n", ": bf16: 'maybe' is not true or false."),
+    ("loss_type: [grpo]\n", ": loss_type: ['grpo'] is not one of grpo, dr_grpo, token_mean,"),
+    ("env:\n  HF_HOME: /tmp\n", ": env: is the --env flag here (an environment's name, or a mixture's list of "
+                                "entries), not environment variables"),
 ])
-def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, tmp_path, capsys):
+@pytest.mark.parametrize("form", ["--config FILE", "--config=FILE"])
+def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, form, tmp_path, capsys):
     path = tmp_path / "run.yaml"
     if text is not None:
         path.write_text(text)
-    last = refusal(["--config", str(path), "--output_dir", str(tmp_path)], capsys)
+    given = ["--config", str(path)] if form == "--config FILE" else [f"--config={path}"]
+    last = refusal([*given, "--output_dir", str(tmp_path)], capsys)
     assert last.startswith(f"--config {path}") and message in last, last
+
+
+def test_a_config_files_values_take_the_types_the_command_line_gives_them(tmp_path):
+    from verifiers_rl.cli.train import build_parser
+
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: '3'\nlearning_rate: 1\ntemperature: 0.5\nuse_cpu: true\neval_steps: 2\n"
+                    "env_args: {num_examples: 16}\neval_env_args: {num_examples: 4}\nreport_to: [none]\n"
+                    "loss_type: dr_grpo\n")
+    script, config = build_parser().parse_args_and_config([f"--config={path}", "--output_dir", str(tmp_path),
+                                                           "--temperature", "0.7"])
+    assert (config.max_steps, config.learning_rate, config.use_cpu, config.eval_steps) == (3, 1.0, True, 2.0)
+    assert isinstance(config.learning_rate, float) and config.temperature == 0.7  # the command line wins
+    assert json.loads(script.env_args) == {"num_examples": 16} and json.loads(script.eval_env_args) == {"num_examples": 4}
+    assert config.report_to == [] and config.loss_type == "dr_grpo"
 
 
 @pytest.mark.parametrize("source, line, error", [

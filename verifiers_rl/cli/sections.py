@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import sys
+from collections.abc import Mapping
 from dataclasses import MISSING, fields
 
 from trl import TrlParser
@@ -110,23 +112,49 @@ class SectionedParser(TrlParser):
         return action
 
     def parse_args_and_config(self, args=None, **kwargs):
-        """TRL's, except that a ``--config`` YAML ``env:`` that is no mapping (TRL's environment variables) is the
-        ``--env`` flag: one environment's name, or a mixture's list of entries."""
-        args = list(args) if args is not None else sys.argv[1:]
+        """TRL's: a ``--config FILE.yaml`` (or ``--config=FILE.yaml``) mapping of flag names to values, which the
+        command line overrides; here each value is read as its flag's type reads the command line's (an error names
+        the file and the key), a mapping given to a flag that takes JSON is that JSON, and ``env:`` is the ``--env``
+        flag (one environment's name, or a mixture's list of entries), not TRL's environment variables."""
+        words = list(args) if args is not None else sys.argv[1:]
+        args = [part for word in words  # --config=FILE as --config FILE
+                for part in (("--config", word.split("=", 1)[1]) if word.startswith("--config=") else (word,))]
         config = _yaml_config(args)
-        if config is not None:
-            flags = {action.dest for action in self._actions}
-            unknown = [key for key in config if key != "env" and key not in flags]
-            if unknown:
-                raise ValueError(f"--config {args[args.index('--config') + 1]}: unknown key(s) "
-                                 f"{', '.join(self._closest(unknown))}; its keys are the flags' names "
-                                 f"(`{self.prog} --help`).")
-        if config is None or isinstance(config.get("env", {}), dict) or self.get_default("env") is None:
+        flags = {action.dest for action in self._actions}
+        if config is None or "env" not in flags:
             return super().parse_args_and_config(args, **kwargs)
         at = args.index("--config")
-        self.set_defaults(env=config.pop("env"))
-        self.set_defaults_with_config(**config)  # every key is a flag's (checked above)
-        return self.parse_args_into_dataclasses(args=args[:at] + args[at + 2:])
+        path = args[at + 1]
+        unknown = [key for key in config if key not in flags]
+        if unknown:
+            raise ValueError(f"--config {path}: unknown key(s) {', '.join(self._closest(unknown))}; its keys are the "
+                             f"flags' names (`{self.prog} --help`).")
+        if isinstance(config.get("env"), Mapping):
+            raise ValueError(f"--config {path}: env: is the --env flag here (an environment's name, or a mixture's "
+                             "list of entries), not environment variables: set those in the shell.")
+        self.set_defaults_with_config(**{key: self._typed(path, key, value) for key, value in config.items()})
+        return self.parse_args_into_dataclasses(args=args[:at] + args[at + 2:], **kwargs)
+
+    def _typed(self, path: str, key: str, value):
+        """``value`` of the --config key ``key`` as its flag reads the command line (argparse converts and checks only
+        strings, so a YAML number, list or boolean would reach the config unchecked); a ValueError naming the file
+        and the key where that flag cannot take it."""
+        action = next(a for a in self._actions if a.dest == key and a.option_strings and not _negates(a))
+        kind = action.type
+        if value is None or kind in (None, str):  # strings, and the lists and JSON objects some of them take
+            return json.dumps(value) if isinstance(value, Mapping) else value
+        name = getattr(kind, "__name__", "")  # TRL's wrapper of an optional field's type keeps the type's name
+        wrong = (isinstance(value, (list, Mapping)) or (isinstance(value, bool) and name != "string_to_bool")
+                 or (name == "int" and isinstance(value, float)))
+        try:
+            typed = None if wrong else kind(str(value).lower() if isinstance(value, bool) else str(value))
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            wrong = True
+        if wrong or (action.choices is not None and typed not in action.choices):
+            expected = ({"int": "an integer", "float": "a number", "string_to_bool": "true or false"}.get(name)
+                        or f"one of {', '.join(map(str, action.choices or ()))}")
+            raise ValueError(f"--config {path}: {key}: {value!r} is not {expected}.")
+        return typed
 
     def parse_args_into_dataclasses(self, *args, return_remaining_strings: bool = False, **kwargs):
         """HF's, with an unknown flag refused by name and the flags closest to it (HF lists the leftover strings)."""
@@ -160,7 +188,7 @@ class SectionedParser(TrlParser):
         return formatter.format_help()
 
 
-def _yaml_config(args: list[str]) -> dict | None:
+def _yaml_config(args: list[str]) -> dict | None:  # args: with --config=FILE split in two
     """The mapping of the ``--config`` file among ``args`` (None without one); a file that cannot be read or holds
     no mapping is a ValueError naming it."""
     if "--config" not in args or args.index("--config") + 1 >= len(args):
