@@ -121,41 +121,71 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     ("model: tiny\n  max_steps: [2\n", "is not valid YAML: mapping values are not allowed here"),
     ("- model\n- tiny\n", "must hold a YAML mapping of flag names to values, got list."),
     (None, "cannot read the file (No such file or directory)."),
-    # Each value as its flag's type reads the command line (YAML's numbers, lists and booleans skipped that check).
-    ("max_steps: [2, 3]\n", ": max_steps: [2, 3] is not an integer."),
-    ("max_steps: true\n", ": max_steps: True is not an integer."),
-    ("seed: 1.5\n", ": seed: 1.5 is not an integer."),
-    ("groups_in_flight: 1.5\n", ": groups_in_flight: 1.5 is not an integer."),
-    ("num_generations: 2.0\n", ": num_generations: 2.0 is not an integer."),  # an optional field's type too
-    ("temperature: [0.5]\n", ": temperature: [0.5] is not a number."),
-    ("bf16: maybe\n", ": bf16: 'maybe' is not true or false."),
-    ("loss_type: [grpo]\n", ": loss_type: ['grpo'] is not one of grpo, dr_grpo, token_mean,"),
-    ("env:\n  HF_HOME: /tmp\n", ": env: is the --env flag here (an environment's name, or a mixture's list of "
-                                "entries), not environment variables"),
 ])
-@pytest.mark.parametrize("form", ["--config FILE", "--config=FILE"])
-def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, form, tmp_path, capsys):
+def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, tmp_path, capsys):
     path = tmp_path / "run.yaml"
     if text is not None:
         path.write_text(text)
-    given = ["--config", str(path)] if form == "--config FILE" else [f"--config={path}"]
-    last = refusal([*given, "--output_dir", str(tmp_path)], capsys)
+    last = refusal(["--config", str(path), "--output_dir", str(tmp_path)], capsys)
     assert last.startswith(f"--config {path}") and message in last, last
 
 
-def test_a_config_files_values_take_the_types_the_command_line_gives_them(tmp_path):
+@pytest.mark.parametrize("text, message", [
+    ("max_steps: [2, 3]", "max_steps: expected an integer, got [2, 3]."),
+    ("max_steps: true", "max_steps: expected an integer, got True."),
+    ("seed: 1.5", "seed: expected an integer, got 1.5."),
+    ("num_generations: 2.0", "num_generations: expected an integer, got 2.0."),
+    ("groups_in_flight: 1.5", "groups_in_flight: expected an integer, got 1.5."),
+    ("temperature: [0.5]", "temperature: expected a number, got [0.5]."),
+    ("use_cpu: 3", "use_cpu: expected true or false, got 3."),
+    ("loss_type: [grpo]", "loss_type: expected one of grpo, dr_grpo, token_mean, seq_mean_token_sum, dapo, bnpo, got "
+                          "['grpo']."),
+    ("share_prompt_training: off", "share_prompt_training: expected one of auto, on, off, got False (quote it: YAML "
+                                   "reads a bare yes, no, on or off as a boolean)."),
+    ("reward_weights: [1, a]", "reward_weights: expected a list of which each is a number, got [1, 'a']."),
+    ("env_args: [1]", "env_args: expected a string or a mapping, got [1]."),
+    # TRL reads a mapping env: as environment variables to set; here env: is --env, and nothing promises those.
+    ("env: {CUDA_VISIBLE_DEVICES: 0}", "env: expected a string or a list of mixture entries, got "
+                                       "{'CUDA_VISIBLE_DEVICES': 0} (env: is the --env flag here, not TRL's "
+                                       "environment variables)."),
+])
+def test_a_config_value_its_flag_would_not_take_is_one_line_naming_the_file_and_key(text, message, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"model: tiny\n{text}\n")
+    assert refusal(["--config", str(path), "--output_dir", str(tmp_path)], capsys) == f"--config {path}: {message}"
+
+
+@pytest.mark.parametrize("text, name, value", [
+    ("max_steps: 3", "max_steps", 3),
+    ("temperature: 1", "temperature", 1.0),
+    ("learning_rate: 1.0e-5", "learning_rate", 1e-5),
+    ("bf16: false", "bf16", False),
+    ("loss_type: dr_grpo", "loss_type", "dr_grpo"),
+    ("share_prompt_training: 'off'", "share_prompt_training", "off"),
+    ("reward_weights: [1, 0.5]", "reward_weights", [1.0, 0.5]),
+    ("report_to: [tensorboard]", "report_to", ["tensorboard"]),
+    ("generation_kwargs: {top_p: 0.9}", "top_p", 0.9),
+    ("eval_env: null", "eval_env", None),
+    ("env_args: {num_examples: 8}", "env_args", '{"num_examples": 8}'),
+    ("eval_env_args: {num_examples: 8}", "eval_env_args", '{"num_examples": 8}'),
+    ("env_args: '{\"num_examples\": 8}'", "env_args", '{"num_examples": 8}'),
+    ("env: [{env: reverse_text}, {env: arithmetic}]", "env", [{"env": "reverse_text"}, {"env": "arithmetic"}]),
+])
+@pytest.mark.parametrize("config_flag", [["--config", "{}"], ["--config={}"]])
+def test_a_config_value_its_flag_takes_is_parsed_as_the_flag_would(text, name, value, config_flag, tmp_path):
     from verifiers_rl.cli.train import build_parser
 
     path = tmp_path / "run.yaml"
-    path.write_text("max_steps: '3'\nlearning_rate: 1\ntemperature: 0.5\nuse_cpu: true\neval_steps: 2\n"
-                    "env_args: {num_examples: 16}\neval_env_args: {num_examples: 4}\nreport_to: [none]\n"
-                    "loss_type: dr_grpo\n")
-    script, config = build_parser().parse_args_and_config([f"--config={path}", "--output_dir", str(tmp_path),
-                                                           "--temperature", "0.7"])
-    assert (config.max_steps, config.learning_rate, config.use_cpu, config.eval_steps) == (3, 1.0, True, 2.0)
-    assert isinstance(config.learning_rate, float) and config.temperature == 0.7  # the command line wins
-    assert json.loads(script.env_args) == {"num_examples": 16} and json.loads(script.eval_env_args) == {"num_examples": 4}
-    assert config.report_to == [] and config.loss_type == "dr_grpo"
+    path.write_text(f"model: tiny\n{text}\n")
+    script_args, config = build_parser().parse_args_and_config(
+        args=[word.format(path) for word in config_flag] + ["--output_dir", str(tmp_path)])
+    parsed = getattr(script_args, name) if hasattr(script_args, name) else getattr(config, name)
+    assert parsed == value and type(parsed) is type(value), parsed
+    assert script_args.model == "tiny"
+
+
+def test_config_without_its_file_is_one_line(tmp_path, capsys):
+    assert refusal(["--output_dir", str(tmp_path), "--config"], capsys) == "--config needs a file: --config FILE.yaml"
 
 
 @pytest.mark.parametrize("source, line, error", [

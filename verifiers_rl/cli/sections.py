@@ -11,7 +11,8 @@ import argparse
 import difflib
 import json
 import sys
-from collections.abc import Mapping
+import types
+import typing
 from dataclasses import MISSING, fields
 
 from trl import TrlParser
@@ -111,50 +112,38 @@ class SectionedParser(TrlParser):
         self.__dict__.setdefault("added", []).append(action)  # argparse keeps its own list private
         return action
 
-    def parse_args_and_config(self, args=None, **kwargs):
-        """TRL's: a ``--config FILE.yaml`` (or ``--config=FILE.yaml``) mapping of flag names to values, which the
-        command line overrides; here each value is read as its flag's type reads the command line's (an error names
-        the file and the key), a mapping given to a flag that takes JSON is that JSON, and ``env:`` is the ``--env``
-        flag (one environment's name, or a mixture's list of entries), not TRL's environment variables."""
-        words = list(args) if args is not None else sys.argv[1:]
-        args = [part for word in words  # --config=FILE as --config FILE
-                for part in (("--config", word.split("=", 1)[1]) if word.startswith("--config=") else (word,))]
-        config = _yaml_config(args)
-        flags = {action.dest for action in self._actions}
-        if config is None or "env" not in flags:
-            return super().parse_args_and_config(args, **kwargs)
-        at = args.index("--config")
-        path = args[at + 1]
-        unknown = [key for key in config if key not in flags]
+    def parse_args_and_config(self, args=None):
+        """TRL's, except that each ``--config`` YAML value is checked and converted as its flag's text would be (a
+        wrong one is a ValueError naming the file and the key), ``--config=FILE`` is ``--config FILE``, and ``env:``
+        is the ``--env`` flag, not TRL's environment variables."""
+        args = [part for arg in (sys.argv[1:] if args is None else args)
+                for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+        if "--config" in args:
+            at = args.index("--config")
+            if at + 1 == len(args):
+                raise ValueError("--config needs a file: --config FILE.yaml")
+            path = args[at + 1]
+            self.set_defaults_with_config(**self._config_values(path, _yaml_config(path)))
+            args = args[:at] + args[at + 2:]
+        return self.parse_args_into_dataclasses(args=args)
+
+    def _config_values(self, path: str, config: dict) -> dict:
+        """The ``--config`` file's values as their flags' parses give them; an unknown key or a value its flag does
+        not take is a ValueError naming the file and the key."""
+        actions = {action.dest: action for action in self._actions if action.option_strings and action.nargs != 0}
+        unknown = [key for key in config if key not in actions]
         if unknown:
             raise ValueError(f"--config {path}: unknown key(s) {', '.join(self._closest(unknown))}; its keys are the "
                              f"flags' names (`{self.prog} --help`).")
-        if isinstance(config.get("env"), Mapping):
-            raise ValueError(f"--config {path}: env: is the --env flag here (an environment's name, or a mixture's "
-                             "list of entries), not environment variables: set those in the shell.")
-        self.set_defaults_with_config(**{key: self._typed(path, key, value) for key, value in config.items()})
-        return self.parse_args_into_dataclasses(args=args[:at] + args[at + 2:], **kwargs)
-
-    def _typed(self, path: str, key: str, value):
-        """``value`` of the --config key ``key`` as its flag reads the command line (argparse converts and checks only
-        strings, so a YAML number, list or boolean would reach the config unchecked); a ValueError naming the file
-        and the key where that flag cannot take it."""
-        action = next(a for a in self._actions if a.dest == key and a.option_strings and not _negates(a))
-        kind = action.type
-        if value is None or kind in (None, str):  # strings, and the lists and JSON objects some of them take
-            return json.dumps(value) if isinstance(value, Mapping) else value
-        name = getattr(kind, "__name__", "")  # TRL's wrapper of an optional field's type keeps the type's name
-        wrong = (isinstance(value, (list, Mapping)) or (isinstance(value, bool) and name != "string_to_bool")
-                 or (name == "int" and isinstance(value, float)))
-        try:
-            typed = None if wrong else kind(str(value).lower() if isinstance(value, bool) else str(value))
-        except (TypeError, ValueError, argparse.ArgumentTypeError):
-            wrong = True
-        if wrong or (action.choices is not None and typed not in action.choices):
-            expected = ({"int": "an integer", "float": "a number", "string_to_bool": "true or false"}.get(name)
-                        or f"one of {', '.join(map(str, action.choices or ()))}")
-            raise ValueError(f"--config {path}: {key}: {value!r} is not {expected}.")
-        return typed
+        as_is = {name: _taken_as_is(hint) for cls in self.dataclass_types
+                 for name, hint in typing.get_type_hints(cls).items()}
+        values = {}
+        for key, value in config.items():
+            try:
+                values[key] = _flag_value(actions[key], value, as_is.get(key, set()))
+            except ValueError as error:
+                raise ValueError(f"--config {path}: {key}: {error}") from None
+        return values
 
     def parse_args_into_dataclasses(self, *args, return_remaining_strings: bool = False, **kwargs):
         """HF's, with an unknown flag refused by name and the flags closest to it (HF lists the leftover strings)."""
@@ -188,19 +177,61 @@ class SectionedParser(TrlParser):
         return formatter.format_help()
 
 
-def _yaml_config(args: list[str]) -> dict | None:  # args: with --config=FILE split in two
-    """The mapping of the ``--config`` file among ``args`` (None without one); a file that cannot be read or holds
-    no mapping is a ValueError naming it."""
-    if "--config" not in args or args.index("--config") + 1 >= len(args):
-        return None
+def _yaml_config(path: str) -> dict:
+    """The mapping in the ``--config`` file ``path``; a file that cannot be read or holds no mapping is a ValueError
+    naming it."""
     from verifiers_rl.core.errors import read_yaml
 
-    path = args[args.index("--config") + 1]
     config = read_yaml(path, "--config")
     if not isinstance(config, dict):
         raise ValueError(f"--config {path} must hold a YAML mapping of flag names to values, got "
                          f"{type(config).__name__}.")
     return config
+
+
+# Flags whose command-line text is JSON: a YAML value of the type is taken as that text (the mixture's list as is).
+STRUCTURED_TEXT = {"env": (list, "a list of mixture entries"), "eval_env": (list, "a list of mixture entries"),
+                   "env_args": (dict, "a mapping"), "eval_env_args": (dict, "a mapping")}
+# By the name of the flag's converter (TRL wraps an optional field's, keeping the name).
+EXPECTED = {"int": "an integer", "float": "a number", "string_to_bool": "true or false", "str": "a string"}
+
+
+def _taken_as_is(hint) -> set[type]:
+    """Which of list, dict and None a field's type admits: a YAML list, mapping or null is then the value itself."""
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    return {typing.get_origin(member) or member for member in members} & {list, dict, type(None)}
+
+
+def _flag_value(action: argparse.Action, value, as_is: set[type]):
+    """A YAML ``value`` as ``action``'s flag parses its text (``as_is``: ``_taken_as_is`` of its field); one the
+    flag would refuse is a ValueError saying what it takes."""
+    many = action.nargs in ("+", "*")  # a list field: the command line's several words
+    converter = getattr(action.type, "__name__", "value")
+    structured, what = STRUCTURED_TEXT.get(action.dest, (None, ""))
+    if type(value) in as_is and not (many and isinstance(value, list)):
+        return value
+    if type(value) is structured:
+        return value if structured is list else json.dumps(value)
+    items = value if many and isinstance(value, list) else [value]
+    try:
+        # The text of a list, a mapping or a YAML boolean would be no value of another flag's (True is no integer).
+        if any(isinstance(item, (list, dict)) or isinstance(item, bool) and converter != "string_to_bool"
+               for item in items):
+            raise ValueError
+        parsed = [action.type(str(item)) if action.type else item for item in items]
+        if action.choices is not None and any(item not in action.choices for item in parsed):
+            raise ValueError
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        expected = (f"one of {', '.join(map(str, action.choices))}" if action.choices is not None
+                    else EXPECTED.get(converter, f"a {converter}"))
+        expected = f"a list of which each is {expected}" if many else f"{expected} or {what}" if what else expected
+        note = ""
+        if isinstance(value, bool) and (action.choices is not None or converter == "str"):
+            note = " (quote it: YAML reads a bare yes, no, on or off as a boolean)"
+        elif action.dest == "env" and isinstance(value, dict):
+            note = " (env: is the --env flag here, not TRL's environment variables)"
+        raise ValueError(f"expected {expected}, got {value!r}{note}.") from None
+    return parsed if many else parsed[0]
 
 
 def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[argparse.Action]]]:
@@ -260,6 +291,10 @@ def markdown() -> str:
         "`max_tokens_per_microbatch` with padded rows and no prompt sharing; in a replay,",
         "what only live generation reads, and the sampling and engine knobs unless evaluation runs) is refused",
         "when that setting is off: it would change nothing.",
+        "",
+        "A `--config` value must be one its flag's text could give (`max_steps: 1.5` is refused, naming the file and",
+        "the key); `env_args` and `eval_env_args` may be YAML mappings, `env` and `eval_env` a mixture's list. A",
+        "mapping `env:` (TRL's environment variables) is refused: `env` is the `--env` flag here.",
     ]
     for title, names in SECTIONS.items():
         lines += ["", f"## {title}", "", "| field | default | command default | choices / range | what it does |",
