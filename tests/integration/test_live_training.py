@@ -141,3 +141,28 @@ def test_a_hanging_synchronous_reward_times_out_on_either_thread(tiny_model_dir,
     finally:
         release.set()  # the blocked reward's thread ends
         engine.close()
+
+
+def test_a_training_environment_without_a_reward_function_is_said(tiny_model_dir, tmp_path, caplog):
+    # Rubric() scores every rollout 0: the run would learn nothing, silently.
+    from transformers import AutoTokenizer
+
+    from verifiers_rl.config.rl_config import RLConfig
+    from verifiers_rl.envs import Rubric, SingleTurnEnv
+    from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+    from verifiers_rl.training.trainer import RLTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", max_steps=1,
+                    rollouts_per_step=8, num_generations=4, max_seq_len=64, max_completion_length=4)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0, max_new_tokens=4))
+    try:
+        for rubric, said in ((Rubric(), True), (Rubric([lambda completion: 1.0]), False)):
+            caplog.clear()
+            environment = SingleTurnEnv([{"question": f"Say {i}."} for i in range(8)], rubric, tokenizer,
+                                        max_new_tokens=4, max_seq_len=64, name="quiet")
+            with caplog.at_level("WARNING", logger="verifiers_rl.training.trainer"):
+                RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=environment, engine=engine)
+            assert ("quiet: its rubric has no reward function" in caplog.text) == said, caplog.text
+    finally:
+        engine.close()

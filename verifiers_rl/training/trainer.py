@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import os
 import sys
@@ -104,6 +105,18 @@ def _normalized_reward_functions(args, environment) -> tuple[tuple[str, float], 
                          "(RLTrainer(reward_funcs=..., train_dataset=...)) on its own; an environment or a rollout "
                          "file gives one reward per rollout: leave it at sum_then_normalize.")
     return tuple(zip(names, environment.reward_weights))
+
+
+def _warn_without_rewards(environment) -> None:
+    """Say so when the training environment scores with a rubric of no reward function (``Rubric()``): every reward,
+    and so every advantage, is 0, and the run learns nothing. (The adapters score with their own rewards.)"""
+    from verifiers_rl.envs.environment import Environment
+
+    scores_with_rubric = environment is not None and type(environment).rollout is Environment.rollout
+    if scores_with_rubric and not environment.rubric.functions:
+        logging.getLogger(__name__).warning(
+            "%s: its rubric has no reward function, so every reward and every advantage is 0 and this run learns "
+            "nothing. Give it one: Rubric([reward_function, ...]).", environment.name)
 
 
 def _render_with_config(args, environment, eval_environment) -> None:
@@ -242,6 +255,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self.live = environment is not None  # on every rank (only the main process holds the generator)
         _render_with_config(args, environment, eval_environment)  # before the rows are counted (lengths may change)
         _give_trainer_state(lambda: self.state, environment, eval_environment)
+        _warn_without_rewards(environment)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
         if (environment is not None) == (rollout_source is not None or bool(args.rollouts_path)):
