@@ -87,67 +87,51 @@ def test_more_failures_than_allowed_stop_the_run_with_the_error_and_the_flags(ti
 
 
 class RefusingEnv(FlakyEnv):
-    """Refuses every rollout of the ``refused`` rows, as the v1 adapter refuses an episode it cannot train."""
+    """Refuses every rollout of the ``refused`` rows, as the v1 adapter refuses an episode it cannot train, and fails
+    on the ``buggy`` rows with a TypeError of its own code (which a retry under the same seeds would raise again);
+    counts each row's calls."""
 
-    def __init__(self, *args, refused: tuple[int, ...] = (), **kwargs):
+    def __init__(self, *args, refused: tuple[int, ...] = (), buggy: tuple[int, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
-        self.refused, self.calls = set(refused), {}
+        self.refused, self.buggy, self.calls = set(refused), set(buggy), {}
 
     async def generate(self, sampler, prompt, prompt_ids, state):
         row = state["info"]["row"]
         self.calls[row] = self.calls.get(row, 0) + 1
         if row in self.refused:
             raise RolloutRefused(f"row {row}: the episode has 2 trainable branches")
-        return await super().generate(sampler, prompt, prompt_ids, state)
-
-
-def test_a_refusal_is_not_retried_as_if_it_were_flaky(tiny_model_dir, caplog):
-    # A refusal is a function of the group's seeds, which a retry reuses: retrying would only refuse again.
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(4)]
-    refusing = RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64, name="flaky",
-                           refused=(2,))
-    with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
-        result = batch(tiny_model_dir, refusing, max_rollout_retries=2, max_failed_rollouts_fraction=0.25)
-    assert result.stats["groups_dropped_on_error"] == 1 and result.stats["rollouts_failed"] == 1  # one attempt
-    assert refusing.calls[2] == 4 and refusing.calls[1] == 4  # its 4 rollouts once, as every other group's
-    assert "Group" in caplog.text and "refused (not retried" in caplog.text
-    with pytest.raises(GenerationError, match=r"1 of 4 groups were refused \(not retried: the same seeds would "
-                                              r"refuse them again\), more than --max_failed_rollouts_fraction 0 "
-                                              r".*2 trainable branches"):
-        batch(tiny_model_dir, RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64,
-                                          name="flaky", refused=(2,)))
-
-
-class BuggyEnv(FlakyEnv):
-    """Its code fails on the ``buggy`` rows with a TypeError: a retry under the same seeds would raise it again."""
-
-    def __init__(self, *args, buggy: tuple[int, ...] = (), **kwargs):
-        super().__init__(*args, **kwargs)
-        self.buggy, self.calls = set(buggy), {}
-
-    async def generate(self, sampler, prompt, prompt_ids, state):
-        row = state["info"]["row"]
-        self.calls[row] = self.calls.get(row, 0) + 1
         if row in self.buggy:
-            return state["info"]["row"] + "th turn"  # the environment's bug
+            return row + "th turn"  # the environment's bug
         return await super().generate(sampler, prompt, prompt_ids, state)
 
 
-def test_an_error_in_the_environments_code_is_not_retried(tiny_model_dir, caplog):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+def refusing_env(tokenizer, **faults) -> RefusingEnv:
     rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(4)]
-    buggy = BuggyEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64, name="flaky",
-                     buggy=(2,))
+    return RefusingEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64, name="flaky",
+                       **faults)
+
+
+@pytest.mark.parametrize("fault, why", [
+    ("refused", r"were refused \(not retried: the same seeds would refuse them again\)"),
+    ("buggy", r"raised TypeError in the environment's code \(not retried: the same seeds would raise it again\)"),
+])
+def test_a_refusal_or_an_error_of_the_environments_code_is_not_retried(fault, why, tiny_model_dir, caplog):
+    # Both are functions of the group's seeds, which a retry reuses: retrying would only fail again.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    failing = refusing_env(tokenizer, **{fault: (2,)})
     with caplog.at_level(logging.WARNING, logger="verifiers_rl.rollouts.generator"):
-        result = batch(tiny_model_dir, buggy, max_rollout_retries=2, max_failed_rollouts_fraction=0.25)
+        result = batch(tiny_model_dir, failing, max_rollout_retries=2, max_failed_rollouts_fraction=0.25)
     assert result.stats["groups_dropped_on_error"] == 1 and result.stats["rollouts_failed"] == 1  # one attempt
-    assert buggy.calls[2] == 4 and buggy.calls[1] == 4  # its 4 rollouts once, as every other group's
-    assert "raised TypeError in the environment's code (not retried" in caplog.text
-    # Beside a group that kept failing for another reason, the error counts each kind.
+    assert failing.calls[2] == 4 and failing.calls[1] == 4  # its 4 rollouts once, as every other group's
+    assert "Group b0-p" in caplog.text and "(not retried" in caplog.text
+    with pytest.raises(GenerationError, match=rf"1 of 4 groups {why}, more than --max_failed_rollouts_fraction 0 "):
+        batch(tiny_model_dir, refusing_env(tokenizer, **{fault: (2,)}))
+
+
+def test_a_batch_error_counts_each_kind_of_dropped_group(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     with pytest.raises(GenerationError) as stopped:
-        batch(tiny_model_dir, BuggyEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=6, max_seq_len=64,
-                                       name="flaky", buggy=(2,), broken=(1,)), max_rollout_retries=2)
+        batch(tiny_model_dir, refusing_env(tokenizer, buggy=(2,), broken=(1,)), max_rollout_retries=2)
     assert str(stopped.value).startswith("Batch 0: 2 of 4 groups were dropped: "), stopped.value
     assert "1 raised TypeError in the environment's code (not retried: the same seeds would raise it again)" in \
         str(stopped.value) and "1 failed 3 time(s) each (--max_rollout_retries 2)" in str(stopped.value)
