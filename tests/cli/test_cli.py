@@ -41,7 +41,7 @@ def test_the_command_lists_its_subcommands_and_refuses_an_unknown_one():
 
 
 def test_vllm_serve_refuses_a_model_path_that_does_not_exist_before_starting_a_server(tmp_path):
-    # vLLM would take it for a Hub id and fail in a traceback after its start-up; 'tiny'/'smollm2' resolve as training's.
+    # vLLM would take it for a Hub id and fail in a traceback after starting; 'tiny'/'smollm2' resolve as training's.
     missing = tmp_path / "no_model"
     result = run(["vllm-serve", "--model", str(missing)], timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
