@@ -303,9 +303,7 @@ class AsyncGenerator(GeneratorThread):
             with self._batch_lock:  # on a thread of its own: a hanging synchronous reward cannot stop the bound
                 rollouts = run_watched(lambda progress: self._generate(index), self.timeout_s,
                                        lambda: self._timeout(index), name="verifiers_rl-generate")
-        except GenerationTimeout:
-            raise
-        except Exception as error:
+        except Exception as error:  # a GenerationTimeout stays itself
             raise generation_failed(error)
         self._generation_s[index] = time.perf_counter() - started
         self._next_index = max(self._next_index, index + 1)

@@ -112,8 +112,9 @@ def _warn_without_rewards(environment) -> None:
     and so every advantage, is 0, and the run learns nothing. (The adapters score with their own rewards.)"""
     from verifiers_rl.envs.environment import Environment
 
-    scores_with_rubric = environment is not None and type(environment).rollout is Environment.rollout
-    if scores_with_rubric and not environment.rubric.functions:
+    rubric = getattr(environment, "rubric", None)  # None in a replay; a mixture's is its first entry's
+    scores_with = getattr(type(environment), "rollout", None) is Environment.rollout
+    if scores_with and rubric is not None and not rubric.functions:
         logging.getLogger(__name__).warning(
             "%s: its rubric has no reward function, so every reward and every advantage is 0 and this run learns "
             "nothing. Give it one: Rubric([reward_function, ...]).", environment.name)
