@@ -136,9 +136,9 @@ class GroupRollouts:
             except RolloutError as failed:
                 if _server_lost(failed):  # not a flaky environment: the engine already waited for its server
                     raise
-                if not_retried(failed):
-                    logger.warning("Group %s %s: %s", group_id, not_retried(failed).replace("were ", "was ", 1),
-                                   failed)
+                why = not_retried(failed)
+                if why:
+                    logger.warning("Group %s %s: %s", group_id, why.replace("were ", "was ", 1), failed)
                     return None, attempt + 1, failed
                 error = failed
                 logger.warning("Group %s, attempt %d of %d: %s", group_id, attempt + 1, self.max_rollout_retries + 1,

@@ -367,8 +367,11 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         # one and exits (``PreemptionSignal``), also while it handles its failed collective below.
         self.preemption.install()
         try:
-            path = (self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
-                    if resume_from_checkpoint else self.checkpoints.check_fresh())
+            if resume_from_checkpoint:
+                path = self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
+            else:
+                self.checkpoints.check_fresh()
+                path = None
             self._say_restart(resume_from_checkpoint, path)
             output = super().train(resume_from_checkpoint=path, **kwargs)
         except RuntimeError as exc:
