@@ -112,3 +112,24 @@ def test_two_processes_through_the_command_equal_one(tmp_path, tiny_model_dir):
     assert any(not torch.equal(a[k], before[k]) for k in before), "the step changed nothing"
     for name in before:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
+def test_a_fresh_two_process_run_into_an_output_dir_with_checkpoints_stops_both_ranks_in_a_line(tmp_path,
+                                                                                               tiny_model_dir):
+    # Rank 0 finds the checkpoints; rank 1 gets its error instead of waiting, and each says it in one line.
+    write_rollouts(tmp_path / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=3))
+    (tmp_path / "out" / "checkpoint-4").mkdir(parents=True)
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+              "-m", "verifiers_rl.cli.train"]
+    result = run(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "r.jsonl"), "--max_steps", "1",
+                  "--rollouts_per_step", "16", "--output_dir", str(tmp_path / "out")], prefix=launch, timeout=600)
+    assert result.returncode != 0
+    lines = result.stderr.splitlines()
+    assert f"[rank 0] verifiers-rl train: error: --output_dir {str(tmp_path / 'out')!r} holds checkpoints of an " \
+           "earlier run (checkpoint-4)" in result.stderr, result.stderr[-4000:]
+    assert any(line.startswith("[rank 1] verifiers-rl train: error: The main process failed: OutputDirInUseError: ")
+               for line in lines), result.stderr[-4000:]
+    # No rank prints a traceback (the only one is the launcher's ChildFailedError, from accelerate and torch).
+    assert not any("verifiers_rl/" in line for line in lines if line.lstrip().startswith("File ")), result.stderr
