@@ -133,3 +133,34 @@ def test_a_fresh_two_process_run_into_an_output_dir_with_checkpoints_stops_both_
                for line in lines), result.stderr[-4000:]
     # No rank prints a traceback (the only one is the launcher's ChildFailedError, from accelerate and torch).
     assert not any("verifiers_rl/" in line for line in lines if line.lstrip().startswith("File ")), result.stderr
+
+
+@pytest.mark.distributed
+def test_an_environment_failing_mid_run_under_two_processes_ends_each_rank_in_a_line(tmp_path, tiny_model_dir):
+    # The main process generates; its environment's TypeError ends it with the user's line, and rank 1, waiting for
+    # that batch, says the main process failed instead of hanging, each in one line and exit status 1.
+    path = tmp_path / "talk_env.py"
+    path.write_text(
+        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
+        "class Talk(SingleTurnEnv):\n"
+        "    async def generate(self, sampler, prompt, prompt_ids, state):\n"
+        "        return 'turn ' + len(prompt)\n"
+        "def load_environment(tokenizer):\n"
+        "    rows = [{'question': f'say {i}', 'answer': str(i)} for i in range(8)]\n"
+        "    return Talk(rows, Rubric([lambda completion: 0.0]), tokenizer, max_new_tokens=4, max_seq_len=128,\n"
+        "                name='talk')\n")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "accelerate_configs" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
+              "-m", "verifiers_rl.cli.train"]
+    result = run(["--model", tiny_model_dir, "--env", str(path), "--max_steps", "1", "--rollouts_per_step", "4",
+                  "--num_generations", "2", "--print_samples_every", "0", "--output_dir", str(tmp_path / "out")],
+                 prefix=launch, timeout=600)
+    assert result.returncode != 0
+    lines = result.stderr.splitlines()
+    failed = [line for line in lines if line.startswith("[rank 0] verifiers-rl train: error: Batch 0: ")]
+    assert failed and "raised TypeError in the environment's code" in failed[0], result.stderr[-4000:]
+    assert failed[0].endswith(f"(raised at {path.resolve()}:4)"), failed[0]
+    assert any(line.startswith("[rank 1] verifiers-rl train: error: The main process failed: ") for line in lines), \
+        result.stderr[-4000:]
+    assert not any("verifiers_rl/" in line for line in lines if line.lstrip().startswith("File ")), result.stderr
+    assert result.stderr.count("exitcode  : 1 ") == 2  # both ranks returned 1 (a run that failed), as the launcher says
