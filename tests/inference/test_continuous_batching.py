@@ -46,6 +46,25 @@ def test_an_admitted_row_samples_what_it_samples_decoded_alone(tiny_model_dir, l
     assert sum(rows) == sum(length - 1 for length in lengths)
 
 
+def test_the_lean_steps_buffers_hold_the_rows_running_not_max_rows(tiny_model_dir):
+    # --continuous_batching_rows is a cap: a cap far above the rows a run holds (a GPU's 256 for 16 rows, or a
+    # nonsense 10**12) must not allocate its whole size at every rebuild (10**12 rows: an allocation error).
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64))
+    batch = engine._running_batch(10**12)
+    requests = requests_of(900)
+    ids = [batch.add(DecodeRequest(p, n, t, derive_seed(s, 0))) for p, n, t, s in requests]
+    samples, held = {}, []
+    while not batch.done:
+        samples.update(engine._continuous_step(batch))
+        if batch.rows:
+            held.append((batch.kv.keys[0].shape[0], len(batch.rows)))
+    assert held and all(buffer <= 2 * len(requests) for buffer, _ in held)
+    assert max(rows for _, rows in held) == len(requests) - 1  # all joined together (the shortest ended at once)
+    for (prompt, max_new_tokens, temperature, seed), rid in zip(requests, ids):
+        assert samples[rid].token_ids == alone(engine, prompt, max_new_tokens, temperature, seed).token_ids
+    engine.close()
+
+
 def test_requests_and_max_rows_are_checked(tiny_model_dir):
     engine = EmbeddedEngine(tiny_model_dir)
     with pytest.raises(ValueError, match="max_rows must be >= 1"):

@@ -11,9 +11,9 @@ same seed (log-probs to float rounding).
 
 Decode steps run through the lean Llama step (``llama_decode``) where the engine uses it, else through transformers'
 forward on a ``DynamicCache`` (rebuilt at each admission); never through a captured CUDA graph (its shapes are
-fixed). The lean step's key/value buffers hold ``max_rows`` rows: a newcomer whose prompt fits left of the running
-rows' newest position, with room for its tokens, is written into a free row (no rebuild); a leaving row's place is
-taken by the last running row. Otherwise (a longer prompt, no room left, or the columns no row reads grown to half
+fixed). The lean step's key/value buffers hold twice the rows running when they are built (at most ``max_rows``): a
+newcomer whose prompt fits left of the running rows' newest position, with room for its tokens, is written into a
+free row (no rebuild); a leaving row's place is taken by the last running row. Otherwise (a longer prompt, no room left, or the columns no row reads grown to half
 the width) the buffers are rebuilt, those columns dropped. Models whose cache layers are not plain full-attention
 layers (sliding windows) are refused. Weights loaded between two steps apply to the next step (the lean step reads
 the model's parameters at each call); the rows in flight keep the keys/values the earlier weights computed, and each
@@ -314,7 +314,10 @@ class RunningBatch:
         if self.llama_decode:
             # Room for the tokens left, and as many again: later newcomers then fit without a rebuild.
             left = max(self.requests[rid].max_new_tokens - len(self.tokens[rid]) for rid in self.rows)
-            self.kv = LlamaDecoder(self.model, cache, width + 2 * left, self.linear, max_rows=self.max_rows)
+            # Rows for as many newcomers again, up to max_rows: a max_rows far above the rows a run ever holds
+            # would otherwise allocate its whole size at every rebuild.
+            rows = min(self.max_rows, 2 * len(self.rows))
+            self.kv = LlamaDecoder(self.model, cache, width + 2 * left, self.linear, max_rows=rows)
             self.stats.rebuilds += 1
         else:
             self.kv = cache
