@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from verifiers_rl.envs import Rubric, SingleTurnEnv
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
 from verifiers_rl.rollouts.continuous import ContinuousGenerator, position_of
-from verifiers_rl.rollouts.generator import AsyncGenerator
+from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout
 from verifiers_rl.rollouts.groups import GenerationError
 
 P, G = 2, 4  # prompts per batch, rollouts per group
@@ -142,6 +142,22 @@ def test_a_long_group_slides_to_its_deadline_and_holds_that_batch_never_dropped(
     for index, batch in enumerate(batches):
         assert batch.stats["groups_stale_dropped"] == 0
         assert min(r.oldest_version() for r in batch.rollouts) >= generator.required_version(index)
+
+
+def test_a_timeout_says_the_batch_waits_for_a_group_due_by_it_not_for_finished_groups(parts):
+    tokenizer, engine = parts
+    generator = continuous(environment(tokenizer, gated=True), engine, total=4)  # the gate stays shut
+    try:
+        step(generator, 0)
+        generator.timeout_s = 1.0
+        for position in (3, 4, 5):  # more than a batch's worth finished: position 0 alone holds batch 1
+            wait_for_pending(generator, f"p{position}")
+        with pytest.raises(GenerationTimeout, match=r"No rollouts for batch 1 within 1 s \(3 groups finished \(it "
+                                                    r"takes 2\), but 1 of the 1 in flight are due by this batch, "
+                                                    r"which waits for them; .*--generation_timeout_s"):
+            generator.batch(1)
+    finally:
+        generator.close()
 
 
 def test_a_group_older_than_its_batch_allows_is_dropped_counted_and_generated_again(parts):

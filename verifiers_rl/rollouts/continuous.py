@@ -175,12 +175,10 @@ class ContinuousGenerator(GeneratorThread):
                     raise generation_failed(self._error)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    due = sum(flight.deadline <= index for flight in self._in_flight.values())
                     raise GenerationTimeout(
-                        f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({len(self._finished)} of "
-                        f"{self.prompts_per_batch} groups finished, {len(self._in_flight)} in flight, {due} of them "
-                        f"due by this batch; engine policy version {self.engine.policy_version}); the engine or an "
-                        f"environment is stuck (--generation_timeout_s sets this bound).")
+                        f"No rollouts for batch {index} within {self.timeout_s:.0f} s ({self._waiting_for(index)}; "
+                        f"engine policy version {self.engine.policy_version}); the engine or an environment is "
+                        "stuck (--generation_timeout_s sets this bound).")
                 self._condition.wait(timeout=min(remaining, 1.0))
             chosen = {id(group) for group in taken}
             self._finished = [group for group in self._finished if id(group) not in chosen]
@@ -198,6 +196,16 @@ class ContinuousGenerator(GeneratorThread):
         generation_s = (None if any(t is None for pair in times for t in pair)
                         else max(end for _, end in times) - min(start for start, _ in times))
         return Batch(index, rollouts, stats, generation_s)
+
+    def _waiting_for(self, index: int) -> str:
+        """(Holding the condition.) What batch ``index`` waits for, in words: too few finished groups, or (enough
+        finished) the groups in flight due by it."""
+        finished, size = len(self._finished), self.prompts_per_batch
+        flying, due = len(self._in_flight), sum(flight.deadline <= index for flight in self._in_flight.values())
+        if finished < size:
+            return f"{finished} of the {size} groups it takes finished, {flying} in flight, {due} of them due by it"
+        return (f"{finished} groups finished (it takes {size}), but {due} of the {flying} in flight are due by this "
+                "batch, which waits for them")
 
     def _choose(self, index: int) -> list[FinishedGroup] | None:
         """(Holding the condition.) Batch ``index``'s groups: the ``prompts_per_batch`` finished ones with the
