@@ -34,6 +34,17 @@ def test_what_continuous_generation_does_not_combine_with_is_refused_by_name(val
         config(**{**values, "groups_in_flight": 0})  # batch at a time takes it
 
 
+def test_more_groups_in_flight_than_the_staleness_bound_lets_start_is_refused_by_name():
+    # A group started at version v is due by batch v + k: (k + 1) batches' groups at most are ever in flight, so a
+    # larger N would act as that bound while the user believes N run.
+    values = {"rollouts_per_step": 8, "num_generations": 4, "max_off_policy_steps": 2}  # 2 groups a batch, k = 2
+    assert config(**values, groups_in_flight=6).groups_in_flight == 6
+    with pytest.raises(ValueError, match=r"^--groups_in_flight 7 is more than can ever be in flight: .* \(k \+ 1\) x 2 "
+                                         r"groups a batch .* = 6 are, at --max_off_policy_steps 2\. Use "
+                                         r"--groups_in_flight 6 or less, or raise --max_off_policy_steps\.$"):
+        config(**values, groups_in_flight=7)
+
+
 def test_a_rollout_source_of_the_users_is_refused_with_groups_in_flight():
     with pytest.raises(ValueError, match="--groups_in_flight 2 sets how live generation from an environment runs"):
         make_source(config(groups_in_flight=2), given=[], environment=None, engine=None)

@@ -73,7 +73,7 @@ def test_every_settings_field_carries_its_config_fields_value(tiny_model_dir):
     # A vLLM client records each token's version (TokenVersions) when groups stream through weight loads, only then.
     assert vllm_settings(built).token_versions is False
     continuous = RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=8,
-                          vllm_server_url="http://127.0.0.1:8000", groups_in_flight=3)
+                          vllm_server_url="http://127.0.0.1:8000", groups_in_flight=2)
     assert vllm_settings(continuous).token_versions is True
 
 

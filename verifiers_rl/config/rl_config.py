@@ -193,7 +193,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                           "made of finished whole groups (the earliest due first), weights loaded while groups are in "
                           "flight; a group started at version v is due by batch v + max_off_policy_steps, a long one "
                           "slides to a later batch up to then, and the batch it is due by waits for it. 0 = "
-                          "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1."},
+                          "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1; at most (max_off_policy_steps + 1) x "
+                          "rollouts_per_step / num_generations (no more groups can be in flight)."},
     )
     generation_timeout_s: Annotated[float, POSITIVE] = field(
         default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error (and "
@@ -635,6 +636,14 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             if given:
                 raise ValueError(f"--groups_in_flight {self.groups_in_flight} (continuous generation) does not combine "
                                  f"with {flag}: {reason}. Use --groups_in_flight 0 (batch at a time) for it.")
+        k, prompts = self.max_off_policy_steps, self.rollouts_per_step // self.num_generations
+        if self.groups_in_flight > (k + 1) * prompts:  # ContinuousGenerator._to_start starts no more than that
+            raise ValueError(
+                f"--groups_in_flight {self.groups_in_flight} is more than can ever be in flight: a group started at "
+                f"version v is due by batch v + k, so at most (k + 1) x {prompts} groups a batch (--rollouts_per_step "
+                f"{self.rollouts_per_step} / --num_generations {self.num_generations}) = {(k + 1) * prompts} are, at "
+                f"--max_off_policy_steps {k}. Use --groups_in_flight {(k + 1) * prompts} or less, or raise "
+                "--max_off_policy_steps.")
 
 
 # The vLLM client's knobs (--vllm_server_url's) and evaluation's (--eval_strategy's): RLConfig._check_enablers.
