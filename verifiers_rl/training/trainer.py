@@ -275,6 +275,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         if self.evaluation is not None:
             main_process_outcome(lambda: self.evaluation.check_engine(engine))
         max_steps = run_steps(args, num_batches)
+        self._steps_per_epoch = num_batches * args.num_iterations  # the train dataloader's length: HF's epochs
         if self.generator is not None:
             self.generator.total_batches = math.ceil(max_steps / args.num_iterations)
         placeholder = Dataset.from_dict({"prompt": ["(rollouts come from the rollout source)"]})
@@ -421,8 +422,9 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
     # --- HF hooks: data -------------------------------------------------------------------------------------
 
     def get_train_dataloader(self):
-        # One item per optimizer step on every rank; the batch itself comes from the rollout source.
-        return DataLoader(list(range(self.args.max_steps)), batch_size=1, collate_fn=lambda items: items)
+        # One item per optimizer step of an epoch of the source's batches, on every rank (the batch itself comes from
+        # the source): HF's epochs are then the data's, for --save_strategy / --eval_strategy epoch and the epoch logged.
+        return DataLoader(list(range(self._steps_per_epoch)), batch_size=1, collate_fn=lambda items: items)
 
     # --- evaluation and the engine's weights --------------------------------------------------------------------
 
