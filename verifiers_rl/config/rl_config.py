@@ -193,8 +193,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                           "made of finished whole groups (the earliest due first), weights loaded while groups are in "
                           "flight; a group started at version v is due by batch v + max_off_policy_steps, a long one "
                           "slides to a later batch up to then, and the batch it is due by waits for it. 0 = "
-                          "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1; at most (max_off_policy_steps + 1) x "
-                          "rollouts_per_step / num_generations (no more groups can be in flight)."},
+                          "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1; at most "
+                          "(max_off_policy_steps + 1) x rollouts_per_step / num_generations (no more groups can be "
+                          "in flight)."},
     )
     generation_timeout_s: Annotated[float, POSITIVE] = field(
         default=600.0, metadata={"help": "Longest wait for a batch of rollouts before failing with a clear error (and "

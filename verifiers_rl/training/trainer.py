@@ -423,7 +423,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
 
     def get_train_dataloader(self):
         # One item per optimizer step of an epoch of the source's batches, on every rank (the batch itself comes from
-        # the source): HF's epochs are then the data's, for --save_strategy / --eval_strategy epoch and the epoch logged.
+        # the source): HF's epochs are then the data's, for --save_strategy / --eval_strategy epoch and epoch logged.
         return DataLoader(list(range(self._steps_per_epoch)), batch_size=1, collate_fn=lambda items: items)
 
     # --- evaluation and the engine's weights --------------------------------------------------------------------

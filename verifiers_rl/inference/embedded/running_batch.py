@@ -13,12 +13,13 @@ Decode steps run through the lean Llama step (``llama_decode``) where the engine
 forward on a ``DynamicCache`` (rebuilt at each admission); never through a captured CUDA graph (its shapes are
 fixed). The lean step's key/value buffers hold twice the rows running when they are built (at most ``max_rows``): a
 newcomer whose prompt fits left of the running rows' newest position, with room for its tokens, is written into a
-free row (no rebuild); a leaving row's place is taken by the last running row. Otherwise (a longer prompt, no room left, or the columns no row reads grown to half
-the width) the buffers are rebuilt, those columns dropped. Models whose cache layers are not plain full-attention
-layers (sliding windows) are refused. Weights loaded between two steps apply to the next step (the lean step reads
-the model's parameters at each call); the rows in flight keep the keys/values the earlier weights computed, and each
-``Sample.versions`` records which version drew each token. A batch may serve for a whole run (``decode_loop``): a
-finished or cancelled request's state is dropped, and its sampler row is reused by the next admitted one.
+free row (no rebuild); a leaving row's place is taken by the last running row. Otherwise (a longer prompt, no room
+left, or the columns no row reads grown to half the width) the buffers are rebuilt, those columns dropped. Models
+whose cache layers are not plain full-attention layers (sliding windows) are refused. Weights loaded between two
+steps apply to the next step (the lean step reads the model's parameters at each call); the rows in flight keep the
+keys/values the earlier weights computed, and each ``Sample.versions`` records which version drew each token. A
+batch may serve for a whole run (``decode_loop``): a finished or cancelled request's state is dropped, and its
+sampler row is reused by the next admitted one.
 """
 
 from __future__ import annotations
