@@ -236,3 +236,27 @@ def test_trl_positional_order_and_trls_metric_names(tiny_model_dir, tmp_path):
     assert trainer.state.num_input_tokens_seen == tokens
     with pytest.raises(TypeError, match=r"TRL's GRPOTrainer order.*multiple values for argument 'args'"):
         RLTrainer(tiny_model_dir, [length_reward], config(tmp_path), args=config(tmp_path))
+
+
+def test_evaluate_after_train_and_without_an_eval_strategy_as_trl(tiny_model_dir, tmp_path):
+    """trainer.evaluate() as a TRL user calls it: after train() (the trainer's own engine, with the trained weights)
+    and with an eval_dataset but no eval_strategy (HF evaluates it on demand); both equal the run's logged evaluation."""
+    def trainer(**overrides):
+        CALLS.clear()
+        return RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
+                         eval_dataset=rows(True)[:4], args=config(tmp_path, learning_rate=0.05, **overrides))
+
+    def values(metrics):
+        return {k: v for k, v in metrics.items() if k not in ("eval_runtime", "epoch", "step")}
+
+    scheduled = trainer(eval_strategy="steps", eval_steps=2)
+    initial = values(scheduled.evaluate())
+    scheduled.train()
+    logged = values(next(e for e in scheduled.state.log_history if "eval_reward" in e and e["step"] == 2))
+    assert logged != initial  # the trained weights sample other completions
+    assert values(scheduled.evaluate()) == logged
+    on_demand = trainer()
+    on_demand.train()
+    assert values(on_demand.evaluate()) == logged
+    with pytest.raises(ValueError, match=r"evaluate\(eval_dataset=...\).*pass eval_dataset= to the trainer"):
+        on_demand.evaluate(eval_dataset=rows(True)[:2])

@@ -327,10 +327,26 @@ def prepare(args, environment: Environment | None, eval_environment: Environment
             )
     if args.eval_strategy == "no":
         return None
+    return on_demand(args, eval_environment)
+
+
+def for_evaluate(current: TrainingEvaluation | None, args, eval_environment: Environment | None,
+                 eval_dataset=None) -> TrainingEvaluation:
+    """What ``RLTrainer.evaluate(eval_dataset)`` runs: the run's evaluation, or without ``--eval_strategy`` one made
+    now (HF's evaluate() works without it too); another eval_dataset is refused (its rows are the trainer's)."""
+    if eval_dataset is not None:
+        raise ValueError("evaluate(eval_dataset=...): RLTrainer evaluates the held-out split it was built with; pass "
+                         "eval_dataset= to the trainer (TRL's form) or eval_environment=.")
+    return current or on_demand(args, eval_environment)
+
+
+def on_demand(args, eval_environment: Environment | None) -> TrainingEvaluation:
+    """The evaluation of ``eval_environment``'s held-out split with the config's eval settings, its rows checked:
+    what ``--eval_strategy`` runs, and what ``RLTrainer.evaluate()`` runs when called without it (as HF's does)."""
     if eval_environment is None:
         raise ValueError(
-            "Evaluation (--eval_steps / --eval_strategy) needs an environment: pass --eval_env NAME (a replay run has "
-            "no training environment to default to)."
+            "Evaluation (--eval_steps / --eval_strategy, or trainer.evaluate()) needs an environment: pass --eval_env "
+            "NAME (a replay run has no training environment to default to)."
         )
     settings = EvalSettings.from_config(args)
     eval_rows(eval_environment, settings.num_examples)

@@ -238,7 +238,6 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         args = _config(args, model)
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
         record_peers()  # every rank's pid: a survivor names a peer that died
-        self._built_engine = False
         if reward_funcs is not None or train_dataset is not None:
             if environment is not None or rollout_source is not None or args.rollouts_path:
                 raise ValueError("Pass either reward_funcs and train_dataset (TRL's form) or an environment / "
@@ -247,7 +246,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
             environment = _dataset_environment(args, reward_funcs, train_dataset, eval_dataset,
                                                reward_processing_classes, processing_class, lambda: self.state)
             if engine is None and args.process_index == 0:  # sets up this process first (launch.py)
-                engine, self._built_engine = build_engine(args, model, processing_class), True
+                engine = build_engine(args, model, processing_class)
         elif args.reward_weights is not None:
             raise ValueError("reward_weights weights TRL-style reward_funcs; an environment's rubric weights its own "
                              "functions (set them there).")
@@ -259,6 +258,8 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         _warn_without_rewards(environment)
         # Before the generator reads the dataset: --eval_holdout moves rows out of it.
         self.evaluation = evaluation.prepare(args, environment, eval_environment)
+        self._eval_environment = eval_environment or environment  # what evaluate() without --eval_strategy rolls out
+        self._trained = False  # set when train() returns or fails: evaluate() then loads the model's weights first
         if (environment is not None) == (rollout_source is not None or bool(args.rollouts_path)):
             raise ValueError("RLTrainer needs one rollout source: an environment, or rollout_source / --rollouts_path.")
         self.generator: AsyncGenerator | None = None
@@ -391,8 +392,9 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
             if self.generator is not None:
                 # A thread stuck past the generation timeout (a hanging synchronous reward) ignores a cancel.
                 self.generator.close(timeout_s=2.0 if isinstance(sys.exc_info()[1], GenerationTimeout) else 30.0)
-            if self._built_engine and self.engine is not None:
-                self.engine.close()  # the engine this trainer built for TRL's form
+                self.weight_sync.generator = None  # closed: a later weight load has no batch to wait for
+            # The engine stays open (TRL form's too): evaluate() after train() samples with it.
+            self._trained = True
         stopped_by = self._preemption.stopped_by
         if stopped_by is not None and self.state.global_step < self.state.max_steps:
             raise TrainingPreempted(stopped_by, self.checkpoints.last_checkpoint, self.state.global_step)
@@ -433,10 +435,10 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         ``{prefix}_reward``, ``{prefix}_pass@1``, ``{prefix}_pass@k``, ... (backends show ``eval/...``). Every rank
         calls it (HF does, every ``--eval_steps``); the main process evaluates and every rank gets the metrics. It
         draws no random numbers that training uses, so it leaves the training trajectory as it was."""
-        if self.evaluation is None:
-            raise ValueError("No evaluation configured: pass --eval_steps N (and --eval_env for a replay run).")
-        if not self.live:  # every rank decides alike (only the main process holds the generator)
-            self.sync_weights()  # replay: the engine holds the weights of the previous evaluation, or the initial ones
+        self.evaluation = evaluation.for_evaluate(self.evaluation, self.args, self._eval_environment, eval_dataset)
+        # Every rank alike: a replay's engine holds older weights; after train() so may a live one's (best model).
+        if not self.live or self._trained:
+            self.sync_weights()
         run = self.evaluation.run
         metrics = main_process_outcome(lambda: run(self.engine).metrics(metric_key_prefix))
         compat.log_outside_training(self, metrics)
