@@ -71,8 +71,9 @@ def test_a_trl_script_trains_with_only_the_import_changed(tiny_model_dir, tmp_pa
     for rollout in seen:
         row = by_prompt[json.dumps(rollout.prompt)]
         text = (tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
-                if conversational else row["prompt"])  # standard format: the text as it is, as TRL does
-        assert rollout.prompt_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+                if conversational else row["prompt"])  # standard format: the text itself, as TRL does
+        # The template writes its own special tokens; a text prompt gets the tokenizer's (as TRL's call).
+        assert rollout.prompt_ids == tokenizer(text, add_special_tokens=not conversational)["input_ids"]
         assert isinstance(rollout.completion, list if conversational else str)
         expected = letters(rollout.completion, row["target"])
         math_value = None if row["task"] != "math" else float(
@@ -260,3 +261,17 @@ def test_evaluate_after_train_and_without_an_eval_strategy_as_trl(tiny_model_dir
     assert values(on_demand.evaluate()) == logged
     with pytest.raises(ValueError, match=r"evaluate\(eval_dataset=...\).*pass eval_dataset= to the trainer"):
         on_demand.evaluate(eval_dataset=rows(True)[:2])
+
+
+def test_a_standard_prompt_is_tokenised_as_trl_does_with_a_bos_adding_tokenizer(tiny_model_dir):
+    """TRL tokenises a text prompt with the tokenizer's special tokens (Llama's bos); a tokenizer that adds one."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir, add_bos_token=True, bos_token="<|im_end|>")
+    environment = RewardFunctionsEnv(rows(False), [letters_like_target], tokenizer)
+    texts = [row["prompt"] for row in rows(False)]
+    trls, _, _ = GRPOTrainer._tokenize_prompts(SimpleNamespace(processing_class=tokenizer), texts)
+    assert [environment.prompt_ids(text) for text in texts] == trls
+    assert all(ids[0] == tokenizer.bos_token_id for ids in trls)  # the case this checks: a bos TRL adds

@@ -1,9 +1,10 @@
 """TRL's GRPOTrainer inputs as an environment: a dataset with a ``prompt`` column, and reward functions.
 
 What TRL documents (trl 1.16), and what this does with it:
-- ``prompt`` in the standard format (a string, tokenised as it is, no chat template) or the conversational format
-  (a list of messages, rendered with the tokenizer's chat template); the completion is then a string or
-  ``[{"role": "assistant", "content": ...}]``, as TRL passes it.
+- ``prompt`` in the standard format (a string, tokenised as TRL does: no chat template, with the special tokens
+  the tokenizer adds, e.g. Llama's bos) or the conversational format (a list of messages, rendered with the
+  tokenizer's chat template); the completion is then a string or ``[{"role": "assistant", "content": ...}]``, as
+  TRL passes it.
 - Every other column reaches every reward function by name, one value per completion (repeated over a group).
 - A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., trainer_state=...,
   log_metric=..., **columns)`` and returns one number per completion, or ``None`` where it does not apply (TRL's
@@ -164,8 +165,8 @@ class RewardFunctionsEnv(Environment):
         return Row(index=index, prompt=prompt, answer=record.get("answer"), info=columns)
 
     def prompt_ids(self, prompt: Messages | str) -> list[int]:
-        if isinstance(prompt, str):
-            return self.encode(prompt)  # TRL's standard format: the text as it is, no chat template
+        if isinstance(prompt, str):  # TRL's standard format: the text with the tokenizer's own bos (TRL's call)
+            return self.tokenizer(text=prompt)["input_ids"]
         return super().prompt_ids(prompt)
 
     # --- rollouts -----------------------------------------------------------------------------------------------
