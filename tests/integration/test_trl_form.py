@@ -241,7 +241,8 @@ def test_trl_positional_order_and_trls_metric_names(tiny_model_dir, tmp_path):
 
 def test_evaluate_after_train_and_without_an_eval_strategy_as_trl(tiny_model_dir, tmp_path):
     """trainer.evaluate() as a TRL user calls it: after train() (the trainer's own engine, with the trained weights)
-    and with an eval_dataset but no eval_strategy (HF evaluates it on demand); both equal the run's logged evaluation."""
+    and with an eval_dataset but no eval_strategy (HF evaluates it on demand); each equals the run's logged
+    evaluation."""
     def trainer(**overrides):
         CALLS.clear()
         return RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
