@@ -281,3 +281,26 @@ def test_config_takes_backends_comma_separated_and_trl_completion_logging_as_our
                          ({"log_completions": True}, "--log_completions")):
         with pytest.raises(ValueError, match=rf"^{named} acts only with a --report_to backend that shows tables"):
             RLConfig(report_to="none", **flags, **common)
+
+
+def test_eval_of_a_lora_adapter_folder_samples_the_merged_model(tiny_model_dir, tmp_path):
+    """A peft_config run's save_model writes adapters only; eval samples base + merged adapters, as a merged folder."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    merged = lambda folder: model.merge_and_unload().save_pretrained(folder)  # noqa: E731
+    for folder, save in [("adapters", model.save_pretrained), ("merged", merged)]:
+        save(str(tmp_path / folder))
+        tokenizer.save_pretrained(str(tmp_path / folder))
+    samples = {}
+    for folder in ("adapters", "merged", tiny_model_dir):
+        out = tmp_path / f"{Path(folder).name}.jsonl"
+        eval_cli.main(["--model", str(tmp_path / folder), "--env", "reverse_text", "--env_args", json.dumps(ENV_ARGS),
+                       "-k", "2", "--output", str(out)])
+        samples[Path(folder).name] = [json.loads(line)["completion_ids"] for line in out.read_text().splitlines()]
+    assert samples["adapters"] == samples["merged"] != samples[Path(tiny_model_dir).name]

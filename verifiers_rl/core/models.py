@@ -120,6 +120,19 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path
 
 
+def load_causal_lm(name_or_path: str, dtype=None):
+    """``AutoModelForCausalLM``'s model of ``name_or_path``; a folder of LoRA adapters (what ``save_model`` writes
+    after a ``peft_config`` run) gives its base model with the adapters merged in, the weights the run sampled from
+    (transformers alone would wrap the linear layers in adapter modules, which the engines' kernels do not run)."""
+    from transformers import AutoModelForCausalLM
+
+    if (Path(name_or_path) / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).merge_and_unload()
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+
+
 def _partial(folder: Path) -> Path:
     """An empty private folder beside ``folder`` to build it in (this process's own)."""
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ import torch
 from verifiers_rl.compat import without_zero3_init
 from verifiers_rl.inference.kernels.cpu_matmul import PackedWeights, cpu_linears, packs_available, weight_major
 from verifiers_rl.core.modeling import sequence_logprobs, unwrap
+from verifiers_rl.core.models import load_causal_lm
 from verifiers_rl.core.engine import (EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids,
                                       rollout_sampling)
 from verifiers_rl.inference.embedded.batch_decode import BatchDecoder
@@ -198,12 +199,12 @@ class EmbeddedEngine:
         cuda_graphs: bool = True,
         continuous_rows: int = 0,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if isinstance(model, (str, Path)):
             self.model_name = str(model)
             with without_zero3_init():
-                self.model = AutoModelForCausalLM.from_pretrained(self.model_name, dtype=dtype)
+                self.model = load_causal_lm(self.model_name, dtype)
         else:
             inner = unwrap(model)
             if any(hasattr(p, "ds_id") for p in inner.parameters()):
