@@ -276,3 +276,24 @@ def test_a_standard_prompt_is_tokenised_as_trl_does_with_a_bos_adding_tokenizer(
     trls, _, _ = GRPOTrainer._tokenize_prompts(SimpleNamespace(processing_class=tokenizer), texts)
     assert [environment.prompt_ids(text) for text in texts] == trls
     assert all(ids[0] == tokenizer.bos_token_id for ids in trls)  # the case this checks: a bos TRL adds
+
+
+def test_the_engine_samples_the_model_model_init_kwargs_choose(tiny_model_dir, tmp_path):
+    """model_init_kwargs choose what TRL loads (here a subfolder beside another model): the engine's first batch is
+    sampled by the same weights (IS ratio 1 at k = 0), not by the folder's other model."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "chosen")
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(1)
+    for parameter in other.parameters():
+        parameter.data.normal_(0.0, 0.5)
+    other.save_pretrained(tmp_path / "models")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "models")
+    trainer = RLTrainer(model=str(tmp_path / "models"), reward_funcs=[letters_like_target], train_dataset=rows(True),
+                        args=config(tmp_path, max_steps=1, max_off_policy_steps=0,
+                                    model_init_kwargs={"subfolder": "chosen"}))
+    trainer.train()
+    assert trainer.state.log_history[0]["is_ratio"] == pytest.approx(1.0, abs=1e-4)

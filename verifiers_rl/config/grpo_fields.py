@@ -46,8 +46,9 @@ _SEQUENCE_LOSSES = _refused("the SAPO / VESPO losses are not implemented (--loss
 _CONTINUOUS = _refused("the embedded engine batches concurrent requests itself (per event loop)")
 
 GRPO_FIELDS: dict[str, Field] = {
-    "model_init_kwargs": _acts("TRL loads a model given by id with them"),
-    "trust_remote_code": _acts("TRL loads a model given by id with it"),
+    "model_init_kwargs": _acts("TRL loads a model given by id with them; the embedded engine's copy with those that "
+                               "choose the weights (revision, subfolder, ...: inference.factory.WHICH_WEIGHTS)"),
+    "trust_remote_code": _acts("TRL loads a model given by id with it, and so does the embedded engine its copy"),
     "router_aux_loss_coef": _refused("a MoE router's auxiliary loss is not added to our loss; a custom loss_fn can"),
     "disable_dropout": _acts("TRL's constructor disables dropout in the model"),
     "cast_lm_head_to_fp32": _acts("TRL keeps the output layer in fp32 (its forward patch is restored after each "

@@ -120,7 +120,7 @@ def resolve_model(name_or_path: str) -> str:
     return name_or_path
 
 
-def load_causal_lm(name_or_path: str, dtype=None):
+def load_causal_lm(name_or_path: str, dtype=None, **kwargs):
     """``AutoModelForCausalLM``'s model of ``name_or_path``; a folder of LoRA adapters (what ``save_model`` writes
     after a ``peft_config`` run) gives its base model with the adapters merged in, the weights the run sampled from
     (transformers alone would wrap the linear layers in adapter modules, which the engines' kernels do not run)."""
@@ -129,8 +129,8 @@ def load_causal_lm(name_or_path: str, dtype=None):
     if (Path(name_or_path) / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(name_or_path, dtype=dtype).merge_and_unload()
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+        return AutoPeftModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).merge_and_unload()
+    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
 
 
 def _partial(folder: Path) -> Path:

@@ -20,12 +20,13 @@ logger = logging.getLogger(__name__)
 def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: str | None = None,
                 vllm: dict[str, Any] | None = None, require_weight_sync: bool = True,
                 generate_in_loop_thread: bool = False, max_batch_size: int = 64, dtype: torch.dtype = torch.float32,
-                continuous_rows: int = 0):
+                continuous_rows: int = 0, load_kwargs: dict | None = None):
     """A ``VLLMEngine`` client of ``vllm_server_url`` (a ``MultiServerEngine`` when it names several; checked now: it
     must answer and serve ``model``; a server still starting gets ``vllm``'s ``wait_s``, else ``SERVER_WAIT_S``;
     ``vllm``: its other arguments), or the embedded HF engine on its own copy of ``model``'s weights, on the GPU
     when there is one (``generate`` follows the embedding's device), serving continuously with ``continuous_rows``
-    (``EmbeddedEngine``; a server batches continuously itself and refuses it)."""
+    (``EmbeddedEngine``, loading a name/folder with ``load_kwargs``; a server batches continuously itself and refuses
+    it)."""
     urls = server_urls(vllm_server_url)
     if urls and continuous_rows:
         raise ValueError(f"continuous_rows={continuous_rows} (--continuous_batching_rows) sets the embedded engine's "
@@ -44,7 +45,8 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     from verifiers_rl.inference.embedded.engine import EmbeddedEngine
 
     engine = EmbeddedEngine(model, tokenizer, sampling, max_batch_size=max_batch_size, dtype=dtype,
-                            generate_in_loop_thread=generate_in_loop_thread, continuous_rows=continuous_rows)
+                            generate_in_loop_thread=generate_in_loop_thread, continuous_rows=continuous_rows,
+                            load_kwargs=load_kwargs)
     if torch.cuda.is_available():
         engine.model.to("cuda")
     elif continuous_rows and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
@@ -94,4 +96,18 @@ def build_engine(config, model: str, tokenizer):
     # k = 0 generates on the trainer's thread (AsyncGenerator), and generate() then stays on it too.
     return make_engine(model, tokenizer, sampling_settings(config), vllm_server_url=config.vllm_server_url,
                        vllm=keywords(vllm_settings(config)), generate_in_loop_thread=config.max_off_policy_steps == 0,
-                       dtype=dtype, continuous_rows=config.continuous_batching_rows)
+                       dtype=dtype, continuous_rows=config.continuous_batching_rows,
+                       load_kwargs=model_load_kwargs(config))
+
+
+# The from_pretrained arguments that choose which weights and code a name loads: the engine's copy takes TRL's (its
+# model_init_kwargs and trust_remote_code), else its first batches would sample another model; dtype, device and
+# quantization stay the engine's own.
+WHICH_WEIGHTS = ("revision", "subfolder", "trust_remote_code", "token", "cache_dir", "local_files_only", "variant",
+                 "use_safetensors")
+
+
+def model_load_kwargs(config) -> dict[str, Any]:
+    """What of ``config``'s model loading (``model_init_kwargs``, ``trust_remote_code``) the engine loads with too."""
+    given = {"trust_remote_code": config.trust_remote_code, **(config.model_init_kwargs or {})}
+    return {key: value for key, value in given.items() if key in WHICH_WEIGHTS}

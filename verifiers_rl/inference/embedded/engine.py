@@ -144,6 +144,18 @@ class RowSampler:
         return tokens, torch.log_softmax(processed, dim=-1).gather(-1, tokens[:, None])[:, 0]
 
 
+def _own_copy(model, dtype: torch.dtype, load_kwargs: dict) -> tuple[str, torch.nn.Module]:
+    """The engine's name for ``model`` and its own copy of it: loaded from a name/folder, or a deep copy."""
+    if isinstance(model, (str, Path)):
+        with without_zero3_init():
+            return str(model), load_causal_lm(str(model), dtype, **load_kwargs)
+    inner = unwrap(model)
+    if any(hasattr(p, "ds_id") for p in inner.parameters()):
+        # A ZeRO-3 model holds only this rank's shards; a copy of it would be empty.
+        raise ValueError("Pass a model name or folder (not a DeepSpeed ZeRO-3 model) to build the engine.")
+    return str(getattr(inner, "name_or_path", "") or type(inner).__name__), copy.deepcopy(inner)
+
+
 class EmbeddedEngine:
     """An ``InferenceEngine`` decoding a transformers model in-process, on its own copy of the weights.
 
@@ -153,6 +165,8 @@ class EmbeddedEngine:
         sampling: temperature / top_p / top_k / min_p / repetition_penalty / default ``max_new_tokens``.
         max_batch_size: most requests decoded together.
         dtype: when loading from a name/folder (default float32).
+        load_kwargs: ``from_pretrained``'s other arguments when loading from a name/folder (which revision,
+            subfolder, remote code: ``factory.model_load_kwargs``).
         generate_in_loop_thread: decode on the event loop's own thread (blocking the loop meanwhile)
             instead of a worker thread. For synchronous generation (k = 0) on the trainer's thread: on CPU every
             extra thread that runs torch ops gets its own OpenMP team, the teams oversubscribe the cores, and
@@ -198,20 +212,11 @@ class EmbeddedEngine:
         llama_decode: bool = True,
         cuda_graphs: bool = True,
         continuous_rows: int = 0,
+        load_kwargs: dict | None = None,
     ):
         from transformers import AutoTokenizer
 
-        if isinstance(model, (str, Path)):
-            self.model_name = str(model)
-            with without_zero3_init():
-                self.model = load_causal_lm(self.model_name, dtype)
-        else:
-            inner = unwrap(model)
-            if any(hasattr(p, "ds_id") for p in inner.parameters()):
-                # A ZeRO-3 model holds only this rank's shards; a copy of it would be empty.
-                raise ValueError("Pass a model name or folder (not a DeepSpeed ZeRO-3 model) to build the engine.")
-            self.model_name = str(getattr(inner, "name_or_path", "") or type(inner).__name__)
-            self.model = copy.deepcopy(inner)
+        self.model_name, self.model = _own_copy(model, dtype, load_kwargs or {})
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_name))
         self.tokenizer = tokenizer
