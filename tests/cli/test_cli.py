@@ -51,6 +51,30 @@ def test_vllm_serve_refuses_a_model_path_that_does_not_exist_before_starting_a_s
         "'smollm2' or 'tiny'.")
 
 
+def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
+    """A server already on the port would answer /health for the new one, and --then's command would be sent to it."""
+    import http.server
+    import threading
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+    port = free_port()
+    other = http.server.HTTPServer(("127.0.0.1", port), Healthy)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        result = run(["vllm-serve", "--model", "tiny", "--port", str(port), "--then", sys.executable, "-c",
+                      "print('the command ran')"], timeout=120)
+    finally:
+        other.shutdown()
+    assert result.returncode == 1 and "the command ran" not in result.stdout, result.stdout + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: --port {port}: 127.0.0.1:{port} is in use (Address already in use); a server already there would "
+        "answer for this one. Stop it, or pick a free --port.")
+
+
 def test_train_help_shows_the_flags_by_section_in_order():
     result = run(["train", "--help"])
     assert result.returncode == 0, result.stderr[-2000:]

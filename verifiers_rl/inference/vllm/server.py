@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -268,6 +269,7 @@ class VLLMServer:
                 f"No vLLM venv at {self.venv} ({self.python} is missing). Install it with "
                 f"scripts/install_vllm.sh [{self.venv}] (~2 min), or point {VENV_ENV_VAR} to one."
             )
+        check_port_free(self.host, self.port)
         if not self._inherit_output:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "ab")
@@ -371,6 +373,18 @@ class VLLMServer:
             print(f"[vllm_server] {message}", file=sys.stderr, flush=True)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``VLLMServerError`` when a socket already listens on ``host:port``: a server there would answer the new
+    one's /health, and the trainer would be sent to it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise VLLMServerError(f"--port {port}: {host}:{port} is in use ({error.strerror}); a server already there "
+                                  "would answer for this one. Stop it, or pick a free --port.") from None
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -447,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     signal.signal(signal.SIGTERM, _interrupt)  # a job runner's SIGTERM stops the server like Ctrl-C does
     try:
+        for server in servers:  # every port before any server starts loading
+            check_port_free(server.host, server.port)
         for server in servers:  # side by side: each loads the model while the others do
             server.launch()
         for server in servers:
