@@ -61,6 +61,9 @@ def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
             self.send_response(200)
             self.end_headers()
 
+        def log_message(self, *args):  # no request lines in the test output
+            pass
+
     port = free_port()
     other = http.server.HTTPServer(("127.0.0.1", port), Healthy)
     threading.Thread(target=other.serve_forever, daemon=True).start()
@@ -73,6 +76,25 @@ def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: --port {port}: 127.0.0.1:{port} is in use (Address already in use); a server already there would "
         "answer for this one. Stop it, or pick a free --port.")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-servers", "0"], "--num-servers must be >= 1, got 0"),
+    (["--kv-cache-gib", "0"], "--kv-cache-gib must be >= 1, got 0"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 1, got 0"),
+    (["--startup-timeout-s", "-1"], "--startup-timeout-s must be > 0, got -1.0"),
+    (["--port", "70000"], "--port 70000: ports are 0-65535 (0: a free one)."),
+    (["--port", "65535", "--num-servers", "2"], "--port 65535 (its 2 servers would end at 65536): ports are 0-65535"),
+    (["--port", "0", "--num-servers", "2"], "--port 0 picks a free port for one server; --num-servers 2 takes"),
+])
+def test_vllm_serve_refuses_bad_numbers_by_flag_before_starting_a_server(flags, message, capsys):
+    from verifiers_rl.inference.vllm import server
+
+    # A missing venv would be the error if the numbers went through (vLLM would refuse them 10-30 s after starting).
+    with pytest.raises(SystemExit) as stopped:
+        server.main(["--model", "tiny", "--venv", "/no/venv", *flags])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.value.code == 2 and last.startswith(f"verifiers-rl vllm-serve: error: {message}"), last
 
 
 def test_train_help_shows_the_flags_by_section_in_order():

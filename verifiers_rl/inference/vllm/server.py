@@ -441,8 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = resolve_model(args.model)
     except FileNotFoundError as error:
         parser.error(str(error))
-    if args.num_servers < 1:
-        parser.error(f"--num-servers must be >= 1, got {args.num_servers}")
+    _check_numbers(parser, args)
     if not command and args.stop_grace_s != parser.get_default("stop_grace_s"):
         parser.error(f"--stop-grace-s {args.stop_grace_s:g} acts only with --then (the command a signal goes on to): "
                      "it would change nothing. Leave it out, or run a command with --then.")
@@ -490,6 +489,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers:
             server.stop()
+
+
+def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Numbers vLLM would refuse only after starting (a traceback 10-30 s later), each refused by its flag now."""
+    for flag, value, ok, allowed in (("--num-servers", args.num_servers, args.num_servers >= 1, ">= 1"),
+                                     ("--max-model-len", args.max_model_len, args.max_model_len >= 1, ">= 1"),
+                                     ("--kv-cache-gib", args.kv_cache_gib, args.kv_cache_gib >= 1, ">= 1"),
+                                     ("--startup-timeout-s", args.startup_timeout_s, args.startup_timeout_s > 0, "> 0")):
+        if not ok:
+            parser.error(f"{flag} must be {allowed}, got {value}")
+    last = args.port + args.num_servers - 1  # the servers take consecutive ports from --port
+    if args.port < 0 or last > 65535:
+        servers = f" (its {args.num_servers} servers would end at {last})" if args.num_servers > 1 else ""
+        parser.error(f"--port {args.port}{servers}: ports are 0-65535 (0: a free one).")
+    if args.port == 0 and args.num_servers > 1:
+        parser.error(f"--port 0 picks a free port for one server; --num-servers {args.num_servers} takes consecutive "
+                     "ports from --port: give the first.")
 
 
 def _server_log(log: str, index: int, count: int) -> str:
