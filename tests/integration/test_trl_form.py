@@ -297,3 +297,36 @@ def test_the_engine_samples_the_model_model_init_kwargs_choose(tiny_model_dir, t
                                     model_init_kwargs={"subfolder": "chosen"}))
     trainer.train()
     assert trainer.state.log_history[0]["is_ratio"] == pytest.approx(1.0, abs=1e-4)
+
+
+def numpy_reward(completions, target, **kwargs):
+    """numpy scalars, as a reward computed with numpy comes out (TRL's torch.tensor(rewards) takes them)."""
+    import numpy as np
+
+    return [np.float32(letters(c, t)) for c, t in zip(completions, target)]
+
+
+def tensor_reward(completions, **kwargs):
+    """A tensor of rewards, one per completion."""
+    return torch.tensor([float(len(c[-1]["content"]) % 2) for c in completions])
+
+
+def test_rewards_as_numpy_scalars_or_a_tensor_train_as_trl_takes_them(tiny_model_dir, tmp_path):
+    from verifiers_rl.rollouts.generator import GenerationError
+
+    trainer = RLTrainer(model=tiny_model_dir, reward_funcs=[numpy_reward, tensor_reward], train_dataset=rows(True),
+                        args=config(tmp_path, max_steps=1))
+    trainer.train()
+    by_prompt = {json.dumps(r["prompt"]): r for r in rows(True)}
+    for rollout in read_rollouts(tmp_path / "seen.jsonl"):
+        text = rollout.completion[-1]["content"]
+        expected = letters(rollout.completion, by_prompt[json.dumps(rollout.prompt)]["target"]) + len(text) % 2
+        assert rollout.reward == pytest.approx(expected, abs=1e-6)  # the first in float32
+
+    def text_reward(completions, **kwargs):
+        return ["0.5"] * len(completions)
+
+    trainer = RLTrainer(model=tiny_model_dir, reward_funcs=[text_reward], train_dataset=rows(True),
+                        args=config(tmp_path, max_steps=1))
+    with pytest.raises(GenerationError, match="the reward function 'text_reward' returned '0.5', not a finite number"):
+        trainer.train()

@@ -245,10 +245,18 @@ class RewardFunctionsEnv(Environment):
         values = list(result)
         if len(values) != count:
             raise ValueError(f"the reward function {name!r} returned {len(values)} rewards for {count} completions.")
-        for value in values:
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value)):
-                raise ValueError(f"the reward function {name!r} returned {value!r}, not a finite number or None.")
-        return values
+        return [None if value is None else _reward_number(value, name) for value in values]
+
+
+def _reward_number(value, name: str) -> float:
+    """A reward as a float: any number TRL's ``torch.tensor(rewards)`` takes (numpy scalars, 0-d tensors, bools)."""
+    try:
+        number = None if isinstance(value, (str, bytes)) else float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not math.isfinite(number):
+        raise ValueError(f"the reward function {name!r} returned {value!r}, not a finite number or None.")
+    return number
 
 
 def _is_module(obj) -> bool:
