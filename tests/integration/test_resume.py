@@ -253,7 +253,7 @@ def test_a_checkpoint_is_published_whole_and_latest_never_picks_a_partial_one(tm
     assert resolve_checkpoint("latest", tmp_path) == tmp_path / "checkpoint-4"
 
 
-def trainer_for(model_dir: str, rollouts: Path, out: Path):
+def trainer_for(model_dir: str, rollouts: Path, out: Path, **overrides):
     from transformers import AutoTokenizer
 
     from verifiers_rl.config.rl_config import RLConfig
@@ -261,7 +261,7 @@ def trainer_for(model_dir: str, rollouts: Path, out: Path):
 
     args = RLConfig(output_dir=str(out), use_cpu=True, report_to="none", rollouts_path=str(rollouts),
                     rollouts_per_step=8, max_steps=2, save_strategy="steps", save_steps=2, disable_tqdm=True,
-                    learning_rate=1e-3, gradient_checkpointing=False)
+                    learning_rate=1e-3, gradient_checkpointing=False, **overrides)
     return RLTrainer(model_dir, args, processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
@@ -288,6 +288,8 @@ def test_bad_resumes_are_clear_errors(tiny_model_dir, rollouts_file, tmp_path):
     changed = tmp_path / "changed.jsonl"
     write_rollouts(changed, random_rollouts(12, 4, vocab_size=390, seed=6))
     refused(checkpoint, r"the rollouts file's contents differ .*--rollouts_path", rollouts=changed)
+    trainer_for(tiny_model_dir, rollouts_file, tmp_path / "weights-only", save_only_model=True).train()
+    refused(tmp_path / "weights-only" / "checkpoint-2", r"holds no optimizer state \(written with --save_only_model\)")
     state, other_size = load_run_state(checkpoint), load_run_state(checkpoint)
     other_size.rollouts_per_step = 4
     with pytest.raises(CheckpointError, match=r"rollouts_per_step is 8 there, 4 here \(--rollouts_per_step\)"):

@@ -22,6 +22,7 @@ from verifiers_rl.training.run_state import (
     CheckpointError,
     RunState,
     check_fresh_output_dir,
+    check_optimizer_saved,
     disk_full,
     check_fits,
     load_curriculum,
@@ -113,6 +114,7 @@ class RunCheckpoints:
             if path is None:
                 return None, None
             saved = load_run_state(path)
+            check_optimizer_saved(path)
             check_fits(saved, self.run_state(global_step), path)
             if self.reference() is not None and not (path / REFERENCE_FILE).is_file():
                 raise CheckpointError(f"{path} has no {REFERENCE_FILE}: it was written by a run without "

@@ -290,6 +290,18 @@ def pending_stats(state: RunState) -> dict[int, dict[str, float]]:
     return {int(index): dict(stats) for index, stats in state.pending_stats.items()}
 
 
+def check_optimizer_saved(folder: Path) -> None:
+    """Raise ``CheckpointError`` when ``folder`` holds no optimizer state (HF's optimizer.pt, or DeepSpeed's
+    global_step*/): HF would resume it with a fresh optimizer and schedule, silently not the saved run."""
+    if (folder / "optimizer.pt").is_file() or any(folder.glob("global_step*")):
+        return
+    raise CheckpointError(
+        f"{folder} holds no optimizer state (written with --save_only_model): a run resumed from it would restart "
+        "the optimizer's moments and learning-rate schedule, not continue the saved run. Start a new run from its "
+        f"weights (--model {folder}), or save checkpoints to resume without --save_only_model."
+    )
+
+
 def check_fits(saved: RunState, current: RunState, folder: Path) -> None:
     """Raise ``CheckpointError`` listing every way the checkpoint in ``folder`` does not fit this run (a run
     resumed from it would not continue the saved run)."""
