@@ -181,6 +181,10 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
                   train_dataset=rows(True))
     with pytest.raises(ValueError, match="reward_weights weights TRL-style reward_funcs"):
         RLTrainer(tiny_model_dir, config(tmp_path, reward_weights=[1.0]), rollout_source=[])
+    # HF's named eval datasets: its keys were read as rows ("row 0 needs a 'prompt' column, got 'easy'").
+    with pytest.raises(ValueError, match=r"eval_dataset as a dict of named datasets \(easy, hard; .*mixture_of"):
+        RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
+                  eval_dataset={"easy": rows(True)[:2], "hard": rows(True)[2:4]}, args=config(tmp_path))
 
 
 def test_a_group_without_any_applicable_reward_stops_with_the_row(tiny_model_dir, tmp_path):

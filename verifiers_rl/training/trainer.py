@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Mapping
 
 import torch
 from accelerate.utils import DistributedType
@@ -82,6 +83,10 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
 
     if reward_funcs is None or train_dataset is None:
         raise ValueError("TRL's form needs both reward_funcs and train_dataset.")
+    if isinstance(eval_dataset, Mapping):  # else its names would be read as rows
+        raise ValueError(f"eval_dataset as a dict of named datasets ({', '.join(map(str, eval_dataset))}; HF evaluates "
+                         "each under eval_<name>_) is not supported: pass one dataset, or evaluate each by name in a "
+                         "mixture (verifiers_rl.mixture_of of RewardFunctionsEnv entries, docs/environments.md).")
     environment = RewardFunctionsEnv(
         train_dataset, reward_funcs, tokenizer, reward_weights=args.reward_weights,
         reward_processing_classes=reward_processing_classes, trainer_state=trainer_state,
