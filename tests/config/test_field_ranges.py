@@ -28,6 +28,8 @@ def test_every_range_is_checked_by_validate_with_the_fields_name():
             with pytest.raises(ValueError, match=rf"^{name} must be"):
                 built.validate()
             setattr(built, name, good)
+    with pytest.raises(ValueError, match=r"^beta must be >= 0, got -0.1"):  # a KL coefficient (TRL takes it)
+        RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, beta=-0.1)
     with pytest.raises(ValueError, match=r"^rollouts_per_step must be >= 1, got 0"):  # __post_init__ checks too
         RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=0)
 

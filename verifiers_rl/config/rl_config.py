@@ -48,6 +48,7 @@ INHERITED_RANGES: dict[str, Range] = {
     "per_device_train_batch_size": AT_LEAST_ONE,
     "temperature": POSITIVE,
     "num_iterations": AT_LEAST_ONE,
+    "beta": NON_NEGATIVE,  # TRL takes a negative one: a loss that rewards moving away from the reference
     "epsilon": NON_NEGATIVE,
     "epsilon_high": NON_NEGATIVE,
     "delta": POSITIVE,
