@@ -76,6 +76,14 @@ def test_trl_vllm_switches_point_to_vllm_server_url():
             vllm_config(**kwargs)
 
 
+@pytest.mark.parametrize("weights", [[1.0, "a"], [float("nan")], "12", [True]])
+def test_reward_weights_must_be_finite_numbers(weights):
+    # TRL's form counted a string's letters as reward functions and failed later on float("a").
+    with pytest.raises(ValueError, match=r"^reward_weights must be a list of finite numbers, one per reward function"):
+        RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, reward_weights=weights)
+    assert RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, reward_weights=[1, 0.5]).reward_weights
+
+
 def test_vllm_fields_are_validated():
     assert vllm_config(vllm_server_url="http://127.0.0.1:8000").vllm_server_url == "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match="vllm_server_url must start with http"):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
@@ -525,6 +527,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                                  f"pip install 'verifiers_rl[{extra}]' (from this repository: pip install -e "
                                  f"'.[{extra}]').")
         check_server_url(self.vllm_server_url, "vllm_server_url")
+        check_reward_weights(self.reward_weights)
         if self.vllm_server_url and self.continuous_batching_rows:
             raise ValueError(f"--continuous_batching_rows {self.continuous_batching_rows} sets the embedded engine's "
                              "running batch; a vLLM server (--vllm_server_url) already batches continuously. Leave "
@@ -668,6 +671,16 @@ ENGINE_KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "generation_tim
 # GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.
 _SHOWN_TO_GRPO_CONFIG = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
                          "num_generations", "num_generations_eval")
+
+
+def check_reward_weights(weights) -> None:
+    """``reward_weights``: None or a list of finite numbers (TRL's torch.tensor of them; a string, one per letter,
+    was counted as that many reward functions)."""
+    if weights is None:
+        return
+    if not isinstance(weights, (list, tuple)) or not all(
+            isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
+        raise ValueError(f"reward_weights must be a list of finite numbers, one per reward function, got {weights!r}.")
 
 
 @functools.cache
