@@ -109,6 +109,7 @@ def test_vllm_fields_are_validated():
 
 _ENABLER_OFF = {
     "save_steps": {"save_strategy": "no"},  # HF's default is steps
+    "eval_steps": {"eval_strategy": "epoch"},  # alone it turns evaluation on by steps
     "save_total_limit": {"save_strategy": "no"},
     "weight_sync_probe_every": {"weight_sync_probe_tokens": 0},
     "weight_sync_probe_tolerance": {"weight_sync_probe_tokens": 0},
@@ -149,6 +150,7 @@ _ENABLER_OFF = {
     ("greater_is_better", False, "a best-checkpoint metric", {"eval_steps": 2, "metric_for_best_model": "pass@1"}),
     ("optim_target_modules", "all-linear", "a low-rank optimizer", {"optim": "galore_adamw"}),
     ("save_steps", 20, "--save_strategy steps", {"save_strategy": "steps"}),
+    ("eval_steps", 5, r"--eval_strategy steps \(given alone", {}),
     ("save_total_limit", 3, r"checkpoints \(--save_strategy steps, epoch or best\)", {"save_strategy": "epoch"}),
 ])
 def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, value, enabler, enabled):

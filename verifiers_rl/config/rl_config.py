@@ -604,6 +604,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             "optim_target_modules": ("a low-rank optimizer that projects them (--optim galore_* or apollo_*)",
                                      str(getattr(self.optim, "value", self.optim)).startswith(("galore", "apollo"))),
             "save_steps": ("--save_strategy steps", self.save_strategy == "steps"),
+            "eval_steps": ("--eval_strategy steps (given alone, --eval_steps sets it)", self.eval_strategy == "steps"),
             "save_total_limit": ("checkpoints (--save_strategy steps, epoch or best)", self.save_strategy != "no"),
             "greater_is_better": ("a best-checkpoint metric (--metric_for_best_model, or --load_best_model_at_end / "
                                   "--save_strategy best, which track the evaluation's reward)",
