@@ -40,6 +40,18 @@ def test_the_command_lists_its_subcommands_and_refuses_an_unknown_one():
     assert unknown.returncode == 2 and "unknown command 'trian'" in unknown.stderr and "train" in unknown.stderr
 
 
+def test_fields_and_config_answer_help_and_refuse_other_arguments(capsys):
+    from verifiers_rl.cli.main import main
+
+    for command in ("fields", "config"):
+        assert main([command, "--help"]) == 0
+        assert capsys.readouterr().out.startswith(f"verifiers-rl {command}")
+        assert main([command, "--bogus"]) == 2  # config printed the whole reference, as if it had done something
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"verifiers-rl {command} takes no arguments")
+    assert main(["config"]) == 0 and "# Configuration reference" in capsys.readouterr().out
+
+
 def test_vllm_serve_refuses_a_model_path_that_does_not_exist_before_starting_a_server(tmp_path):
     # vLLM would take it for a Hub id and fail in a traceback after starting; 'tiny'/'smollm2' resolve as training's.
     missing = tmp_path / "no_model"

@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def print_fields(argv: list[str]) -> int:
     from verifiers_rl.config.grpo_fields import markdown_table
 
+    if argv in (["-h"], ["--help"]):
+        print("verifiers-rl fields: what each of TRL's GRPOConfig fields does here (acts, or refused and why), as a "
+              "markdown table (docs/trl.md).")
+        return 0
     if argv:
         print(f"verifiers-rl fields takes no arguments, got {' '.join(argv)}", file=sys.stderr)
         return 2

@@ -318,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(argv[1], "w") as handle:
             handle.write(markdown())
         return 0
+    if argv in (["-h"], ["--help"]):
+        print("verifiers-rl config [--write FILE]: the configuration reference by section (docs/config.md), printed "
+              "or written to FILE.")
+        return 0
+    if argv:  # else ignored: the reference would print as if they had done something
+        print(f"verifiers-rl config takes no arguments but --write FILE, got {' '.join(argv)}", file=sys.stderr)
+        return 2
     print(markdown())
     return 0
 
