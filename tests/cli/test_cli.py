@@ -98,8 +98,9 @@ def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
     (["--port", "70000"], "--port 70000: ports are 0-65535 (0: a free one)."),
     (["--port", "65535", "--num-servers", "2"], "--port 65535 (its 2 servers would end at 65536): ports are 0-65535"),
     (["--port", "0", "--num-servers", "2"], "--port 0 picks a free port for one server; --num-servers 2 takes"),
+    (["--then", "no-such-command-here", "--flag"], "--then no-such-command-here: no such command (not on PATH"),
 ])
-def test_vllm_serve_refuses_bad_numbers_by_flag_before_starting_a_server(flags, message, capsys):
+def test_vllm_serve_refuses_bad_arguments_by_flag_before_starting_a_server(flags, message, capsys):
     from verifiers_rl.inference.vllm import server
 
     # A missing venv would be the error if the numbers went through (vLLM would refuse them 10-30 s after starting).

@@ -436,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:split], argv[split + 1 :]
         if not command:
             parser.error("--then needs a command after it")
+        if shutil.which(command[0]) is None:  # else a traceback once the servers are up, 30-90 s later
+            parser.error(f"--then {command[0]}: no such command (not on PATH, nor an executable file)")
     args, extra = parser.parse_known_args(argv)
     try:  # before a server starts: a wrong path is one line now, not vLLM's traceback 20 s later
         args.model = resolve_model(args.model)
