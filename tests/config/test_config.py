@@ -76,6 +76,18 @@ def test_trl_vllm_switches_point_to_vllm_server_url():
             vllm_config(**kwargs)
 
 
+def test_gradient_accumulation_that_disagrees_with_rollouts_per_step_is_refused_naming_both():
+    # It sizes only the default batch (micro-batches are accumulated whatever it says): beside another it did nothing.
+    with pytest.raises(ValueError, match=r"^--gradient_accumulation_steps 4 sizes the batch: per_device_train_batch_size "
+                                         r"8 x gradient_accumulation_steps x 1 process = 32 rollouts, but "
+                                         r"--rollouts_per_step is 16"):
+        RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=16,
+                 gradient_accumulation_steps=4)
+    agreeing = RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, rollouts_per_step=32,
+                        gradient_accumulation_steps=4)
+    assert (agreeing.rollouts_per_step, agreeing.gradient_accumulation_steps) == (32, 4)
+
+
 @pytest.mark.parametrize("weights", [[1.0, "a"], [float("nan")], "12", [True]])
 def test_reward_weights_must_be_finite_numbers(weights):
     # TRL's form counted a string's letters as reward functions and failed later on float("a").

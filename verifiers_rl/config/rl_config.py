@@ -462,9 +462,18 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         apply_generation_kwargs(self)  # after TrainingArguments parsed a JSON string into a dict
         if self.chat_template_kwargs is not None:  # likewise parsed: every environment and engine renders with them
             self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs, "--chat_template_kwargs")
+        world = launched_world_size()
+        implied = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
         if self.rollouts_per_step is None:
-            self.rollouts_per_step = (
-                self.per_device_train_batch_size * self.gradient_accumulation_steps * launched_world_size()
+            self.rollouts_per_step = implied
+        elif self.gradient_accumulation_steps != 1 and self.rollouts_per_step != implied:
+            # gradient_accumulation_steps sizes only the default batch: beside another one it would do nothing.
+            raise ValueError(
+                f"--gradient_accumulation_steps {self.gradient_accumulation_steps} sizes the batch: "
+                f"per_device_train_batch_size {self.per_device_train_batch_size} x gradient_accumulation_steps x "
+                f"{world} process{'es' if world != 1 else ''} = {implied} rollouts, but --rollouts_per_step is "
+                f"{self.rollouts_per_step}, so it would change nothing (a step's micro-batches are always accumulated). "
+                "Set --rollouts_per_step alone, or values that agree."
             )
         if self.max_tokens_per_microbatch is None:
             self.max_tokens_per_microbatch = 4 * self.max_seq_len
