@@ -181,6 +181,14 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
                   train_dataset=rows(True))
     with pytest.raises(ValueError, match="reward_weights weights TRL-style reward_funcs"):
         RLTrainer(tiny_model_dir, config(tmp_path, reward_weights=[1.0]), rollout_source=[])
+    # TRL samples max_completion_length tokens whatever the prompt; max_seq_len 40 would cut the longest one's short.
+    longest = max(len(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]) for r in rows(True))
+    with pytest.raises(ValueError, match=rf"max_completion_length=64 does not fit max_seq_len=40 .* longest prompt "
+                                         rf"\({longest} tokens\): its completions would be cut at {40 - longest} tokens. "
+                                         rf"Set max_seq_len={longest + 64} or more"):
+        RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
+                  args=config(tmp_path, max_completion_length=64, max_seq_len=40))
     # HF's named eval datasets: its keys were read as rows ("row 0 needs a 'prompt' column, got 'easy'").
     with pytest.raises(ValueError, match=r"eval_dataset as a dict of named datasets \(easy, hard; .*mixture_of"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),

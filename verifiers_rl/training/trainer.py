@@ -96,6 +96,7 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
     # This is where TRL's form loads its environment (its chat kwargs and limits are the constructor's above).
     prepare_environment(environment, chat_template_kwargs=args.chat_template_kwargs, holdout=args.eval_holdout,
                         seed=args.seed)
+    environment.check_completion_room()  # the prompts as rendered for the run
     return environment
 
 

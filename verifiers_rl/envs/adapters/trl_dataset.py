@@ -117,6 +117,18 @@ class RewardFunctionsEnv(Environment):
                          chat_template_kwargs=chat_template_kwargs)
         self._chat_template_kwargs_changed()
 
+    def check_completion_room(self) -> None:
+        """TRL samples up to max_completion_length tokens whatever the prompt; here prompt + completion fit
+        max_seq_len, so a prompt leaving less room would cut its completions short unseen: refused, naming both."""
+        longest = max(self._prompt_lengths(self.dataset + list(self.eval_dataset or ())))
+        if longest + self.max_new_tokens > self.max_seq_len:
+            raise ValueError(
+                f"max_completion_length={self.max_new_tokens} does not fit max_seq_len={self.max_seq_len} (prompt + "
+                f"completion) after the dataset's longest prompt ({longest} tokens): its completions would be cut at "
+                f"{self.max_seq_len - longest} tokens. Set max_seq_len={longest + self.max_new_tokens} or more (TRL has "
+                "no such limit), or lower max_completion_length."
+            )
+
     def use_trainer_state(self, state: Callable[[], Any]) -> None:
         """Reward functions get ``state()`` as ``trainer_state`` (RLTrainer gives its own), unless the constructor
         was given one."""
