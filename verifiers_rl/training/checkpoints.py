@@ -114,7 +114,6 @@ class RunCheckpoints:
             if path is None:
                 return None, None
             saved = load_run_state(path)
-            check_optimizer_saved(path)
             check_fits(saved, self.run_state(global_step), path)
             if self.reference() is not None and not (path / REFERENCE_FILE).is_file():
                 raise CheckpointError(f"{path} has no {REFERENCE_FILE}: it was written by a run without "
@@ -127,6 +126,8 @@ class RunCheckpoints:
                         f"{path} was written under continuous generation (--groups_in_flight "
                         f"{saved.generator.get('groups_in_flight', 'N')}): it keeps finished groups and the prompts "
                         "in flight, not whole batches. Resume it with --groups_in_flight N (N >= 1).")
+            check_optimizer_saved(path)  # after the checks naming a setting of this run
+            if self.generator is not None:
                 # Continuous generation forms its batches anew from the pending groups; batch at a time takes each
                 # pending batch back with its generation counts, logged when it is trained.
                 extra = {"positions": saved.generator} if continuous else {"stats": pending_stats(saved)}
