@@ -291,9 +291,9 @@ def pending_stats(state: RunState) -> dict[int, dict[str, float]]:
 
 
 def check_optimizer_saved(folder: Path) -> None:
-    """Raise ``CheckpointError`` when ``folder`` holds no optimizer state (HF's optimizer.pt, or DeepSpeed's
-    global_step*/): HF would resume it with a fresh optimizer and schedule, silently not the saved run."""
-    if (folder / "optimizer.pt").is_file() or any(folder.glob("global_step*")):
+    """Raise ``CheckpointError`` when ``folder`` holds no optimizer state (HF's optimizer.pt, FSDP's optimizer_0/ or
+    DeepSpeed's global_step*/): HF would resume it with a fresh optimizer and schedule, silently not the saved run."""
+    if any(folder.glob("optimizer*")) or any(folder.glob("global_step*")):
         return
     raise CheckpointError(
         f"{folder} holds no optimizer state (written with --save_only_model): a run resumed from it would restart "
