@@ -4,6 +4,7 @@ generated configuration reference, and a two-process launch through the command 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -222,4 +223,5 @@ def test_an_environment_failing_mid_run_under_two_processes_ends_each_rank_in_a_
     assert any(line.startswith("[rank 1] verifiers-rl train: error: The main process failed: ") for line in lines), \
         result.stderr[-4000:]
     assert not any("verifiers_rl/" in line for line in lines if line.lstrip().startswith("File ")), result.stderr
-    assert result.stderr.count("exitcode  : 1 ") == 2  # both ranks returned 1 (a run that failed), as the launcher says
+    # Rank 0 returned 1 (a run that failed); rank 1, its line printed, may be stopped by the launcher before it returns.
+    assert re.search(r"rank +: 0 \(local_rank: 0\)\n +exitcode +: 1 ", result.stderr), result.stderr[-2000:]
