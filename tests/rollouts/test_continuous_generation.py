@@ -253,3 +253,21 @@ def test_a_group_that_keeps_failing_is_dropped_and_counted_or_stops_the_run_by_f
             strict.batch(0)
     finally:
         strict.close()
+
+
+@pytest.mark.parametrize("kind", ["batch at a time", "continuous"])
+def test_a_dataset_smaller_than_a_batch_is_warned_of_as_both_generators_repeat_its_prompts(parts, kind, caplog):
+    tokenizer, engine = parts
+    rows = [{"question": f"Say {i}."} for i in range(3)]
+    small = SingleTurnEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="small")
+    make = (lambda env, batch: AsyncGenerator(env, engine, rollouts_per_step=batch * G, num_generations=G)) \
+        if kind == "batch at a time" else \
+        (lambda env, batch: ContinuousGenerator(env, engine, rollouts_per_step=batch * G, num_generations=G,
+                                                groups_in_flight=batch, max_off_policy_steps=1))
+    with caplog.at_level("WARNING", logger="verifiers_rl.rollouts.generator"):
+        make(small, 3)  # three prompts, three a batch: no repeats
+        assert not caplog.records
+        make(small, 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "The dataset of small has 3 prompts, fewer than the 4 a batch takes (--rollouts_per_step / --num_generations): "
+        "every batch repeats prompts in several groups."]

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout, group_by_id
 from verifiers_rl.core.sampling import derive_seed
-from verifiers_rl.rollouts.generator import Batch, GenerationTimeout, GeneratorThread, PositionDraws, _close_loop
+from verifiers_rl.rollouts.generator import (Batch, GenerationTimeout, GeneratorThread, PositionDraws, _close_loop,
+                                             dataset_rows)
 from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, dropped_how, generation_failed
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as batch at a time
@@ -110,11 +111,9 @@ class ContinuousGenerator(GeneratorThread):
             raise ValueError(f"Continuous generation needs --groups_in_flight >= 1 and --max_off_policy_steps >= 1 "
                              f"(groups are generated while the trainer trains), got {groups_in_flight} and "
                              f"{max_off_policy_steps}.")
-        rows = list(environment.dataset)
-        if not rows:
-            raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")
-        self.environment, self.engine, self.rows = environment, engine, rows
         self.prompts_per_batch = rollouts_per_step // num_generations
+        rows = dataset_rows(environment, self.prompts_per_batch)
+        self.environment, self.engine, self.rows = environment, engine, rows
         self.num_generations = num_generations
         self.groups_in_flight = groups_in_flight
         self.max_off_policy_steps = max_off_policy_steps

@@ -50,6 +50,19 @@ class RolloutSource(Protocol):
         """Batch ``index`` (whole groups); a plain list of rollouts is taken as a ``Batch`` without stats."""
 
 
+def dataset_rows(environment, prompts_per_batch: int) -> list:
+    """The environment's training rows; none is an error, and fewer than a batch's prompts a warning (each batch then
+    samples some prompt in more than one group)."""
+    rows = list(environment.dataset)
+    if not rows:
+        raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")
+    if len(rows) < prompts_per_batch:
+        logger.warning("The dataset of %s has %d prompts, fewer than the %d a batch takes (--rollouts_per_step / "
+                       "--num_generations): every batch repeats prompts in several groups.",
+                       getattr(environment, "name", None) or type(environment).__name__, len(rows), prompts_per_batch)
+    return rows
+
+
 def as_batch(index: int, result: Batch | list[Rollout]) -> Batch:
     """A source's answer as a ``Batch`` with its reward-error count (sources of the user's may return a list)."""
     batch = result if isinstance(result, Batch) else Batch(index, list(result))
@@ -225,13 +238,11 @@ class AsyncGenerator(GeneratorThread):
         curriculum=None,
     ):
         # rollouts_per_step % num_generations == 0 and max_off_policy_steps >= 0 are RLConfig's rules.
-        rows = list(environment.dataset)
-        if not rows:
-            raise ValueError(f"The dataset of {type(environment).__name__} is empty: nothing to generate from.")
+        self.prompts_per_batch = rollouts_per_step // num_generations
+        rows = dataset_rows(environment, self.prompts_per_batch)
         self.environment = environment
         self.engine = engine
         self.rows = rows
-        self.prompts_per_batch = rollouts_per_step // num_generations
         self.num_generations = num_generations
         self.max_off_policy_steps = max_off_policy_steps
         self.steps_per_batch = steps_per_batch
