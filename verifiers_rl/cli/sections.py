@@ -77,6 +77,9 @@ HELP_HERE: dict[str, str] = {
                        "to the --report_to backends that show them).",
     "num_completions_to_print": "How many sample completions (with rewards) each --print_samples_every print "
                                 "shows; default: 3.",
+    "gradient_accumulation_steps": "Sizes the default --rollouts_per_step (per_device_train_batch_size x this x "
+                                   "processes); a step's micro-batches are always accumulated into one update. "
+                                   "Beside a --rollouts_per_step it disagrees with: refused.",
 }
 
 
