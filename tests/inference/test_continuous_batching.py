@@ -65,6 +65,23 @@ def test_the_lean_steps_buffers_hold_the_rows_running_not_max_rows(tiny_model_di
     engine.close()
 
 
+def test_finished_rows_kept_for_a_next_turn_are_as_many_as_rows_run_at_once_not_max_rows(tiny_model_dir):
+    # Each finished row's keys/values wait for its episode's next turn; under a cap far above the rows a run holds
+    # they were kept up to the cap (every finished row of the run, single-turn ones too).
+    engine = EmbeddedEngine(tiny_model_dir, sampling=SamplingConfig(max_new_tokens=64))
+    batch = engine._running_batch(10**12)
+    finished, peak = 0, 0
+    for wave in range(4):  # three requests at a time: at most three rows run together
+        for prompt, max_new_tokens, temperature, seed in requests_of(900)[:3]:
+            batch.add(DecodeRequest(prompt, max_new_tokens + wave, temperature, derive_seed(seed, wave)))
+        while not batch.done:
+            finished += len(engine._continuous_step(batch))
+            peak = max(peak, len(batch.rows))
+    assert finished == 12 and 1 <= peak <= 3
+    assert len(batch.prefill.kept.turns) == peak  # the newest, as many as rows ran at once
+    engine.close()
+
+
 def test_requests_and_max_rows_are_checked(tiny_model_dir):
     engine = EmbeddedEngine(tiny_model_dir)
     with pytest.raises(ValueError, match="max_rows must be >= 1"):

@@ -6,8 +6,8 @@ environment's reply; admitted from scratch, every turn forwards the whole conver
 benchmark's three-turn episodes, over half the engine's time). So a row that finishes leaves its keys/values (its
 prompt and every token but the last, which no forward has seen yet), and a request whose prompt extends them forwards
 only the rest (the decode loop queues an episode's later turns first, so few rows finish in between). At most as many
-finished rows are kept as the batch runs, the oldest dropped first: at most the running batch's own key/value memory
-again. As for a row in flight across a weight load, the kept keys/values may be earlier weights' (no older than the
+finished rows are kept as the batch has run at once, the oldest dropped first: at most the running batch's own
+key/value memory again. As for a row in flight across a weight load, the kept keys/values may be earlier weights' (no older than the
 episode's first token, whose version the staleness bound checks); each token's log-prob is the one it was drawn with
 and its version that of the weights that drew it. Without a load in between, a continued row draws the tokens it
 draws prefilled whole, to float rounding (its earlier positions were computed a step at a time rather than in one

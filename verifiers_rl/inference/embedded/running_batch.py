@@ -105,7 +105,8 @@ class RunningBatch:
         self.rows: list[int] = []  # request ids of the running rows, in the order of the tensors below
         self.context = self.mask = None  # [rows, width]: prompt + tokens, left-padded; 1 on real tokens
         self.kv = None  # a LlamaDecoder, or a DynamicCache holding every position but the last
-        self.prefill = Prefiller(model, pad_token_id, max_rows, self.stats)
+        # Kept turns: as many as the most rows run at once (``_admit``), not max_rows, which may be far above them.
+        self.prefill = Prefiller(model, pad_token_id, 0, self.stats)
 
     def add(self, request: DecodeRequest) -> int:
         """Queue ``request``; its id (ids count up from 0 in the order requests are added)."""
@@ -254,6 +255,8 @@ class RunningBatch:
         if joining:
             self.stats.admissions += sum(len(group.ids) for group in joining) if self.rows else 0
             self._join(joining)
+            kept = self.prefill.kept
+            kept.max_turns = max(kept.max_turns, len(self.rows))
 
     def _prefill(self, groups: dict[tuple[int, ...], list[int]], finished: dict[int, Sample]) -> list[Newcomers]:
         """Each distinct prompt (``groups``' keys) forwarded once (``Prefiller.forward``: similar lengths in one
