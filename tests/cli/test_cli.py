@@ -23,7 +23,8 @@ from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 from trl import GRPOConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.launches import RAISING_ENV, ROOT, accelerate
+
 COMMAND = str(Path(sys.executable).parent / "verifiers-rl")  # the console script beside this venv's python
 
 
@@ -161,9 +162,7 @@ def test_two_processes_through_the_command_equal_one(tmp_path, tiny_model_dir):
               "--learning_rate", "0.5", "--max_seq_len", "64", "--loss_type", "dr_grpo"]
     one = run(common + ["--output_dir", str(tmp_path / "one")], prefix=[COMMAND, "train"], timeout=600)
     assert one.returncode == 0, one.stderr[-4000:]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "accelerate_configs" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
-              "-m", "verifiers_rl.cli.train"]
+    launch = accelerate("ddp_cpu.yaml") + ["-m", "verifiers_rl.cli.train"]
     two = run(common + ["--output_dir", str(tmp_path / "two")], prefix=launch, timeout=600)
     assert two.returncode == 0, two.stderr[-4000:]
     assert "step 1/1" in two.stdout and "[rank1]" in two.stderr  # two processes trained
@@ -180,9 +179,7 @@ def test_a_fresh_two_process_run_into_an_output_dir_with_checkpoints_stops_both_
     # Rank 0 finds the checkpoints; rank 1 gets its error instead of waiting, and each says it in one line.
     write_rollouts(tmp_path / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=3))
     (tmp_path / "out" / "checkpoint-4").mkdir(parents=True)
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "accelerate_configs" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
-              "-m", "verifiers_rl.cli.train"]
+    launch = accelerate("ddp_cpu.yaml") + ["-m", "verifiers_rl.cli.train"]
     result = run(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "r.jsonl"), "--max_steps", "1",
                   "--rollouts_per_step", "16", "--output_dir", str(tmp_path / "out")], prefix=launch, timeout=600)
     assert result.returncode != 0
@@ -200,18 +197,8 @@ def test_an_environment_failing_mid_run_under_two_processes_ends_each_rank_in_a_
     # The main process generates; its environment's TypeError ends it with the user's line, and rank 1, waiting for
     # that batch, says the main process failed instead of hanging, each in one line and exit status 1.
     path = tmp_path / "talk_env.py"
-    path.write_text(
-        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
-        "class Talk(SingleTurnEnv):\n"
-        "    async def generate(self, sampler, prompt, prompt_ids, state):\n"
-        "        return 'turn ' + len(prompt)\n"
-        "def load_environment(tokenizer):\n"
-        "    rows = [{'question': f'say {i}', 'answer': str(i)} for i in range(8)]\n"
-        "    return Talk(rows, Rubric([lambda completion: 0.0]), tokenizer, max_new_tokens=4, max_seq_len=128,\n"
-        "                name='talk')\n")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-              str(ROOT / "accelerate_configs" / "ddp_cpu.yaml"), "--main_process_port", str(free_port()),
-              "-m", "verifiers_rl.cli.train"]
+    path.write_text(RAISING_ENV)
+    launch = accelerate("ddp_cpu.yaml") + ["-m", "verifiers_rl.cli.train"]
     result = run(["--model", tiny_model_dir, "--env", str(path), "--max_steps", "1", "--rollouts_per_step", "4",
                   "--num_generations", "2", "--print_samples_every", "0", "--output_dir", str(tmp_path / "out")],
                  prefix=launch, timeout=600)

@@ -10,6 +10,8 @@ import pytest
 
 from verifiers_rl.cli.train import main
 
+from tests.helpers.launches import RAISING_ENV
+
 SMALL = ["--max_steps", "1", "--rollouts_per_step", "4", "--num_generations", "2", "--print_samples_every", "0"]
 
 
@@ -220,15 +222,7 @@ def test_a_tokenizer_in_env_args_is_refused_the_loader_gets_the_policys(tiny_mod
 
 def test_an_environment_failing_mid_run_ends_it_in_one_line_with_the_users_line(tiny_model_dir, tmp_path, capsys):
     path = tmp_path / "talk_env.py"
-    path.write_text(
-        "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
-        "class Talk(SingleTurnEnv):\n"
-        "    async def generate(self, sampler, prompt, prompt_ids, state):\n"
-        "        return 'turn ' + len(prompt)\n"
-        "def load_environment(tokenizer):\n"
-        "    rows = [{'question': f'say {i}', 'answer': str(i)} for i in range(8)]\n"
-        "    return Talk(rows, Rubric([lambda completion: 0.0]), tokenizer, max_new_tokens=4, max_seq_len=128,\n"
-        "                name='talk')\n")
+    path.write_text(RAISING_ENV)
     argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path / "out"), *SMALL, "--env", str(path),
             "--max_rollout_retries", "2"]
     assert main(argv) == 1  # a run that failed, not a usage error

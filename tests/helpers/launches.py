@@ -23,6 +23,16 @@ LIVE_RUNNER = ROOT / "tests" / "live" / "live_run.py"
 TOY_ENV = ROOT / "tests" / "live" / "toy_env.py"
 # The toy task (``TOY_ENV``): fraction of vowels in 8 sampled tokens; a random policy scores ~0.3.
 MIN_REWARD_GAIN = 0.08
+# An environment file whose code raises TypeError at line 4 in every rollout (a mid-run failure of the user's code).
+RAISING_ENV = (
+    "from verifiers_rl.envs import Rubric, SingleTurnEnv\n"
+    "class Talk(SingleTurnEnv):\n"
+    "    async def generate(self, sampler, prompt, prompt_ids, state):\n"
+    "        return 'turn ' + len(prompt)\n"
+    "def load_environment(tokenizer):\n"
+    "    rows = [{'question': f'say {i}', 'answer': str(i)} for i in range(8)]\n"
+    "    return Talk(rows, Rubric([lambda completion: 0.0]), tokenizer, max_new_tokens=4, max_seq_len=128,\n"
+    "                name='talk')\n")
 SCRIPT = str(ROOT / "examples" / "train.py")
 COMMON = ["--learning_rate", "1e-3", "--disable_tqdm", "true", "--report_to", "none", "--logging_steps", "1",
           "--print_samples_every", "0"]
