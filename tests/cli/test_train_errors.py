@@ -42,6 +42,16 @@ def test_a_flag_the_run_would_not_read_is_refused_before_anything_loads(flags, m
     assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys).startswith(message)
 
 
+@pytest.mark.parametrize("steps", ["3", "10"])  # 10: the field's default, refused too when given
+def test_logging_steps_beside_another_logging_strategy_is_refused(steps, tmp_path, capsys):
+    # HF reads logging_steps only with --logging_strategy steps: it was accepted and logged nothing differently.
+    argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, "--logging_strategy", "epoch",
+            "--logging_steps", steps]
+    assert refusal(argv, capsys) == (f"--logging_steps {steps} acts only with --logging_strategy steps, not epoch: it "
+                                     "would change nothing. Set --logging_strategy steps, or leave --logging_steps out.")
+    assert main(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, "--logging_strategy", "no"]) == 0
+
+
 @pytest.mark.parametrize("evaluation", [[], ["--eval_steps", "1", "--eval_num_examples", "2", "--eval_env", "arithmetic"]])
 def test_a_tool_mode_no_environment_reads_is_refused(evaluation, tiny_model_dir, tmp_path, capsys):
     # Only tool environments read --tool_mode (tests/envs/test_tools.py: calculator does); neither of these has tools.

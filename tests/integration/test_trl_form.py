@@ -189,6 +189,9 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
                                          rf"Set max_seq_len={longest + 64} or more"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
                   args=config(tmp_path, max_completion_length=64, max_seq_len=40))
+    with pytest.raises(ValueError, match="--logging_steps 5 acts only with --logging_strategy steps, not epoch"):
+        RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
+                  args=config(tmp_path, logging_strategy="epoch", logging_steps=5))
     # HF's named eval datasets: its keys were read as rows ("row 0 needs a 'prompt' column, got 'easy'").
     with pytest.raises(ValueError, match=r"eval_dataset as a dict of named datasets \(easy, hard; .*mixture_of"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),

@@ -73,6 +73,8 @@ HELP_HERE: dict[str, str] = {
     "eval_steps": "Evaluate every N optimizer steps; given alone, it turns evaluation on (--eval_strategy steps). "
                   "With --eval_strategy steps and no N: every --logging_steps. A float below 1: that fraction of "
                   "the run's steps.",
+    "logging_steps": "Log every N optimizer steps (a float below 1: that fraction of the run's steps). Acts only with "
+                     "--logging_strategy steps (the default); beside epoch or no: refused.",
     "log_completions": "TRL's switch: --log_completions_steps set to --logging_steps (tables of the trained batch "
                        "to the --report_to backends that show them).",
     "num_completions_to_print": "How many sample completions (with rewards) each --print_samples_every print "

@@ -219,6 +219,9 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
         if script_args.tool_mode != "auto" and not tool_mode_readers:
             raise ValueError(f"--tool_mode {script_args.tool_mode} is not used by this run: no environment it loads "
                              "renders tools (ToolEnv and verifiers environments read it). Leave it out.")
+        config.check_logging_steps("logging_steps" in given)
+        if "logging_steps" not in given and config.logging_strategy != "steps":  # QUICKSTART's, not the user's
+            config.logging_steps = RLConfig.logging_steps  # which the trainer's own check lets by
         return RLTrainer(model=model, args=config, processing_class=tokenizer, **live), live, config
     except ValueError:
         if live.get("engine") is not None:
@@ -228,7 +231,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
 
 ENVIRONMENT_FLAGS = ("env", "env_args", "tool_mode", "eval_env", "eval_env_args")
 # The flags whose being set (not only their value) matters here: those the command's defaults differ on included.
-GIVEN_FLAGS = (*ENVIRONMENT_FLAGS, "num_train_epochs", *LIMIT_FLAGS)
+GIVEN_FLAGS = (*ENVIRONMENT_FLAGS, "num_train_epochs", "logging_steps", *LIMIT_FLAGS)
 
 
 def check_unread_flags(script_args: ScriptArguments, config: RLConfig, given: set[str]) -> None:

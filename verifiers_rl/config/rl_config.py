@@ -628,6 +628,18 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 raise ValueError(f"{flag} acts only with {enabler}, which this run does not set: it would change "
                                  f"nothing. Set it too, or leave --{given or name} out.")
 
+    def check_logging_steps(self, given: bool | None = None) -> None:
+        """--logging_steps acts only with --logging_strategy steps (HF reads it nowhere else): ``given`` (default:
+        other than the field's default) beside epoch or no, refused by name. Checked by the trainer and the command,
+        not in __post_init__: the command's own default (a line a step) is not the field's, and only it can tell."""
+        default = next(f.default for f in fields(self) if f.name == "logging_steps")
+        given = self.logging_steps != default if given is None else given
+        strategy = getattr(self.logging_strategy, "value", self.logging_strategy)  # HF's enum, or a string
+        if strategy != "steps" and given:
+            raise ValueError(f"--logging_steps {self.logging_steps:g} acts only with --logging_strategy steps, not "
+                             f"{strategy}: it would change nothing. Set --logging_strategy steps, or leave "
+                             "--logging_steps out.")
+
     def check_engine_knobs(self) -> None:
         """For a run that builds no inference engine: refuse, naming it, an engine knob given (``ENGINE_KNOBS``)."""
         defaults = {f.name: f.default for f in fields(self)}

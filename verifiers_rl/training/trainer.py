@@ -242,6 +242,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         reward_processing_classes=None,
     ):
         args = _config(args, model)
+        args.check_logging_steps()
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
         record_peers()  # every rank's pid: a survivor names a peer that died
         if reward_funcs is not None or train_dataset is not None:
