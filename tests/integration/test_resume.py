@@ -158,6 +158,22 @@ def stop_after_step(process: subprocess.Popen, log: Path, step: int, timeout_s: 
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def test_a_finished_run_resumed_with_more_steps_goes_on_from_its_weights(tiny_model_dir, tmp_path):
+    """k = 1: the last checkpoint of a finished run holds no batch generated ahead, and the batch after it needs
+    weights older than the checkpoint's. The resumed run waited for that batch before loading any weights, until
+    --generation_timeout_s; now the checkpoint's weights generate it."""
+    args = ["--model", tiny_model_dir, *LIVE, "--max_off_policy_steps", "1", "--save_strategy", "steps",
+            "--save_steps", "2", "--generation_timeout_s", "30"]
+    run([sys.executable], tmp_path / "run", args + ["--max_steps", "4"], tmp_path / "first.log")
+    log = run([sys.executable], tmp_path / "run", args + ["--max_steps", "6", "--resume_from_checkpoint", "latest",
+                                                           "--save_rollouts_path", str(tmp_path / "more.jsonl")],
+              tmp_path / "more.log")
+    assert logged_steps(log) == [5, 6]
+    versions = [rollout.policy_version for rollout in read_rollouts(tmp_path / "more.jsonl")]
+    # Batch 5 too: it needs version 4 (k = 1), and step 5's load waits for it (the exact schedule).
+    assert versions == [4] * 16, versions
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("backend", ["single", "ddp"])
 def test_sigterm_checkpoints_stops_and_the_resumed_run_equals_the_uninterrupted_one(backend, tiny_model_dir, tmp_path):

@@ -338,6 +338,9 @@ class AsyncGenerator(GeneratorThread):
         last = self.max_off_policy_steps + math.ceil(version / self.steps_per_batch) - 1
         if self.total_batches is not None:
             last = min(last, self.total_batches - 1)
+        # Only what the engine's weights can generate: equal to ``last`` in a run, less where a resumed one goes past
+        # the checkpointed run's last batch (nothing older than the checkpoint's weights is left to generate it).
+        last = min(last, self.max_off_policy_steps + self.engine.policy_version // self.steps_per_batch)
         if self.max_off_policy_steps == 0 or last < self._next_index:
             return
         self.start()
