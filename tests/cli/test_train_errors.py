@@ -254,3 +254,13 @@ def test_a_fresh_run_into_an_output_dir_holding_checkpoints_is_refused(tiny_mode
                     "(checkpoint-2 to checkpoint-10): a new run there would write over them. Continue that run with "
                     "--resume_from_checkpoint latest (or auto), or train into another --output_dir."), last
     assert sorted(path.name for path in out.iterdir()) == ["checkpoint-10", "checkpoint-2"]  # nothing written
+
+
+def test_a_resume_that_does_not_fit_is_one_line(tiny_model_dir, tmp_path, capsys):
+    # A CheckpointError raised in train() came with a traceback (only an --output_dir in use was a line).
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path / "out"), *SMALL]
+    assert main([*argv, "--resume_from_checkpoint", str(tmp_path / "nowhere")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (f"verifiers-rl train: error: --resume_from_checkpoint "
+                                            f"{str(tmp_path / 'nowhere')!r}: no such folder.")

@@ -208,7 +208,7 @@ def test_a_disk_that_fills_inside_the_model_file_stops_both_ranks_saying_so(tiny
                      expect=1)
         out = re.escape(str(disk / "out"))
         for rank in (0, 1):
-            assert re.search(rf"\[rank{rank}\]: verifiers_rl.core.errors.CheckpointError: Writing checkpoint-2 to {out} "
+            assert re.search(rf"\[rank {rank}\] verifiers-rl train: error: Writing checkpoint-2 to {out} "
                              r"failed \(no space left on the device\); its partial folder is removed", log), log[-6000:]
         assert "SafetensorError" in log  # the cause: the disk filled inside model.safetensors
         assert "died (killed" not in log  # rank 1 learned the error, not a lost peer

@@ -38,7 +38,7 @@ from verifiers_rl.training.distributed import MainProcessError, leave_process_gr
 from verifiers_rl.training.weight_stream import WeightSyncError
 from verifiers_rl.rollouts.evaluation import EvaluationTimeout
 from verifiers_rl.rollouts.groups import GenerationError
-from verifiers_rl.core.errors import BestMetricError, OutputDirInUseError, is_our_bug, root_cause, users_line
+from verifiers_rl.core.errors import BestMetricError, CheckpointError, is_our_bug, root_cause, users_line
 from verifiers_rl.envs import DEFAULT_ENVIRONMENT
 from verifiers_rl.envs.loading import keyword_arguments, load_with_args, loader_errors_named
 from verifiers_rl.envs.limits import LIMIT_FLAGS
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # What ends a run that was set up right: each message says what failed and where (the batch, the group, the flag).
 RUN_FAILURES = (GenerationError, EvaluationTimeout, MainProcessError, WeightSyncError, BestMetricError,
-                OutputDirInUseError)
+                CheckpointError)
 
 
 def failure_line(failed: BaseException) -> str:

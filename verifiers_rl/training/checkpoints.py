@@ -104,10 +104,10 @@ class RunCheckpoints:
         every rank."""
         main_process_outcome(lambda: check_fresh_output_dir(self.args.output_dir))
 
-    def restore(self, spec, global_step: int) -> str | None:
-        """Check the checkpoint ``spec`` names against this run and restore the rollout source's position, the
-        batches generated ahead and (part-way through a batch) each rank's slice of it. Errors reach every rank.
-        None: ``auto`` found no checkpoint, and the run starts fresh."""
+    def restore(self, spec, global_step: int, max_steps: int) -> str | None:
+        """Check the checkpoint ``spec`` names against this run (ending at ``max_steps``) and restore the rollout
+        source's position, the batches generated ahead and (part-way through a batch) each rank's slice of it.
+        Errors reach every rank. None: ``auto`` found no checkpoint, and the run starts fresh."""
 
         def load():
             path = resolve_checkpoint(spec, self.args.output_dir)
@@ -127,6 +127,11 @@ class RunCheckpoints:
                         f"{saved.generator.get('groups_in_flight', 'N')}): it keeps finished groups and the prompts "
                         "in flight, not whole batches. Resume it with --groups_in_flight N (N >= 1).")
             check_optimizer_saved(path)  # after the checks naming a setting of this run
+            if saved.global_step >= max_steps:  # else the trainer waits for a batch past the run's last one
+                raise CheckpointError(
+                    f"{path} is at step {saved.global_step} and this run ends at step {max_steps} (--max_steps, or "
+                    "--num_train_epochs): nothing is left to train. Raise --max_steps to train on from it, or start "
+                    "a new run in another --output_dir.")
             if self.generator is not None:
                 # Continuous generation forms its batches anew from the pending groups; batch at a time takes each
                 # pending batch back with its generation counts, logged when it is trained.

@@ -377,7 +377,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self.preemption.install()
         try:
             if resume_from_checkpoint:
-                path = self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
+                path = self.checkpoints.restore(resume_from_checkpoint, self.state.global_step, self.args.max_steps)
             else:
                 self.checkpoints.check_fresh()
                 path = None
