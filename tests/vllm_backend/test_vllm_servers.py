@@ -100,6 +100,17 @@ def test_server_url_lists():
     assert _server_log("-", 1, 2) == "-" and _server_log("/x/vllm.log", 0, 1) == "/x/vllm.log"
 
 
+def test_a_pool_without_its_servers_says_which_is_missing():
+    # The pool closes what it opened when a server is missing: that error, not an AttributeError of the cleanup.
+    from verifiers_rl.core.engine import free_port
+    from verifiers_rl.inference.vllm.http import VLLMUnavailableError
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    with pytest.raises(VLLMUnavailableError, match=f"No vLLM server at {urls[0]}"):
+        MultiServerEngine(urls, wait_s=0.0)
+
+
 @pytest.mark.parametrize("transfer", ["files", "gloo"])
 def test_a_weight_load_reaches_every_server(untied, doomed, tmp_path, transfer):
     """Both transfers reach each server of a pool (gloo: one weight-transfer group per server, broadcast to each in

@@ -138,6 +138,7 @@ class MultiServerEngine:
         self.weight_transfer = weight_transfer
         self.health_poll_s = health_poll_s
         self.members: list[Member] = []
+        self._writer, self._kept = None, None  # set before a member's check can fail: close() reads them
         try:
             for index, url in enumerate(base_urls):
                 # Each member fails at once when its server is lost: the pool re-sends elsewhere and rejoins it.
@@ -150,7 +151,7 @@ class MultiServerEngine:
         first = self.members[0].engine
         self.sampling = first.sampling
         self._writer = SnapshotLoad(first.http, weights_dir) if weight_transfer == "files" else None
-        self._kept = None  # the current weights for a rejoining server: a Snapshot (files) or host copies
+        # self._kept: the current weights for a rejoining server, a Snapshot (files) or host copies.
         self._reference: tuple[int, list[int], list[float]] | None = None  # (version, ids, log-probs after its load)
         self.spread = Spread(self.members)
         self._lock = threading.Lock()  # loads and rejoins: a rejoin never races a load
