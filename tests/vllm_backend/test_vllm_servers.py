@@ -92,7 +92,8 @@ def test_server_url_lists():
     # The flag's comma-separated form and a YAML list are the same servers; each one's address is checked.
     for value in ("http://a:1,http://b:2", ["http://a:1", "http://b:2"]):
         assert RLConfig(output_dir="/tmp/unused", vllm_server_url=value).vllm_server_url == "http://a:1,http://b:2"
-    for value, error in (("http://a:1,b:2", "'b:2'"), ("http://a:1,http://a:1", "twice")):
+    for value, error in (("http://a:1,b:2", "'b:2'"), ("http://a:1,http://a:1", "twice"),
+                         ("http://a:1,http://a:1/v1", "twice"), ("http://a:1/,http://A:1/v1/", "twice")):
         with pytest.raises(ValueError, match=error):
             RLConfig(output_dir="/tmp/unused", vllm_server_url=value)
     # The launcher's --num-servers: one log per server beside the one asked for.

@@ -110,6 +110,16 @@ def server_urls(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
     return [part.strip() for part in parts if part.strip()]
 
 
+def server_address(url: str) -> str:
+    """The server a URL names: without a trailing ``/`` or ``/v1`` (the API's prefix), the scheme and host in lower
+    case (as HTTP reads them)."""
+    url = str(url).rstrip("/")
+    url = url[: -len("/v1")] if url.endswith("/v1") else url
+    scheme, _, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    return f"{scheme.lower()}://{host.lower()}{slash}{path}" if rest else url
+
+
 def check_server_url(url: str | list[str] | None, flag: str) -> None:
     """Each vLLM server's address (``server_urls``) must be ``http(s)://host:port``, and none given twice; the error
     names ``flag``."""
@@ -119,7 +129,7 @@ def check_server_url(url: str | list[str] | None, flag: str) -> None:
             raise ValueError(f"{flag} must start with http:// or https://, got {one!r}.")
     if url is not None and not urls:
         raise ValueError(f"{flag} names no server, got {url!r}.")
-    if len({one.rstrip("/") for one in urls}) < len(urls):
+    if len({server_address(one) for one in urls}) < len(urls):  # http://h:1 and http://h:1/v1 are one server
         raise ValueError(f"{flag} names a server twice: {url!r}.")
 
 
@@ -139,8 +149,7 @@ class VLLMTransport:
                  retry_backoff_s: float = 0.5, max_concurrency: int = 64, api_key: str | None = None):
         # The knobs (concurrency, timeout, retries, the URL's scheme) are checked where the user gives them:
         # RLConfig.validate (training), eval.parse_args (evaluation); check_server_url is that rule.
-        url = str(base_url).rstrip("/")
-        self.base_url = url[: -len("/v1")] if url.endswith("/v1") else url
+        self.base_url = server_address(base_url)
         self.request_timeout_s = float(request_timeout_s)
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
