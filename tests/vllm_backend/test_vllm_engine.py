@@ -7,6 +7,7 @@ gaps are ~1e-6, the tests allow 1e-4.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -315,6 +316,32 @@ def test_another_model_is_refused(untied, tied):
     engine = VLLMEngine(untied.url + "/v1/")
     assert engine.model_name == untied.model_dir and engine.base_url == untied.url
     engine.close()
+
+
+def test_a_server_shorter_than_the_runs_sequences_is_refused(untied, doomed, tmp_path, capsys):
+    # vLLM cuts a completion that overflows its --max-model-len short, unsaid (test_bad_input_is_a_clear_error):
+    # a run of longer sequences is refused at the check, naming both lengths and the flags, on every server.
+    from tests.vllm_backend.conftest import MAX_MODEL_LEN
+    from verifiers_rl.cli import eval as eval_cli, train as train_cli
+    from verifiers_rl.inference.vllm.engine import VLLMLengthError
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    longer = MAX_MODEL_LEN + 1
+    refused = rf"at most {MAX_MODEL_LEN} tokens a sequence .*max_seq_len {longer}.*--max-model-len {longer}"
+    with pytest.raises(VLLMLengthError, match=refused):
+        VLLMEngine(untied.url, model=untied.model_dir, max_seq_len=longer)
+    VLLMEngine(untied.url, model=untied.model_dir, max_seq_len=MAX_MODEL_LEN).close()
+    with pytest.raises(VLLMLengthError, match=refused):
+        MultiServerEngine([untied.url, doomed.url], model=untied.model_dir, max_seq_len=longer)
+    env_args = json.dumps({"num_examples": 16, "num_eval_examples": 2, "max_seq_len": longer})
+    with pytest.raises(SystemExit) as stopped:
+        train_cli.main(["--model", untied.model_dir, "--vllm_server_url", untied.url, "--env_args", env_args,
+                        "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: The vLLM server" in last and f"--max-model-len {longer}" in last, last
+    with pytest.raises(VLLMLengthError, match=refused):
+        eval_cli.main(["--model", untied.model_dir, "--vllm_server_url", untied.url, "--env_args", env_args])
 
 
 def test_bad_input_is_a_clear_error(untied):

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(model, tokenizer, args.sampling,
                          vllm_server_url=args.vllm_server_url, require_weight_sync=False,
                          vllm={"chat_template_kwargs": args.chat_template_kwargs,
-                               "wait_s": args.vllm_server_timeout},
+                               "wait_s": args.vllm_server_timeout, "max_seq_len": environment.max_seq_len},
                          max_batch_size=args.max_batch_size, dtype=getattr(torch, args.dtype))
     progress = RolloutProgress(len(rows) * settings.samples_per_prompt)
     try:

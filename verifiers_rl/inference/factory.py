@@ -78,6 +78,7 @@ class VLLMSettings:
     wait_s: float = field(default=SERVER_WAIT_S, metadata={"from": "vllm_server_timeout"})
     chat_template_kwargs: dict | None = None  # what its chat() asks the server's template for
     token_versions: bool = False  # continuous generation (--groups_in_flight): each token's version, exactly
+    max_seq_len: int | None = None  # a server must take sequences this long (its --max-model-len)
 
 
 def vllm_settings(config) -> VLLMSettings:

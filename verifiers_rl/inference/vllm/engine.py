@@ -36,6 +36,10 @@ from verifiers_rl.inference.vllm.weight_loads import BroadcastLoad, SnapshotLoad
 from verifiers_rl.inference.vllm.weight_transfer import require as require_transfer
 
 
+class VLLMLengthError(VLLMError, ValueError):
+    """The server's ``--max-model-len`` is shorter than the run's ``max_seq_len``: a setting to change, not a fault."""
+
+
 def _server_field(name: str) -> property:
     return property(lambda engine: getattr(engine.server, name), doc=f"The server's {name} (from ``check()``).")
 
@@ -85,6 +89,8 @@ class VLLMEngine:
             (continuous generation): samples go through vLLM's token-in-token-out route and every load pauses the
             server around it (``vllm.versions``; the server needs ``--enable-scale-out``). Off: ``/v1/completions``
             and ``/v1/chat/completions``, no versions.
+        max_seq_len: the run's longest prompt + completion; ``check()`` refuses a server whose ``--max-model-len``
+            is shorter (vLLM would cut the completions that do not fit short, unsaid, and refuse longer prompts).
 
     Log-probs are the sampler's: of the distribution sampled (repetition penalty, temperature, min-p, top-k, top-p,
     renormalised), as the embedded engine's (the server must run with ``--logprobs-mode processed_logprobs``;
@@ -113,6 +119,7 @@ class VLLMEngine:
         chat_template_kwargs: dict | None = None,
         reconnect_timeout_s: float = 0.0,
         token_versions: bool = False,
+        max_seq_len: int | None = None,
     ):
         require_transfer(weight_transfer)
         if reconnect_timeout_s < 0:
@@ -134,6 +141,7 @@ class VLLMEngine:
                           int(weight_transfer_bucket_mb * 2**20), self.http.request_timeout_s, keep_last=keep)
         )
         self._require_weight_sync = require_weight_sync
+        self.max_seq_len = max_seq_len
         self.versions = TokenVersions(self.http) if token_versions else None
         self.recovery = ServerRecovery(self, self.reconnect_timeout_s)
         self.policy_version = 0
@@ -155,6 +163,13 @@ class VLLMEngine:
         ``policy_version``; raises ``VLLMUnavailableError`` / ``VLLMError``."""
         self.server.update(connect(self.http, self.expected_model, self.weight_transfer, require_weight_sync, wait_s))
         self._require_weight_sync = require_weight_sync
+        served = self.server.max_model_len
+        if self.max_seq_len is not None and served is not None and served < self.max_seq_len:
+            raise VLLMLengthError(
+                f"The vLLM server at {self.base_url} takes at most {served} tokens a sequence (its --max-model-len), "
+                f"fewer than this run's max_seq_len {self.max_seq_len} (--max_seq_len, by default the environment's "
+                "limit): it would cut completions short and refuse longer prompts. Start it with verifiers-rl "
+                f"vllm-serve --max-model-len {self.max_seq_len} (or more), or lower the run's max_seq_len.")
         if self.versions is not None:  # labelled now: a restarted server's weights are relabelled here too
             self.versions.check(self.model_name or self.expected_model, self.policy_version)
         return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}

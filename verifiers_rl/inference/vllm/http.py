@@ -315,6 +315,7 @@ class ServerInfo:
     checkpoint_shapes: dict[str, list[int]] | None = None
     workers: int = 1
     weight_transfer_backend: str | None = None
+    max_model_len: int | None = None  # the longest prompt + completion it takes (its --max-model-len)
 
     def update(self, other: "ServerInfo") -> None:
         """Take ``other``'s values in place (weight loaders hold this object)."""
@@ -331,7 +332,8 @@ def connect(http: VLLMTransport, expected_model: str | None, weight_transfer: st
     another weight-transfer backend). Tries once unless ``wait_s`` > 0 (then polls while the server starts).
     """
     _wait_for_health(http, wait_s)
-    info = ServerInfo(model_name=_served_model(http, expected_model))
+    model_name, max_model_len = _served_model(http, expected_model)
+    info = ServerInfo(model_name=model_name, max_model_len=max_model_len)
     if not require_weight_sync:
         return info
     protocol, info.workers = _protocol(http)
@@ -381,7 +383,8 @@ def wait_for_health(http: VLLMTransport, timeout_s: float, poll_s: float = 1.0) 
     return time.monotonic() - started
 
 
-def _served_model(http: VLLMTransport, expected: str | None) -> str:
+def _served_model(http: VLLMTransport, expected: str | None) -> tuple[str, int | None]:
+    """The served name of ``expected`` (the first model when None) and its ``max_model_len`` (None if not said)."""
     models = http.request("GET", "/v1/models", timeout=CHECK_TIMEOUT_S).get("data") or []
     served = [(m.get("id"), m.get("root")) for m in models]
     if not served:
@@ -393,7 +396,8 @@ def _served_model(http: VLLMTransport, expected: str | None) -> str:
             f"The vLLM server at {http.base_url} serves {listed}, not {expected!r}. "
             f"Start it with --model {expected} (or connect to the right port)."
         )
-    return match[0]
+    length = models[served.index(match)].get("max_model_len")
+    return match[0], None if length is None else int(length)
 
 
 def _protocol(http: VLLMTransport) -> tuple[dict, int]:
