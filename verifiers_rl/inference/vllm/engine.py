@@ -169,7 +169,8 @@ class VLLMEngine:
                 f"The vLLM server at {self.base_url} takes at most {served} tokens a sequence (its --max-model-len), "
                 f"fewer than this run's max_seq_len {self.max_seq_len} (--max_seq_len, by default the environment's "
                 "limit): it would cut completions short and refuse longer prompts. Start it with verifiers-rl "
-                f"vllm-serve --max-model-len {self.max_seq_len} (or more), or lower the run's max_seq_len.")
+                f"vllm-serve --max-model-len {self.max_seq_len} (or more), or lower max_seq_len (--max_seq_len, or "
+                "the environment's own in --env_args).")
         if self.versions is not None:  # labelled now: a restarted server's weights are relabelled here too
             self.versions.check(self.model_name or self.expected_model, self.policy_version)
         return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
