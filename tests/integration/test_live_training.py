@@ -9,6 +9,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -149,6 +150,7 @@ def test_a_training_environment_without_a_reward_function_is_said(tiny_model_dir
 
     from verifiers_rl.config.rl_config import RLConfig
     from verifiers_rl.envs import Rubric, SingleTurnEnv
+    from verifiers_rl.envs.mixture import mixture_of
     from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
     from verifiers_rl.training.trainer import RLTrainer
 
@@ -164,5 +166,17 @@ def test_a_training_environment_without_a_reward_function_is_said(tiny_model_dir
             with caplog.at_level("WARNING", logger="verifiers_rl.training.trainer"):
                 RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=environment, engine=engine)
             assert ("quiet: its rubric has no reward function" in caplog.text) == said, caplog.text
+        # A mixture: each entry on its own; an adapter's unused Rubric() first (it scores itself) is not such a one.
+        classic = {"env": str(Path(__file__).parents[1] / "envs" / "vf_envs.py"), "name": "classic",
+                   "env_args": {"max_seq_len": 64, "sampling_args": {"max_tokens": 4}}}
+        for rubric, said in ((Rubric(), True), (Rubric([lambda completion: 1.0]), False)):
+            caplog.clear()
+            environment = SingleTurnEnv([{"question": f"Say {i}."} for i in range(8)], rubric, tokenizer,
+                                        max_new_tokens=4, max_seq_len=64, name="quiet")
+            with caplog.at_level("WARNING", logger="verifiers_rl.training.trainer"):
+                RLTrainer(tiny_model_dir, args, processing_class=tokenizer, engine=engine,
+                          environment=mixture_of([classic, {"env": environment}], tokenizer))
+            assert ("quiet: its rubric has no reward function" in caplog.text) == said, caplog.text
+            assert "classic" not in caplog.text and "mixture[" not in caplog.text, caplog.text
     finally:
         engine.close()

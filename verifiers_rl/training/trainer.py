@@ -118,7 +118,12 @@ def _warn_without_rewards(environment) -> None:
     and so every advantage, is 0, and the run learns nothing. (The adapters score with their own rewards.)"""
     from verifiers_rl.envs.environment import Environment
 
-    rubric = getattr(environment, "rubric", None)  # None in a replay; a mixture's is its first entry's
+    entries = getattr(environment, "entries", None)
+    if entries is not None:  # a mixture: each entry scores its own groups (its rubric is only its first entry's)
+        for entry in entries:
+            _warn_without_rewards(entry.environment)
+        return
+    rubric = getattr(environment, "rubric", None)  # None in a replay
     scores_with = getattr(type(environment), "rollout", None) is Environment.rollout
     if scores_with and rubric is not None and not rubric.functions:
         logging.getLogger(__name__).warning(
