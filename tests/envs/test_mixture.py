@@ -124,6 +124,27 @@ def test_mixture_of_takes_environment_objects_beside_named_ones(tokenizer):
             mixture_of(entries, **kwargs)
 
 
+def test_holding_rows_out_of_a_built_mixture_holds_them_out_of_each_entry(tokenizer):
+    # What evaluation's refusal of an unheld --eval_holdout says to run: hold_out(environment, N, seed). On a mixture
+    # it once moved rows of the mixture's own list, and the entries' draws then indexed past it or into another entry.
+    from verifiers_rl import mixture_of
+    from verifiers_rl.envs.splits import hold_out
+
+    env = mixture(tokenizer)
+    hold_out(env, 2, seed=4)
+    assert len(env.dataset) == 7 + 5 + 3 - 3 * 2 and env._verifiers_rl_holdout == (2, 4)
+    positions = list(range(300))
+    rows = env.draw_rows(positions, seed=5)
+    assert [env.dataset[r].entry for r in rows] == [env.entry_at(p, 5) for p in positions]
+    held = {repr(row.prompt) for row in env.eval_dataset}
+    assert len(held) == 3 * 2 and not held & {repr(env.dataset[r].prompt) for r in rows}
+    built = mixture_of(ENTRIES, tokenizer, holdout=2, seed=4)  # the same split as holding out at load
+    assert [row.prompt for row in built.eval_dataset] == [row.prompt for row in env.eval_dataset]
+    hold_out(env, 2, seed=4)  # the same again: nothing changes
+    with pytest.raises(MixtureError, match="mixture entry 'reverse_long': --eval_holdout 3: reverse_text has 3 training"):
+        hold_out(mixture(tokenizer), 3, seed=4)
+
+
 def test_an_entry_that_fails_to_load_or_to_fit_is_named(tokenizer):
     with pytest.raises(MixtureError, match=r"--env entry 'no_such_env': ValueError: Unknown environment"):
         mixture(tokenizer, [ENTRIES[0], {"env": "no_such_env"}])

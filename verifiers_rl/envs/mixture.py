@@ -264,6 +264,18 @@ class MixtureEnv(Environment):
             if use is not None:
                 use(state)
 
+    def hold_out(self, count: int, seed: int, flag: str = "--eval_holdout") -> None:
+        """``count`` rows of each entry held out (``envs.splits.hold_out``), as ``--eval_holdout`` does; an error
+        names the entry."""
+        from verifiers_rl.envs.splits import hold_out
+
+        for entry in self.entries:
+            try:
+                hold_out(entry.environment, count, seed, flag)
+            except ValueError as error:
+                raise MixtureError(f"mixture entry {entry.name!r}: {error}") from error
+        self._rebuild()
+
     def adopt_limits(self, max_seq_len: int | None = None, max_new_tokens: int | None = None) -> None:
         raise MixtureError("A mixture states no limits of its own: each entry takes the trainer's flags where it "
                            "has no limit, or its own (set them in each entry's env_args).")

@@ -58,7 +58,12 @@ def disjoint_rows(
 def hold_out(environment: Environment, count: int, seed: int, flag: str = "--eval_holdout") -> None:
     """Move ``count`` rows of ``environment.dataset``, chosen by a shuffle seeded with ``seed``, into
     ``environment.eval_dataset`` (replacing the split it had). The rows keep their indices, and the training rows
-    their order. Applying the same holdout twice is a no-op; a different one is an error (naming ``flag``)."""
+    their order. Applying the same holdout twice is a no-op; a different one is an error (naming ``flag``). A
+    mixture holds ``count`` rows out of each entry (``MixtureEnv.hold_out``)."""
+    own = getattr(environment, "hold_out", None)
+    if own is not None:  # a mixture's rows are its entries': moving them here would break its draws
+        own(count, seed, flag)
+        return
     applied = getattr(environment, "_verifiers_rl_holdout", None)
     if applied is not None:
         if applied != (count, seed):
