@@ -141,8 +141,21 @@ def test_holding_rows_out_of_a_built_mixture_holds_them_out_of_each_entry(tokeni
     built = mixture_of(ENTRIES, tokenizer, holdout=2, seed=4)  # the same split as holding out at load
     assert [row.prompt for row in built.eval_dataset] == [row.prompt for row in env.eval_dataset]
     hold_out(env, 2, seed=4)  # the same again: nothing changes
-    with pytest.raises(MixtureError, match="mixture entry 'reverse_long': --eval_holdout 3: reverse_text has 3 training"):
+    with pytest.raises(MixtureError, match="entry 'reverse_long': --eval_holdout 3: reverse_text has 3 training"):
         hold_out(mixture(tokenizer), 3, seed=4)
+
+
+def test_an_entry_short_of_held_out_rows_is_told_its_own_loaders_argument(tokenizer):
+    # reasoning-gym sizes its split with eval_size: the built-ins' num_eval_examples would be refused by its loader.
+    gym = {"env": "reasoning_gym:leg_counting", "env_args": {"size": 20, "eval_size": 0}}
+    with pytest.raises(MixtureError, match=r"'reasoning_gym:leg_counting' has no held-out.*\{\"eval_size\": N\}"):
+        mixture(tokenizer, [ENTRIES[0], gym]).eval_selection(None)
+    gym["env_args"]["eval_size"] = 3
+    with pytest.raises(MixtureError, match=r"-n 5 is larger .* \(reasoning-gym takes env_args \{\"eval_size\": N\}\)"):
+        mixture(tokenizer, [ENTRIES[0], gym]).eval_selection(5, "-n")
+    builtin = {**ENTRIES[0], "env_args": {"num_examples": 7, "num_eval_examples": 7}}
+    with pytest.raises(MixtureError, match=r"'reverse_text' \(7 rows\).*built-ins take env_args \{\"num_eval_examples"):
+        mixture(tokenizer, [builtin, gym]).eval_selection(8)
 
 
 def test_an_entry_that_fails_to_load_or_to_fit_is_named(tokenizer):

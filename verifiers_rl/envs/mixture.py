@@ -352,15 +352,19 @@ class MixtureEnv(Environment):
     def eval_selection(self, num_examples: int | None, flag: str = "--eval_num_examples") -> list[MixtureRow]:
         """The held-out rows evaluation uses: the first ``num_examples`` (``flag``'s value) of each entry's split (all
         for None)."""
+        from verifiers_rl.rollouts.evaluation import split_size_hint
+
         picked = []
         for number, entry in enumerate(self.entries):
             rows = [row for row in self.eval_dataset if row.entry == number]
+            larger = split_size_hint(entry.environment, "env_args {}")  # the entry's own loader's argument
             if not rows:
                 raise MixtureError(f"mixture entry {entry.name!r} has no held-out split to evaluate on: give it one "
-                                   "(the built-ins take env_args {\"num_eval_examples\": N}) or hold out training "
-                                   "rows with --eval_holdout N (verifiers-rl eval: --holdout N).")
+                                   f"({larger}) or hold out training rows with --eval_holdout N (verifiers-rl eval: "
+                                   "--holdout N).")
             if num_examples is not None and num_examples > len(rows):
                 raise MixtureError(f"{flag} {num_examples} is larger than the held-out split of mixture "
-                                   f"entry {entry.name!r} ({len(rows)} rows); lower it or enlarge that split.")
+                                   f"entry {entry.name!r} ({len(rows)} rows); lower it or enlarge that split "
+                                   f"({larger}).")
             picked += rows if num_examples is None else rows[:num_examples]
         return picked

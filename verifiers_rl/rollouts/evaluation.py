@@ -103,15 +103,21 @@ def eval_rows(environment: Environment, num_examples: int | None, flag: str = "-
             f"(one built with eval_dataset=...), or hold out training rows with {holdout_flag} N."
         )
     if num_examples is not None and num_examples > len(rows):
-        # The loader argument that sizes the split: reasoning-gym's, or the built-ins'.
-        larger = ("reasoning-gym takes --env_args '{\"eval_size\": N}'" if environment.name.startswith("reasoning_gym:")
-                  else "the built-ins take --env_args '{\"num_eval_examples\": N}'")
+        larger = split_size_hint(environment, "--env_args '{}'")
         raise ValueError(
             f"{flag} {num_examples} is larger than the held-out split of {environment.name} ({len(rows)} "
             f"rows). Lower it, or give the environment a larger split ({larger}; {holdout_flag} N holds out N training "
             "rows)."
         )
     return rows if num_examples is None else rows[:num_examples]
+
+
+def split_size_hint(environment: Environment, form: str) -> str:
+    """The loader argument that sizes ``environment``'s held-out split (reasoning-gym's, or the built-ins'), written
+    into ``form`` (``{}``: the JSON object), as "... takes ..."."""
+    if environment.name.startswith("reasoning_gym:"):
+        return "reasoning-gym takes " + form.format('{"eval_size": N}')
+    return "the built-ins take " + form.format('{"num_eval_examples": N}')
 
 
 @dataclass
