@@ -101,6 +101,11 @@ def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
     (["--port", "65535", "--num-servers", "2"], "--port 65535 (its 2 servers would end at 65536): ports are 0-65535"),
     (["--port", "0", "--num-servers", "2"], "--port 0 picks a free port for one server; --num-servers 2 takes"),
     (["--then", "no-such-command-here", "--flag"], "--then no-such-command-here: no such command (not on PATH"),
+    # The command gets the servers' URLs (and a broadcast's transfer) appended: its own would be overridden, unsaid.
+    (["--then", "true", "--vllm_server_url", "http://elsewhere:8000"],
+     "--then's command sets --vllm_server_url http://elsewhere:8000, which vllm-serve overrides"),
+    (["--weight-transfer", "gloo", "--then", "true", "--vllm-weight-transfer=files"],
+     "--then's command sets --vllm-weight-transfer=files, which vllm-serve overrides"),
 ])
 def test_vllm_serve_refuses_bad_arguments_by_flag_before_starting_a_server(flags, message, capsys):
     from verifiers_rl.inference.vllm import server

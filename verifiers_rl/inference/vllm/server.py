@@ -444,6 +444,11 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as error:
         parser.error(str(error))
     _check_numbers(parser, args)
+    appended = ["vllm_server_url"] + (["vllm_weight_transfer"] if args.weight_transfer != "files" else [])
+    own = _flag_given(command, appended)
+    if own:
+        parser.error(f"--then's command sets {own}, which vllm-serve overrides (it appends --vllm_server_url with its "
+                     "servers' URLs, and --vllm_weight_transfer with --weight-transfer's): leave it out.")
     if not command and args.stop_grace_s != parser.get_default("stop_grace_s"):
         parser.error(f"--stop-grace-s {args.stop_grace_s:g} acts only with --then (the command a signal goes on to): "
                      "it would change nothing. Leave it out, or run a command with --then.")
@@ -508,6 +513,17 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.port == 0 and args.num_servers > 1:
         parser.error(f"--port 0 picks a free port for one server; --num-servers {args.num_servers} takes consecutive "
                      "ports from --port: give the first.")
+
+
+def _flag_given(command: list[str], names: list[str]) -> str | None:
+    """How ``command`` sets one of the flags ``names`` (``--name V``, ``--name=V``, dashes or underscores), or None."""
+    spellings = {f"--{form}" for name in names for form in (name, name.replace("_", "-"))}
+    for index, token in enumerate(command):
+        flag = token.split("=", 1)[0]
+        if flag in spellings:
+            value = "" if "=" in token or index + 1 == len(command) else f" {command[index + 1]}"
+            return token + value
+    return None
 
 
 def _server_log(log: str, index: int, count: int) -> str:
