@@ -21,6 +21,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 
+def test_a_harness_that_reaches_no_seat_is_refused(tokenizer, tmp_path):
+    # The author pinned the game's only seat to v1's null harness: a harness asked in --env_args would run nothing.
+    guess = (ENVS / "guess_v1.py").read_text()
+    pinned = tmp_path / "pinned_v1.py"
+    pinned.write_text(guess.replace("player: vf.AgentConfig = vf.AgentConfig()",
+                                    'player: vf.AgentConfig = vf.AgentConfig(harness={"id": "null"})'))
+    with pytest.raises(ValueError, match=r"harness 'inprocess' \(--env_args\) reaches no seat: every seat of the "
+                                         r"environment pins its own \(player: null\)"):
+        load_environment(str(pinned), tokenizer=tokenizer, harness="inprocess", taskset={"num_tasks": 2})
+    env = load_environment(str(pinned), tokenizer=tokenizer, taskset={"num_tasks": 2})  # none asked: its own
+    try:
+        assert env.harness == "null"
+    finally:
+        env.close()
+
+
 def test_env_tells_a_v1_module_apart_by_what_it_exports(tmp_path, monkeypatch):
     assert is_v1_environment(str(TEMPLATE)) and is_v1_environment(str(GRADED))
     # Our own environments and classic verifiers modules are not v1 environments.

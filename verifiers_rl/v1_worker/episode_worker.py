@@ -153,6 +153,16 @@ def seats(taskset_id: str, env_id: str = "") -> dict[str, set[str]]:
             for name, field in fields.items() if isinstance(field.default, AgentConfig)}
 
 
+def pinned_harnesses(taskset_id: str, env_id: str = "") -> dict[str, str]:
+    """The harness id each seat's author pinned (``seats``), by seat."""
+    from verifiers.v1.configs.agent import AgentConfig
+    from verifiers.v1.utils.loaders import env_config_type
+
+    fields = env_config_type(taskset_id, env_id).model_fields
+    return {name: field.default.harness.id for name, field in fields.items()
+            if isinstance(field.default, AgentConfig) and field.default.harness is not None}
+
+
 def trace_json(trace) -> dict:
     return {
         "ok": bool(trace.ok),
@@ -187,14 +197,21 @@ class Worker:
         if self.env is not None:
             raise RuntimeError("an environment is already loaded")
         keep_uv_offline()
-        harness = request.get("harness") or "null"
+        asked = request.get("harness")  # None: the trainer's default, v1's null harness where no author pinned one
+        harness = asked or "null"
         if harness == "inprocess":
             register_inprocess_harness()
             harness = INPROCESS_HARNESS_ID
         taskset_id, env_config = module_id(request["env"]), request.get("env_config") or {}
         defaults = {"harness": {"id": harness}, "runtime": request.get("runtime") or {"type": "subprocess"}}
+        pinned_by_seat = seats(taskset_id, env_config.get("id") or "")
+        if asked is not None and pinned_by_seat and all("harness" in pinned for pinned in pinned_by_seat.values()):
+            own = ", ".join(f"{seat}: {harness_id}" for seat, harness_id in
+                            pinned_harnesses(taskset_id, env_config.get("id") or "").items())
+            raise ValueError(f"harness {asked!r} (--env_args) reaches no seat: every seat of the environment pins its "
+                             f"own ({own}). Leave harness out.")
         seat_configs = {seat: {key: value for key, value in defaults.items() if key not in pinned}
-                        for seat, pinned in seats(taskset_id, env_config.get("id") or "").items()}
+                        for seat, pinned in pinned_by_seat.items()}
         config = merge({"taskset": {"id": taskset_id}, **seat_configs}, env_config)
         self.env = vf.load_environment(vf.resolve_env_config(config))
         self.tasks = list(self.env.taskset)

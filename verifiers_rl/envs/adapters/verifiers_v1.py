@@ -110,7 +110,7 @@ class EpisodeWorker:
             raise EpisodeWorkerError(answer["error"], answer.get("traceback", ""))
         return answer
 
-    async def load(self, env: str, env_config: dict | None = None, harness: str = "null") -> dict:
+    async def load(self, env: str, env_config: dict | None = None, harness: str | None = None) -> dict:
         self.loaded = await self._request({"op": "load", "env": str(env), "env_config": env_config or {},
                                            "harness": harness})
         return self.loaded
@@ -152,7 +152,8 @@ class V1Env(Environment):
 
     ``env`` is the module's ``.py`` file, package folder or importable id. Keyword arguments: ``harness``
     (``"null"``, v1's own chat harness, the default; ``"inprocess"``, the same single-call chat loop inside the
-    worker, without a subprocess per episode; or a harness id), ``max_seq_len`` / ``max_new_tokens`` (v1 states
+    worker, without a subprocess per episode; or a harness id; for the seats whose author pinned none, and refused
+    where every seat pinned one), ``max_seq_len`` / ``max_new_tokens`` (v1 states
     neither: the trainer's ``--max_seq_len`` / ``--max_completion_length`` hold unless given here), and any other
     key merged into v1's env config as it is (e.g. ``taskset={"num_tasks": 8}``; v1 refuses what it does not know).
 
@@ -170,7 +171,7 @@ class V1Env(Environment):
     reward's score, under ``reward/<name>``). A failed episode is a ``RolloutError`` naming the task.
     """
 
-    def __init__(self, env: str, tokenizer: Any, *, harness: str = "null", max_seq_len: int | None = None,
+    def __init__(self, env: str, tokenizer: Any, *, harness: str | None = None, max_seq_len: int | None = None,
                  max_new_tokens: int | None = None, model_name: str = "verifiers_rl-policy",
                  python: str | Path | None = None, **env_config: Any):
         self.spec = str(env)
@@ -216,7 +217,7 @@ class V1Env(Environment):
             messages.insert(0, {"role": "system", "content": task["system_prompt"]})
         return {"prompt": messages, "answer": task.get("answer")}
 
-    async def _start(self, harness: str, env_config: dict) -> dict:
+    async def _start(self, harness: str | None, env_config: dict) -> dict:
         await self.endpoint.start()
         await self.worker.start()
         return await self.worker.load(self.spec, env_config, harness=harness)
