@@ -94,6 +94,23 @@ def test_models_key_and_refusals(engine):
     assert served == 1
 
 
+def test_sampling_settings_the_engine_does_not_take_are_said_once(engine, caplog):
+    # v1's sampling config (an agent's sampling:, a harness's own) reaches the endpoint; the trainer's settings apply.
+    async def go():
+        async with GenerateEndpoint(engine, max_model_len=64) as ep:
+            with ep.rollout(RolloutSampling(seed=1)) as base_url:
+                for params in ({"temperature": 0.3, "top_p": 0.5, "max_tokens": 2, "logprobs": 1},
+                               {"temperature": 0.3, "max_tokens": 2, "stop_token_ids": [], "skip_special_tokens": False}):
+                    answer = await post(base_url, ep.api_key, {"token_ids": PROMPT, "sampling_params": params})
+                    assert answer.status_code == 200, answer.text
+
+    with caplog.at_level("WARNING", logger="verifiers_rl.envs.adapters.generate_endpoint"):
+        run(go())
+    said = [r.getMessage() for r in caplog.records if "not used" in r.getMessage()]
+    assert said == ["verifiers v1's sampling settings ['temperature', 'top_p'] are not used: the trainer's are "
+                    "(--temperature, --top_p, ...; max_tokens is capped by --max_completion_length)."], said
+
+
 def test_renderers_generate_client_reads_it(engine, tiny_model_dir):
     """The client v1's TrainClient calls (renderers.client.generate over an AsyncOpenAI client) parses our answers
     into the engine's exact ids and log-probs, and its pre-flight reads max_model_len from /models."""

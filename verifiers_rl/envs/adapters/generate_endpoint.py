@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import secrets
 from dataclasses import dataclass
@@ -40,6 +41,10 @@ from aiohttp import web
 from verifiers_rl.core.sampling import RolloutSampling, sampling_for_rollout
 
 DEFAULT_MODEL_NAME = "verifiers_rl-policy"
+# The sampling params a call may carry that act here (or say nothing): renderers' own and the length.
+TAKEN_PARAMS = {"max_tokens", "max_completion_tokens", "stop_token_ids", "logprobs", "skip_special_tokens",
+                "routed_experts_prompt_start"}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +79,7 @@ class GenerateEndpoint:
         self.requests_served = 0
         self._rollouts: dict[str, _Registered] = {}
         self._runner: web.AppRunner | None = None
+        self._said: set[str] = set()  # the unused sampling settings already warned of
 
     # --- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -139,6 +145,15 @@ class GenerateEndpoint:
             {"id": self.model_name, "object": "model", "owned_by": "verifiers_rl", "max_model_len": self.max_model_len}
         ]})
 
+    def _say_unused(self, params: dict) -> None:
+        """Warn, once per setting, of v1's sampling settings that do not reach the engine (the trainer's apply)."""
+        unused = sorted(key for key, value in params.items()
+                        if key not in TAKEN_PARAMS and value is not None and key not in self._said)
+        if unused:
+            self._said.update(unused)
+            logger.warning("verifiers v1's sampling settings %s are not used: the trainer's are (--temperature, "
+                           "--top_p, ...; max_tokens is capped by --max_completion_length).", unused)
+
     async def _generate(self, request: web.Request) -> web.Response:
         registered = self._registered(request)
         engine = registered.engine
@@ -153,6 +168,7 @@ class GenerateEndpoint:
             if body.get(field):
                 return _error(400, f"{field!r} (multimodal input) is not supported")
         params = body.get("sampling_params") or {}
+        self._say_unused(params)
         asked = params.get("max_tokens") or params.get("max_completion_tokens") or self.max_new_tokens
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
