@@ -137,6 +137,22 @@ def test_limits_default_to_the_environment_and_a_long_prompt_stops_as_truncated(
     assert len(rollout.prompt_ids) + len(rollout.completion_ids) <= prompt_len + 12
 
 
+def test_an_argument_verifiers_only_keeps_as_an_attribute_is_said(tokenizer, caplog):
+    # verifiers' Environment takes unknown keywords and sets them as attributes: a misspelt argument acted on nothing.
+    logger = "verifiers_rl.envs.loading"
+    with caplog.at_level("WARNING", logger=logger):
+        env = load_environment(SPEC, tokenizer=tokenizer, kind="multi", num_exampels=3, max_turns=2, max_seq_len=300)
+    said = [r.getMessage() for r in caplog.records if r.name == logger]
+    assert said == [f"Environment {SPEC!r}: its arguments ['num_exampels'] (--env_args) are parameters of neither its "
+                    "loader nor its environment's class: verifiers only keeps them as attributes of the environment, "
+                    "which nothing of verifiers reads. A misspelt argument?"], said
+    assert env.vf_env.max_turns == 2 and env.max_seq_len == 300  # the loader's and the class's own act, unsaid
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=logger):
+        load_environment(SPEC, tokenizer=tokenizer, kind="single", num_examples=3)
+    assert not [r for r in caplog.records if r.name == logger]
+
+
 class FailingSampler:
     async def sample(self, prompt_ids, max_new_tokens):
         raise RuntimeError("the inference server is down")

@@ -23,6 +23,7 @@ import inspect
 import json
 import os
 import re
+import logging
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -32,6 +33,8 @@ from typing import Any
 from verifiers_rl.core.errors import raised_at
 from verifiers_rl.envs.environment import Environment
 from verifiers_rl.envs.tools import default_tool_mode
+
+logger = logging.getLogger(__name__)
 
 BUILTINS = {
     "reverse_text": "verifiers_rl.envs.builtin.reverse_text:load_environment",
@@ -189,13 +192,43 @@ def load_with_args(spec: str, tokenizer: Any = None, tool_mode: str = "auto",
     )
 
 
+def _parameters(function: Any) -> set[str]:
+    """The named parameters of ``function`` (none when its signature cannot be read)."""
+    try:
+        return {p.name for p in inspect.signature(function).parameters.values()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    except (TypeError, ValueError):
+        return set()
+
+
+def _say_unread_verifiers_args(spec: str, vf_env: Any, loader: Any, kwargs: dict[str, Any]) -> None:
+    """Warn of the ``kwargs`` a classic verifiers environment only kept as attributes: its ``Environment`` takes
+    unknown keywords and sets them on itself (a misspelt argument acts on nothing), named by neither the loader nor
+    any constructor of the environment's class."""
+    named = _parameters(loader)
+    for cls in type(vf_env).__mro__:
+        named |= _parameters(vars(cls)["__init__"]) if "__init__" in vars(cls) else set()
+    kept = sorted(key for key, value in kwargs.items()
+                  if key not in named and key in vars(vf_env) and vars(vf_env)[key] is value)
+    if kept:
+        logger.warning("Environment %r: its arguments %s (--env_args) are parameters of neither its loader nor its "
+                       "environment's class: verifiers only keeps them as attributes of the environment, which nothing "
+                       "of verifiers reads. A misspelt argument?", spec, kept)
+
+
 def _load(spec: str, tokenizer: Any, tool_mode: str, kwargs: dict[str, Any]) -> Any:
     """What ``spec``'s loader returns (a classic verifiers environment wrapped in ``VerifiersEnv``)."""
+    loader = None
     with default_tool_mode(tool_mode):
         if spec.startswith(VERIFIERS_PREFIX):
             from verifiers_rl.envs.adapters.verifiers_env import import_verifiers
 
-            environment = import_verifiers().load_environment(spec[len(VERIFIERS_PREFIX) :], **kwargs)
+            vf = import_verifiers()
+            environment = vf.load_environment(spec[len(VERIFIERS_PREFIX) :], **kwargs)
+            with contextlib.suppress(Exception):  # the module verifiers loaded it from: its loader's parameters
+                from verifiers.legacy.utils.env_utils import import_env_module
+
+                loader = getattr(import_env_module(spec[len(VERIFIERS_PREFIX) :]), "load_environment", None)
         elif spec.startswith(REASONING_GYM_PREFIX):
             from verifiers_rl.envs.adapters.reasoning_gym import load_environment as load_reasoning_gym
 
@@ -218,6 +251,7 @@ def _load(spec: str, tokenizer: Any, tool_mode: str, kwargs: dict[str, Any]) -> 
 
             if tokenizer is None:
                 raise ValueError(f"Environment {spec!r} is a verifiers environment: pass the policy's tokenizer.")
+            _say_unread_verifiers_args(spec, environment, loader, kwargs)
             environment = VerifiersEnv(environment, tokenizer)
     return environment
 
