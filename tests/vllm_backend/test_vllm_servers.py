@@ -112,6 +112,46 @@ def test_a_pool_without_its_servers_says_which_is_missing():
         MultiServerEngine(urls, wait_s=0.0)
 
 
+def test_a_weight_load_waits_for_a_lost_pool_to_come_back(doomed, tmp_path):
+    # Every server of the pool lost (here: one server under two addresses) while the trainer trains: the next load
+    # waits --vllm_reconnect_timeout_s for one to come back, as requests and a single server's load do.
+    import threading
+
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    pool = MultiServerEngine([doomed.url, doomed.url + "/v1"], model=doomed.model_dir, reconnect_timeout_s=600,
+                             weights_dir=str(tmp_path / "snapshots"), health_poll_s=0.5)
+    outcome = []
+
+    def load():
+        try:
+            pool.load_weights(doomed.hf_model("other").named_parameters(), version=1)
+            outcome.append("loaded")
+        except Exception as error:  # noqa: BLE001 - the assertion below shows it
+            outcome.append(error)
+
+    try:
+        doomed.server.kill()
+        doomed.dirty = True
+        loading = threading.Thread(target=load)
+        loading.start()
+        deadline = time.monotonic() + 120
+        while pool.spread.live() and loading.is_alive():
+            assert time.monotonic() < deadline, "the pool never noticed its servers were gone"
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert loading.is_alive(), f"the load gave up at once: {outcome}"
+        doomed.restart_same_port()
+        doomed.dirty = True
+        loading.join(300)
+        assert outcome == ["loaded"] and pool.policy_version == 1, outcome
+        expected = hf_prompt_logprobs(doomed.other_dir, PROBE)
+        for name, logps in pool.prompt_logprobs_by_server(PROBE).items():
+            torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=0, msg=name)
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("transfer", ["files", "gloo"])
 def test_a_weight_load_reaches_every_server(untied, doomed, tmp_path, transfer):
     """Both transfers reach each server of a pool (gloo: one weight-transfer group per server, broadcast to each in

@@ -280,8 +280,9 @@ class MultiServerEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load the pairs into every live server (written or copied once), then set ``policy_version``. A server
-        lost during the load is marked down (it gets these weights when it rejoins); any other error is raised,
-        naming the server, and leaves ``policy_version`` unchanged."""
+        lost during the load is marked down (it gets these weights when it rejoins); with every server lost, the load
+        waits ``reconnect_timeout_s`` for one to rejoin and loads it then; any other error is raised, naming the
+        server, and leaves ``policy_version`` unchanged."""
         check_open(self._closed)
         with self._lock:
             if self._writer is not None:
@@ -289,24 +290,43 @@ class MultiServerEngine:
             else:  # a broadcast consumes what it sends: one host copy, sent to each server in turn
                 kept = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in plain_names(named_tensors)]
 
-            def send(member: Member) -> dict:
-                with member.engine.swap(version):  # each server paused and labelled around its own load
-                    if self._writer is not None:
-                        return member.engine.transfer.send(kept)
-                    return member.engine.transfer.load(kept, version)
+        def send(member: Member) -> dict:
+            with member.engine.swap(version):  # each server paused and labelled around its own load
+                if self._writer is not None:
+                    return member.engine.transfer.send(kept)
+                return member.engine.transfer.load(kept, version)
 
-            try:
-                loaded = self._on_each_live(send)
-            except BaseException:
-                self._drop(kept)
-                raise
-            self._drop(self._kept)
-            self._kept, self.last_load = kept, {**loaded[0][1], "servers": len(loaded)}
-            self.policy_version = int(version)
-            for member, _ in loaded:
-                member.engine.policy_version = int(version)
-            ids = reference_ids(self.vocab_size)
-            self._reference = (int(version), ids, self._run(lambda engine: engine._prompt_logprobs(ids)))
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            with self._lock:
+                try:
+                    loaded = self._on_each_live(send)
+                except VLLMUnavailableError as error:
+                    if not (getattr(error, "server_lost", False) and time.monotonic() < deadline):
+                        self._drop(kept)
+                        raise
+                    loaded = None
+                except BaseException:
+                    self._drop(kept)
+                    raise
+                if loaded is not None:
+                    self._loaded(kept, loaded, version)
+                    return
+            # Outside the lock: the watcher rejoins a server that answers again (with the last weights loaded).
+            logger.warning("Every vLLM server was lost during the load of policy version %d: waiting up to %.0f s "
+                           "(%s) for one to come back.", version, deadline - time.monotonic(), RECONNECT_FLAG)
+            while not self.spread.live() and time.monotonic() < deadline and not self._closed:
+                time.sleep(WAIT_POLL_S)
+
+    def _loaded(self, kept, loaded: list[tuple[Member, dict]], version: int) -> None:
+        """Record a load that reached ``loaded``: the weights kept for a rejoin, the versions, the reference."""
+        self._drop(self._kept)
+        self._kept, self.last_load = kept, {**loaded[0][1], "servers": len(loaded)}
+        self.policy_version = int(version)
+        for member, _ in loaded:
+            member.engine.policy_version = int(version)
+        ids = reference_ids(self.vocab_size)
+        self._reference = (int(version), ids, self._run(lambda engine: engine._prompt_logprobs(ids)))
 
     def _on_each_live(self, call: Callable[[Member], T]) -> list[tuple[Member, T]]:
         """``call`` on every live server: a server lost meanwhile is marked down and left out, another error is
