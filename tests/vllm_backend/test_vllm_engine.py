@@ -342,6 +342,15 @@ def test_a_server_shorter_than_the_runs_sequences_is_refused(untied, doomed, tmp
     assert "error: The vLLM server" in last and f"--max-model-len {longer}" in last, last
     with pytest.raises(VLLMLengthError, match=refused):
         eval_cli.main(["--model", untied.model_dir, "--vllm_server_url", untied.url, "--env_args", env_args])
+    # An evaluation environment's own longer limit (the training one fits the server).
+    with pytest.raises(SystemExit) as stopped:
+        train_cli.main(["--model", untied.model_dir, "--vllm_server_url", untied.url, "--env_args",
+                        json.dumps({"num_examples": 16}), "--eval_env", "reverse_text", "--eval_env_args", env_args,
+                        "--eval_steps", "1", "--max_steps", "1", "--output_dir", str(tmp_path / "run")])
+    assert stopped.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"max_seq_len {longer} (--max_seq_len; an environment's own limit, in --env_args or --eval_env_args)" \
+        in last and f"--max-model-len {longer}" in last, last
 
 
 def test_bad_input_is_a_clear_error(untied):

@@ -309,6 +309,9 @@ class TrainingEvaluation:
                 "Evaluation needs an inference engine on the main process (examples/train.py builds one; with "
                 "RLTrainer pass engine=...)."
             )
+        takes = getattr(engine, "take_sequences", None)  # a vLLM server: its --max-model-len must hold them
+        if takes is not None:
+            takes(self.environment.max_seq_len)
 
     def run(self, engine) -> EvalResult:
         self.check_engine(engine)

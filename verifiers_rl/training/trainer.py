@@ -278,6 +278,9 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self._source: RolloutSource | None = None  # the main process's; the other ranks never read a source
 
         def made() -> int:
+            takes = getattr(engine, "take_sequences", None)
+            if environment is not None and takes is not None:  # a vLLM server: its --max-model-len must hold them
+                takes(environment.max_seq_len)
             self._source = make_source(args, rollout_source, environment, engine)
             self.generator = self._source if environment is not None else None
             if isinstance(self._source, ReplaySource):  # a file's over-long rollout: refused now, not at its batch

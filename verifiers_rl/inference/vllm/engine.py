@@ -163,17 +163,26 @@ class VLLMEngine:
         ``policy_version``; raises ``VLLMUnavailableError`` / ``VLLMError``."""
         self.server.update(connect(self.http, self.expected_model, self.weight_transfer, require_weight_sync, wait_s))
         self._require_weight_sync = require_weight_sync
+        self._check_length()
+        if self.versions is not None:  # labelled now: a restarted server's weights are relabelled here too
+            self.versions.check(self.model_name or self.expected_model, self.policy_version)
+        return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
+
+    def take_sequences(self, max_seq_len: int) -> None:
+        """Refuse (``VLLMLengthError``) a server whose ``--max-model-len`` is below ``max_seq_len`` too (an evaluation
+        environment's own limit); checked again whenever the server is (a restart)."""
+        self.max_seq_len = max(self.max_seq_len or 0, int(max_seq_len))
+        self._check_length()
+
+    def _check_length(self) -> None:
         served = self.server.max_model_len
         if self.max_seq_len is not None and served is not None and served < self.max_seq_len:
             raise VLLMLengthError(
                 f"The vLLM server at {self.base_url} takes at most {served} tokens a sequence (its --max-model-len), "
-                f"fewer than this run's max_seq_len {self.max_seq_len} (--max_seq_len, by default the environment's "
-                "limit): it would cut completions short and refuse longer prompts. Start it with verifiers-rl "
-                f"vllm-serve --max-model-len {self.max_seq_len} (or more), or lower max_seq_len (--max_seq_len, or "
-                "the environment's own in --env_args).")
-        if self.versions is not None:  # labelled now: a restarted server's weights are relabelled here too
-            self.versions.check(self.model_name or self.expected_model, self.policy_version)
-        return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
+                f"fewer than this run's max_seq_len {self.max_seq_len} (--max_seq_len; an environment's own limit, "
+                "in --env_args or --eval_env_args): it would cut completions short and refuse longer prompts. Start "
+                f"it with verifiers-rl vllm-serve --max-model-len {self.max_seq_len} (or more), or lower that "
+                "max_seq_len.")
 
     # What check() learnt; dtype is the server's compute dtype, e.g. "torch.bfloat16" (sets the probe's tolerance).
     model_name = _server_field("model_name")

@@ -186,6 +186,11 @@ class MultiServerEngine:
         """Times a lost server came back and was put back in the pool."""
         return sum(member.rejoins for member in self.members)
 
+    def take_sequences(self, max_seq_len: int) -> None:
+        """``VLLMEngine.take_sequences`` on every server (a down one is checked again when it rejoins)."""
+        for member in self.members:
+            member.engine.take_sequences(max_seq_len)
+
     # --- sampling -----------------------------------------------------------------------------------------------
 
     async def sample(self, prompt_ids: list[int], max_new_tokens: int | None = None) -> Sample:
