@@ -136,6 +136,7 @@ def test_replay_filters_only(tiny_model_dir, tmp_path):
     rollouts = random_rollouts(4, 4, vocab_size=390, seed=7)
     for i, rollout in enumerate(rollouts):
         rollout.reward = 1.0 if rollout.group_id in ("g0", "g2") else [0.0, 1.0, 0.5, 0.25][i % 4]
+        rollout.env = "flat" if rollout.group_id in ("g0", "g1") else "other"  # a mixture run's file
     kept, dropped = drop_zero_variance_groups(rollouts)
     assert dropped == 2 and sorted({r.group_id for r in kept}) == ["g1", "g3"]
     write_rollouts(tmp_path / "r.jsonl", rollouts)
@@ -147,6 +148,8 @@ def test_replay_filters_only(tiny_model_dir, tmp_path):
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "reward" in entry][0]
     assert (logged["groups_kept"], logged["groups_dropped"]) == (2, 2)
+    # Per environment too, as live generation counts them: each dropped one of its groups.
+    assert (logged["env/flat/groups_dropped"], logged["env/other/groups_dropped"]) == (1, 1), logged
     trained = (tmp_path / "trained.jsonl").read_text().splitlines()
     assert len(trained) == 8  # only the groups with signal reached the batch
 

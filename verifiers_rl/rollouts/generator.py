@@ -25,7 +25,8 @@ from verifiers_rl.core.watched import run_watched
 from verifiers_rl.core.rollout import (NOT_SAMPLED, Rollout, RolloutFormatError, group_by_id, group_episodes,
                                       read_rollouts)
 from verifiers_rl.rollouts.curriculum import build_curriculum
-from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, generation_failed, has_signal
+from verifiers_rl.rollouts.groups import (GenerationError, GroupRollouts, count_by_environment, generation_failed,
+                                          has_signal)
 
 logger = logging.getLogger(__name__)
 
@@ -110,10 +111,14 @@ def split_into_batches(rollouts: list[Rollout], rollouts_per_step: int) -> list[
     return batches
 
 
-def drop_zero_variance_groups(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
-    """The rollouts of the groups with signal (``has_signal``), in order, and how many groups were dropped."""
+def drop_zero_variance_groups(rollouts: list[Rollout], stats: dict[str, float] | None = None,
+                              ) -> tuple[list[Rollout], int]:
+    """The rollouts of the groups with signal (``has_signal``), in order, and how many groups were dropped; a
+    mixture's dropped groups are counted per environment in ``stats`` (``count_by_environment``)."""
     groups = group_by_id(rollouts)
     kept = [group for group in groups if has_signal(group)]
+    if stats is not None:
+        count_by_environment(stats, [group for group in groups if not has_signal(group)])
     return [rollout for group in kept for rollout in group], len(groups) - len(kept)
 
 
@@ -139,10 +144,11 @@ class ReplaySource:
         rollouts = self.batches[index % len(self.batches)]
         if not self.filter_groups:
             return Batch(index, rollouts)
-        kept, dropped = drop_zero_variance_groups(rollouts)
+        stats: dict[str, float] = {}
+        kept, dropped = drop_zero_variance_groups(rollouts, stats)
         if not kept:
             logger.warning("Batch %d: no group has reward variance; training on it unfiltered.", index)
-        stats = {"groups_kept": float(len({r.group_id for r in kept})), "groups_dropped": float(dropped)}
+        stats.update(groups_kept=float(len({r.group_id for r in kept})), groups_dropped=float(dropped))
         return Batch(index, kept or rollouts, stats)
 
 
