@@ -99,8 +99,9 @@ def test_sampling_settings_the_engine_does_not_take_are_said_once(engine, caplog
     async def go():
         async with GenerateEndpoint(engine, max_model_len=64) as ep:
             with ep.rollout(RolloutSampling(seed=1)) as base_url:
+                renderers = {"stop_token_ids": [], "skip_special_tokens": False}  # renderers' own: used or moot
                 for params in ({"temperature": 0.3, "top_p": 0.5, "max_tokens": 2, "logprobs": 1},
-                               {"temperature": 0.3, "max_tokens": 2, "stop_token_ids": [], "skip_special_tokens": False}):
+                               {"temperature": 0.3, "max_tokens": 2, **renderers}):
                     answer = await post(base_url, ep.api_key, {"token_ids": PROMPT, "sampling_params": params})
                     assert answer.status_code == 200, answer.text
 
