@@ -47,8 +47,9 @@ def test_logging_steps_beside_another_logging_strategy_is_refused(steps, tmp_pat
     # HF reads logging_steps only with --logging_strategy steps: it was accepted and logged nothing differently.
     argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, "--logging_strategy", "epoch",
             "--logging_steps", steps]
-    assert refusal(argv, capsys) == (f"--logging_steps {steps} acts only with --logging_strategy steps, not epoch: it "
-                                     "would change nothing. Set --logging_strategy steps, or leave --logging_steps out.")
+    assert refusal(argv, capsys) == (f"--logging_steps {steps} acts only with --logging_strategy steps, not epoch: "
+                                     "it would change nothing. Set --logging_strategy steps, or leave --logging_steps "
+                                     "out.")
     assert main(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, "--logging_strategy", "no"]) == 0
 
 
