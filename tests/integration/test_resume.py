@@ -297,6 +297,9 @@ def test_bad_resumes_are_clear_errors(tiny_model_dir, rollouts_file, tmp_path):
     # A finished run (max_steps 2) resumed as it was: the trainer waited --generation_timeout_s for a batch past it.
     refused(checkpoint, r"checkpoint-2 is at step 2 and this run ends at step 2 .*nothing is left to train. Raise "
                         r"--max_steps")
+    # The run's folder: it said a run was killed while saving there.
+    refused(tmp_path / "run", r"is a run's folder, not a checkpoint: name one of its checkpoints \(.*checkpoint-2\), "
+            r"or pass --resume_from_checkpoint latest with --output_dir")
     refused("latest", "no intact checkpoint-N folder in --output_dir")  # tmp_path / "again" has none
     half = tmp_path / "half"
     half.mkdir()

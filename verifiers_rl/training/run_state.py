@@ -124,6 +124,11 @@ def resolve_checkpoint(spec: str | bool, output_dir: str | Path) -> Path | None:
     path = Path(str(spec))
     if not path.is_dir():
         raise CheckpointError(f"--resume_from_checkpoint {str(spec)!r}: no such folder.")
+    inside = _checkpoints_newest_first(path)
+    if inside and not (path / STATE_FILE).is_file():  # a run's folder, not one of its checkpoints
+        raise CheckpointError(
+            f"--resume_from_checkpoint {str(spec)!r} is a run's folder, not a checkpoint: name one of its checkpoints "
+            f"({inside[0]}), or pass --resume_from_checkpoint latest with --output_dir {str(spec)!r}.")
     problem = _problem(path)
     if problem is not None:
         raise CheckpointError(f"--resume_from_checkpoint {str(path)!r} cannot be resumed from: {problem}.")
