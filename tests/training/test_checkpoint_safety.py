@@ -32,9 +32,9 @@ def rollouts(tmp_path_factory) -> Path:
     return path
 
 
-def trainer(model_dir: str, rollouts: Path, out: Path, steps: int, save_every: int | None = 1) -> RLTrainer:
+def trainer(model_dir: str, rollouts: Path, out: Path, steps: int, save_every: int | None = 1, **others) -> RLTrainer:
     args = RLConfig(output_dir=str(out), use_cpu=True, report_to="none", rollouts_path=str(rollouts),
-                    rollouts_per_step=8, max_steps=steps,
+                    rollouts_per_step=8, max_steps=steps, **others,
                     **({"save_strategy": "steps", "save_steps": save_every} if save_every else {"save_strategy": "no"}),
                     disable_tqdm=True, learning_rate=1e-3, lr_scheduler_type="constant",
                     gradient_checkpointing=False)  # constant: runs of 3 and 4 steps share their first steps exactly
@@ -155,6 +155,18 @@ def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(run, tiny_m
     again.train(resume_from_checkpoint="auto")  # from checkpoint-3: one step
     got = parameters(again)
     assert max(float((got[k] - straight[k]).abs().max() / straight[k].abs().max()) for k in straight) < 1e-6
+
+
+def test_auto_starting_fresh_empties_the_rollouts_file_of_an_attempt_stopped_before_its_first_checkpoint(
+        tiny_model_dir, rollouts, tmp_path):
+    # The restarted attempt appended its batches after the stopped one's: batches 0 and 1 appeared twice.
+    saved = tmp_path / "trained.jsonl"
+    for _ in range(2):  # an attempt that wrote no checkpoint, then its restart
+        trainer(tiny_model_dir, rollouts, tmp_path / "out", 2, save_every=None,
+                save_rollouts_path=str(saved)).train(resume_from_checkpoint="auto")
+    trainer(tiny_model_dir, rollouts, tmp_path / "once", 2, save_every=None,
+            save_rollouts_path=str(tmp_path / "once.jsonl")).train()
+    assert saved.read_bytes() == (tmp_path / "once.jsonl").read_bytes()
 
 
 def mounted_tmpfs(folder: Path, size: int) -> None:

@@ -112,6 +112,7 @@ class RunCheckpoints:
         def load():
             path = resolve_checkpoint(spec, self.args.output_dir)
             if path is None:
+                self._clear_saved_rollouts()
                 return None, None
             saved = load_run_state(path)
             check_fits(saved, self.run_state(global_step), path)
@@ -167,6 +168,16 @@ class RunCheckpoints:
                                   "by one. Resume without --curriculum_easy_above / --curriculum_hard_below (and "
                                   "without entries' curriculum:), or start a new run.")
         return state
+
+    def _clear_saved_rollouts(self) -> None:
+        """``auto`` starting fresh: what ``--save_rollouts_path`` holds came from an attempt of this run stopped before
+        its first checkpoint (its batches are trained again), so the file starts empty, as a resume cuts it back."""
+        target = self.args.save_rollouts_path
+        if target and os.path.exists(target) and os.path.getsize(target):
+            logger.warning("--resume_from_checkpoint auto starts fresh: --save_rollouts_path %s held %d bytes from an "
+                           "attempt stopped before its first checkpoint; emptied, so no batch appears twice.", target,
+                           os.path.getsize(target))
+            os.truncate(target, 0)
 
     def _truncate_saved_rollouts(self, saved: RunState) -> None:
         """``--save_rollouts_path``: drop what the stopped run appended after its checkpoint (those batches are
