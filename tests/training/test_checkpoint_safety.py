@@ -157,16 +157,22 @@ def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(run, tiny_m
     assert max(float((got[k] - straight[k]).abs().max() / straight[k].abs().max()) for k in straight) < 1e-6
 
 
-def test_auto_starting_fresh_empties_the_rollouts_file_of_an_attempt_stopped_before_its_first_checkpoint(
+def test_auto_starting_fresh_cuts_the_rollouts_file_back_to_where_its_stopped_attempt_began(
         tiny_model_dir, rollouts, tmp_path):
     # The restarted attempt appended its batches after the stopped one's: batches 0 and 1 appeared twice.
+    trainer(tiny_model_dir, rollouts, tmp_path / "once", 2, save_every=None,
+            save_rollouts_path=str(tmp_path / "once.jsonl")).train()
+    once = (tmp_path / "once.jsonl").read_bytes()
     saved = tmp_path / "trained.jsonl"
+    saved.write_bytes(b"another run's line\n")  # what was there before: kept
     for _ in range(2):  # an attempt that wrote no checkpoint, then its restart
         trainer(tiny_model_dir, rollouts, tmp_path / "out", 2, save_every=None,
                 save_rollouts_path=str(saved)).train(resume_from_checkpoint="auto")
-    trainer(tiny_model_dir, rollouts, tmp_path / "once", 2, save_every=None,
-            save_rollouts_path=str(tmp_path / "once.jsonl")).train()
-    assert saved.read_bytes() == (tmp_path / "once.jsonl").read_bytes()
+    assert saved.read_bytes() == b"another run's line\n" + once
+    # auto in another --output_dir starts another run: it appends, and cuts nothing of this one's.
+    trainer(tiny_model_dir, rollouts, tmp_path / "other", 2, save_every=None,
+            save_rollouts_path=str(saved)).train(resume_from_checkpoint="auto")
+    assert saved.read_bytes() == b"another run's line\n" + once + once
 
 
 def mounted_tmpfs(folder: Path, size: int) -> None:

@@ -9,6 +9,7 @@ towards the policy, so a resume needs it as it stood). The file formats are ``ch
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -47,7 +48,9 @@ from verifiers_rl.training.weight_stream import gathered
 
 logger = logging.getLogger(__name__)
 
-_SAVED, _FAILED, _DISK_FULL = 0, 1, 2  # a rank's outcome of writing its part of a checkpoint, agreed by the largest
+_SAVED, _FAILED, _DISK_FULL = 0, 1, 2
+# In --output_dir: --save_rollouts_path's length when the run started fresh (``start_saved_rollouts``).
+ROLLOUTS_START_FILE = "verifiers_rl_rollouts_start.json"  # a rank's outcome of writing its part of a checkpoint, agreed by the largest
 
 
 class RunCheckpoints:
@@ -101,18 +104,23 @@ class RunCheckpoints:
 
     def check_fresh(self) -> None:
         """Before a run starts afresh: refuse an --output_dir holding checkpoints (``check_fresh_output_dir``), on
-        every rank."""
-        main_process_outcome(lambda: check_fresh_output_dir(self.args.output_dir))
+        every rank; then record --save_rollouts_path's length (``start_saved_rollouts``)."""
 
-    def restore(self, spec, global_step: int, max_steps: int) -> str | None:
-        """Check the checkpoint ``spec`` names against this run (ending at ``max_steps``) and restore the rollout
-        source's position, the batches generated ahead and (part-way through a batch) each rank's slice of it.
-        Errors reach every rank. None: ``auto`` found no checkpoint, and the run starts fresh."""
+        def fresh() -> None:
+            check_fresh_output_dir(self.args.output_dir)
+            self.start_saved_rollouts()
+
+        main_process_outcome(fresh)
+
+    def restore(self, spec, global_step: int) -> str | None:
+        """Check the checkpoint ``spec`` names against this run and restore the rollout source's position, the
+        batches generated ahead and (part-way through a batch) each rank's slice of it. Errors reach every rank.
+        None: ``auto`` found no checkpoint, and the run starts fresh (``start_saved_rollouts``)."""
 
         def load():
             path = resolve_checkpoint(spec, self.args.output_dir)
             if path is None:
-                self._clear_saved_rollouts()
+                self.start_saved_rollouts(restart=True)
                 return None, None
             saved = load_run_state(path)
             check_fits(saved, self.run_state(global_step), path)
@@ -128,6 +136,7 @@ class RunCheckpoints:
                         f"{saved.generator.get('groups_in_flight', 'N')}): it keeps finished groups and the prompts "
                         "in flight, not whole batches. Resume it with --groups_in_flight N (N >= 1).")
             check_optimizer_saved(path)  # after the checks naming a setting of this run
+            max_steps = self.args.max_steps  # the trainer's (HF's view, num_train_epochs counted in)
             if saved.global_step >= max_steps:  # else the trainer waits for a batch past the run's last one
                 raise CheckpointError(
                     f"{path} is at step {saved.global_step} and this run ends at step {max_steps} (--max_steps, or "
@@ -169,15 +178,25 @@ class RunCheckpoints:
                                   "without entries' curriculum:), or start a new run.")
         return state
 
-    def _clear_saved_rollouts(self) -> None:
-        """``auto`` starting fresh: what ``--save_rollouts_path`` holds came from an attempt of this run stopped before
-        its first checkpoint (its batches are trained again), so the file starts empty, as a resume cuts it back."""
+    def start_saved_rollouts(self, restart: bool = False) -> None:
+        """A run starting fresh (main process): record in --output_dir how long ``--save_rollouts_path`` is now. A
+        ``restart`` (``auto`` finding no checkpoint: an attempt of this run stopped before its first one) first cuts
+        the file back to what an earlier attempt recorded there, so its batches, trained again, appear once; a file
+        this --output_dir's run never wrote to is only appended to."""
         target = self.args.save_rollouts_path
-        if target and os.path.exists(target) and os.path.getsize(target):
-            logger.warning("--resume_from_checkpoint auto starts fresh: --save_rollouts_path %s held %d bytes from an "
-                           "attempt stopped before its first checkpoint; emptied, so no batch appears twice.", target,
-                           os.path.getsize(target))
-            os.truncate(target, 0)
+        if not target:
+            return
+        marker = Path(self.args.output_dir) / ROLLOUTS_START_FILE
+        size = os.path.getsize(target) if os.path.exists(target) else 0
+        record = json.loads(marker.read_text()) if restart and marker.is_file() else None
+        if record is not None and record["path"] == os.path.abspath(target) and record["bytes"] < size:
+            logger.warning("--resume_from_checkpoint auto starts fresh: --save_rollouts_path %s is cut back to the "
+                           "%d bytes it held when an earlier attempt of this run started (no batch appears twice).",
+                           target, record["bytes"])
+            os.truncate(target, record["bytes"])
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"path": os.path.abspath(target), "bytes": size}))
 
     def _truncate_saved_rollouts(self, saved: RunState) -> None:
         """``--save_rollouts_path``: drop what the stopped run appended after its checkpoint (those batches are

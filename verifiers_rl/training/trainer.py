@@ -385,7 +385,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self.preemption.install()
         try:
             if resume_from_checkpoint:
-                path = self.checkpoints.restore(resume_from_checkpoint, self.state.global_step, self.args.max_steps)
+                path = self.checkpoints.restore(resume_from_checkpoint, self.state.global_step)
             else:
                 self.checkpoints.check_fresh()
                 path = None
