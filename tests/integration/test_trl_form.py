@@ -83,7 +83,9 @@ def test_a_trl_script_trains_with_only_the_import_changed(tiny_model_dir, tmp_pa
         assert ("only_math" in rollout.metrics) == (math_value is not None)  # None: no metric for that rollout
     # Called once per group (4 completions of one prompt), the column aligned, the trainer's state passed.
     assert all(call["n"] == 4 and len(set(call["target"])) == 1 for call in CALLS)
-    assert CALLS[-1]["state"] is trainer.state
+    # TRL's trainer_state, as of the weights that sampled the group: both batches are version 0's (k = 1).
+    assert all(type(c["state"]) is type(trainer.state) and c["state"].global_step == 0 for c in CALLS)
+    assert CALLS[-1]["state"].max_steps == trainer.state.max_steps == 2
     logged = [entry for entry in trainer.state.log_history if "reward" in entry]
     assert "rewards/letters_like_target/mean" in logged[0] and "rewards/only_math/std" in logged[0]
     assert "completions/mean_length" in logged[0]
@@ -120,7 +122,9 @@ def test_a_trl_form_dataset_trains_as_a_mixture_entry_beside_a_built_in(tiny_mod
         assert rollout.metrics["letters_like_target"] == letters(rollout.completion, row["target"])
         assert rollout.metrics.get("only_math") == math_value
         assert rollout.reward == pytest.approx(letters(rollout.completion, row["target"]) + 0.5 * (math_value or 0.0))
-    assert CALLS and all(call["state"] is trainer.state for call in CALLS)  # TRL's trainer_state, inside a mixture
+    # TRL's trainer_state inside a mixture: the trainer's, as of the version that sampled the group.
+    assert CALLS and all(type(call["state"]) is type(trainer.state) for call in CALLS)
+    assert {call["state"].global_step for call in CALLS} <= {0, 1, 2}
     evaluated = next(entry for entry in trainer.state.log_history if "eval_reward" in entry)
     assert evaluated["eval_env/spelling/num_prompts"] == evaluated["eval_env/reverse_text/num_prompts"] == 2
     assert evaluated["eval_rewards/letters_like_target"] == evaluated["eval_env/spelling/rewards/letters_like_target"]
@@ -252,6 +256,21 @@ def test_trl_positional_order_and_trls_metric_names(tiny_model_dir, tmp_path):
     assert trainer.state.num_input_tokens_seen == tokens
     with pytest.raises(TypeError, match=r"TRL's GRPOTrainer order.*multiple values for argument 'args'"):
         RLTrainer(tiny_model_dir, [length_reward], config(tmp_path), args=config(tmp_path))
+
+
+def test_a_reward_sees_the_step_that_sampled_its_group_and_a_resumed_run_sees_the_same(tiny_model_dir, tmp_path):
+    # Read live, trainer_state.global_step depended on timing at k = 1: batch 3 scored with step 2 in one run, 3 in
+    # the run resumed from checkpoint-2 (a reward reading the step broke the bitwise resume).
+    def steps_seen(out, resume=None):
+        CALLS.clear()
+        RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
+                  args=config(tmp_path, output_dir=str(tmp_path / out), max_steps=4, max_off_policy_steps=1,
+                              save_strategy="steps", save_steps=2)).train(resume_from_checkpoint=resume)
+        return [call["state"].global_step for call in CALLS]
+
+    # Two groups a batch; batch b is sampled by step max(0, b - 1)'s weights.
+    assert steps_seen("full") == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert steps_seen("resumed", str(tmp_path / "full" / "checkpoint-2")) == [2, 2]  # batch 2 was in the checkpoint
 
 
 def test_evaluate_after_train_and_without_an_eval_strategy_as_trl(tiny_model_dir, tmp_path):

@@ -76,8 +76,7 @@ def _tokenizer_of(model):
     return load_tokenizer(str(name))
 
 
-def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer,
-                         trainer_state):
+def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer):
     from verifiers_rl.envs.adapters.trl_dataset import RewardFunctionsEnv
     from verifiers_rl.envs.prepare import prepare_environment
 
@@ -89,7 +88,7 @@ def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward
                          "mixture (verifiers_rl.mixture_of of RewardFunctionsEnv entries, docs/environments.md).")
     environment = RewardFunctionsEnv(
         train_dataset, reward_funcs, tokenizer, reward_weights=args.reward_weights,
-        reward_processing_classes=reward_processing_classes, trainer_state=trainer_state,
+        reward_processing_classes=reward_processing_classes,  # trainer_state: _give_trainer_state, as of a version
         max_new_tokens=args.max_completion_length, max_seq_len=args.max_seq_len, eval_dataset=eval_dataset,
         chat_template_kwargs=args.chat_template_kwargs,
     )
@@ -256,7 +255,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
                                  "rollout source / --rollouts_path, not both.")
             processing_class = processing_class or _tokenizer_of(model)
             environment = _dataset_environment(args, reward_funcs, train_dataset, eval_dataset,
-                                               reward_processing_classes, processing_class, lambda: self.state)
+                                               reward_processing_classes, processing_class)
             if engine is None and args.process_index == 0:  # sets up this process first (launch.py)
                 engine = build_engine(args, model, processing_class)
         elif args.reward_weights is not None:

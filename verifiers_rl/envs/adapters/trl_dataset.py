@@ -27,6 +27,7 @@ averaged, then the groups).
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import statistics
@@ -84,7 +85,10 @@ class RewardFunctionsEnv(Environment):
     """A dataset and TRL-style reward functions as a single-turn environment (module docstring).
 
     ``trainer_state()`` returns what reward functions get as ``trainer_state``; left out, the ``TrainerState`` of
-    the trainer that takes the environment (``use_trainer_state``; None until then), alone or in a mixture.
+    the trainer that takes the environment (``use_trainer_state``; None until then), alone or in a mixture, as a copy
+    whose ``global_step`` is the policy version that samples the group: TRL's value (it generates at the step's
+    start), and with generation k steps ahead the same in a resumed run as in the uninterrupted one (the live state
+    would be read while the trainer steps on).
     """
 
     def __init__(self, dataset: Iterable[Mapping[str, Any]], reward_funcs: Sequence, tokenizer: Any, *,
@@ -134,6 +138,16 @@ class RewardFunctionsEnv(Environment):
         was given one."""
         if not self._own_trainer_state:
             self.trainer_state = state
+
+    def _state_at(self, version: int | None) -> Any:
+        """What reward functions get as ``trainer_state``: the trainer's, as of ``version`` (class docstring); a
+        constructor's ``trainer_state()`` as it returns it."""
+        state = self.trainer_state()
+        if self._own_trainer_state or version is None or not hasattr(state, "global_step"):
+            return state
+        state = copy.copy(state)
+        state.global_step = int(version)
+        return state
 
     def _chat_template_kwargs_changed(self) -> None:
         for func in self.reward_funcs:  # reward models render the conversation with their own tokenizer's template
@@ -194,7 +208,8 @@ class RewardFunctionsEnv(Environment):
                           truncated=sample.finish_reason == "length")
 
     async def rollout(self, sampler: Sampler, row: Row, group_id) -> Rollout:
-        rollouts = await self._score(row, [await self._unscored(sampler, row, group_id)])
+        version = getattr(sampler, "policy_version", None)
+        rollouts = await self._score(row, [await self._unscored(sampler, row, group_id)], version)
         return rollouts[0]
 
     async def rollout_group(self, sampler: Sampler, row: Row, group_id, n: int, *, seed: int | None = None,
@@ -209,7 +224,8 @@ class RewardFunctionsEnv(Environment):
             return rollout
 
         samplings = self.group_samplings(n, seed, temperature)
-        return await self._score(row, list(await asyncio.gather(*(one(s) for s in samplings))))
+        version = getattr(sampler, "policy_version", None)  # the group's first tokens'
+        return await self._score(row, list(await asyncio.gather(*(one(s) for s in samplings))), version)
 
     async def _unscored(self, sampler: Sampler, row: Row, group_id) -> Rollout:
         try:
@@ -222,13 +238,14 @@ class RewardFunctionsEnv(Environment):
                        reward=0.0, group_id=group_id, truncated=trajectory.truncated, prompt=row.prompt,
                        completion=trajectory.completion)
 
-    async def _score(self, row: Row, rollouts: list[Rollout]) -> list[Rollout]:
-        """Every reward function once over ``rollouts`` (one prompt's), then the weighted sum, ``None`` left out."""
+    async def _score(self, row: Row, rollouts: list[Rollout], version: int | None = None) -> list[Rollout]:
+        """Every reward function once over ``rollouts`` (one prompt's, sampled from ``version``), then the weighted
+        sum, ``None`` left out."""
         count = len(rollouts)
         logged: dict[str, list[float]] = {}
         kwargs = {key: [value] * count for key, value in row.info.items()}
         kwargs.update(prompts=[row.prompt] * count, completions=[r.completion for r in rollouts],
-                      completion_ids=[r.completion_ids for r in rollouts], trainer_state=self.trainer_state(),
+                      completion_ids=[r.completion_ids for r in rollouts], trainer_state=self._state_at(version),
                       log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)))
         try:
             values = await asyncio.gather(*(self._call(f, n, kwargs, count)
