@@ -158,7 +158,7 @@ def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(run, tiny_m
 
 
 def test_auto_starting_fresh_cuts_the_rollouts_file_back_to_where_its_stopped_attempt_began(
-        tiny_model_dir, rollouts, tmp_path):
+        tiny_model_dir, rollouts, tmp_path, caplog):
     # The restarted attempt appended its batches after the stopped one's: batches 0 and 1 appeared twice.
     trainer(tiny_model_dir, rollouts, tmp_path / "once", 2, save_every=None,
             save_rollouts_path=str(tmp_path / "once.jsonl")).train()
@@ -170,9 +170,12 @@ def test_auto_starting_fresh_cuts_the_rollouts_file_back_to_where_its_stopped_at
                 save_rollouts_path=str(saved)).train(resume_from_checkpoint="auto")
     assert saved.read_bytes() == b"another run's line\n" + once
     # auto in another --output_dir starts another run: it appends, and cuts nothing of this one's.
-    trainer(tiny_model_dir, rollouts, tmp_path / "other", 2, save_every=None,
-            save_rollouts_path=str(saved)).train(resume_from_checkpoint="auto")
+    with caplog.at_level(logging.WARNING, logger="verifiers_rl.training.checkpoints"):
+        trainer(tiny_model_dir, rollouts, tmp_path / "other", 2, save_every=None,
+                save_rollouts_path=str(saved)).train(resume_from_checkpoint="auto")
     assert saved.read_bytes() == b"another run's line\n" + once + once
+    size = len(b"another run's line\n" + once)  # said, not silent
+    assert f"--save_rollouts_path {saved} already holds {size} bytes of rollouts: this run appends" in caplog.text
 
 
 def mounted_tmpfs(folder: Path, size: int) -> None:

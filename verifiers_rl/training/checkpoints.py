@@ -195,6 +195,9 @@ class RunCheckpoints:
                            target, record["bytes"])
             os.truncate(target, record["bytes"])
             return
+        if size:  # another run's rollouts, or this output_dir's earlier run's: replayed together later
+            logger.warning("--save_rollouts_path %s already holds %d bytes of rollouts: this run appends its own after "
+                           "them.", target, size)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(json.dumps({"path": os.path.abspath(target), "bytes": size}))
 
