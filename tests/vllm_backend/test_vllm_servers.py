@@ -185,3 +185,19 @@ def test_a_weight_load_reaches_every_server(untied, doomed, tmp_path, transfer):
         untied.dirty = doomed.dirty = False
     finally:
         pool.close()
+
+
+def test_a_pool_waits_for_its_servers_together():
+    # Three servers missing, --vllm_server_timeout 3 s: one wait of 3 s for all (not 3 x 3 s), the error naming each.
+    from verifiers_rl.core.engine import free_port
+    from verifiers_rl.inference.vllm.http import VLLMUnavailableError
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]
+    started = time.monotonic()
+    with pytest.raises(VLLMUnavailableError) as caught:
+        MultiServerEngine(urls, wait_s=3.0)
+    waited = time.monotonic() - started
+    assert all(f"No vLLM server at {url}" in str(caught.value) for url in urls), caught.value
+    assert 3.0 <= waited < 6.0, f"waited {waited:.1f} s"
+

@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, TypeVar
 
@@ -125,11 +126,14 @@ class MultiServerEngine:
         weight_transfer: as ``VLLMEngine``'s, for every server. ``weights_dir``: where ``files`` snapshots are
             written (every server must read the same path).
         health_poll_s: how often the watcher asks a down server's ``/health``.
+        check / wait_s: check every server now, all at once: those still starting are waited for together, at most
+            ``wait_s`` (one deadline for all); the error names each server that failed.
         **engine_kwargs: the other ``VLLMEngine`` arguments (model, sampling, api_key, ...), the same for each.
     """
 
     def __init__(self, base_urls: list[str], *, reconnect_timeout_s: float = 0.0, weight_transfer: str = "files",
-                 weights_dir: str | None = None, health_poll_s: float = 1.0, **engine_kwargs):
+                 weights_dir: str | None = None, health_poll_s: float = 1.0, check: bool = True, wait_s: float = 0.0,
+                 **engine_kwargs):
         if len(base_urls) < 2:
             raise ValueError(f"MultiServerEngine needs at least two servers, got {base_urls!r}; use VLLMEngine.")
         if reconnect_timeout_s < 0:
@@ -143,8 +147,10 @@ class MultiServerEngine:
             for index, url in enumerate(base_urls):
                 # Each member fails at once when its server is lost: the pool re-sends elsewhere and rejoins it.
                 engine = VLLMEngine(url, weight_transfer=weight_transfer, weights_dir=weights_dir,
-                                    reconnect_timeout_s=0.0, **engine_kwargs)
+                                    reconnect_timeout_s=0.0, check=False, **engine_kwargs)
                 self.members.append(Member(index, engine))
+            if check:
+                self._check_all(wait_s)
         except BaseException:
             self.close()
             raise
@@ -162,6 +168,26 @@ class MultiServerEngine:
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="vllm-pool-watcher", daemon=True)
         self._watcher.start()
+
+    def _check_all(self, wait_s: float) -> None:
+        """``VLLMEngine.check`` on every server at once (waits overlap: N servers still starting take one
+        ``wait_s``, not N); raises the one error, or one naming every server that failed."""
+        def check(member: Member) -> VLLMError | None:
+            try:
+                member.engine.check(require_weight_sync=member.engine._require_weight_sync, wait_s=wait_s)
+            except VLLMError as error:
+                return error
+            return None
+
+        with ThreadPoolExecutor(len(self.members), thread_name_prefix="vllm-pool-check") as checks:
+            errors = [error for error in checks.map(check, self.members) if error is not None]
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            kinds = {type(error) for error in errors}
+            kind = kinds.pop() if len(kinds) == 1 else VLLMError
+            raise kind(f"{len(errors)} of {len(self.members)} vLLM servers failed their check:\n"
+                       + "\n".join(f"- {error}" for error in errors)) from errors[0]
 
     # --- what the servers are -----------------------------------------------------------------------------------
 
