@@ -201,3 +201,41 @@ def test_a_pool_waits_for_its_servers_together():
     assert all(f"No vLLM server at {url}" in str(caught.value) for url in urls), caught.value
     assert 3.0 <= waited < 6.0, f"waited {waited:.1f} s"
 
+
+def _wait_until(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_a_refused_rejoin_is_said_once(untied, doomed, tmp_path, caplog):
+    # A server restarted with a --max-model-len too short for the run answers /health but cannot rejoin: said once,
+    # not at every poll; once a fitting server is back at that address, it rejoins and that is said.
+    import logging
+
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+    from verifiers_rl.inference.vllm.server import VLLMServer
+
+    caplog.set_level(logging.WARNING, logger="verifiers_rl.inference.vllm.pool")
+    pool = MultiServerEngine([untied.url, doomed.url], model=untied.model_dir, max_seq_len=256, health_poll_s=0.2,
+                             weights_dir=str(tmp_path / "snapshots"))
+    short = VLLMServer(doomed.model_dir, port=doomed.server.port, max_model_len=128, startup_timeout_s=400,
+                       weight_transfer="gloo", log_path=tmp_path / "short.server.log")
+    try:
+        doomed.server.kill()
+        assert list(pool.prompt_logprobs_by_server(PROBE)) == [pool.members[0].name]  # the lost one marked down
+        short.start()
+        refusals = lambda: [r for r in caplog.records if "cannot rejoin" in r.getMessage()]  # noqa: E731
+        _wait_until(refusals, 60, "the short server was never refused")
+        time.sleep(3.0)  # ~15 more polls
+        assert len(refusals()) == 1 and "--max-model-len" in refusals()[0].getMessage(), refusals()
+        assert not pool.members[1].up
+        short.stop()
+        doomed.restart_same_port()
+        _wait_until(lambda: pool.members[1].up, 60, "the fitting server never rejoined")
+        assert len([r for r in caplog.records if "is back" in r.getMessage()]) == 1
+    finally:
+        short.stop()
+        pool.close()
+

@@ -55,6 +55,7 @@ class Member:
     losses: int = 0
     rejoins: int = 0
     probe_gap: float | None = None  # the last post-sync probe's largest gap on this server
+    refused: str | None = None  # why its last rejoin was refused (said once per reason, not at every poll)
     last_read: tuple[float, int] = (0.0, 0)  # (time, tokens) when the metrics were last read: tokens/s since then
 
     @property
@@ -404,12 +405,22 @@ class MultiServerEngine:
                     version, ids, before = self._reference
                     gap = reference_gap(before, engine._prompt_logprobs(ids), engine.dtype, version)
             except VLLMError as error:
-                logger.warning("%s answers again but cannot rejoin yet: %s", member.name, error)
+                self._refused(member, error)
                 return
-            member.requests_since_rejoin = 0
+            member.requests_since_rejoin, member.refused = 0, None
             self.spread.mark_up(member)
         logger.warning("%s is back: given policy version %d%s; it takes requests again.", member.name,
                        self.policy_version, "" if gap is None else f" (log-probs as the others', gap {gap:.2g})")
+
+    def _refused(self, member: Member, error: VLLMError) -> None:
+        """Say why ``member`` cannot rejoin, once per reason: the watcher asks again at every poll, quietly."""
+        reason = str(error)
+        if reason == member.refused:
+            logger.debug("%s still cannot rejoin: %s", member.name, reason)
+            return
+        member.refused = reason
+        logger.warning("%s answers again but cannot rejoin: %s (the pool keeps polling it every %.3g s and says when "
+                       "it rejoins)", member.name, reason, self.health_poll_s)
 
     # --- state --------------------------------------------------------------------------------------------------
 
