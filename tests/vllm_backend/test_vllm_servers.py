@@ -239,3 +239,37 @@ def test_a_refused_rejoin_is_said_once(untied, doomed, tmp_path, caplog):
         short.stop()
         pool.close()
 
+
+def test_the_post_sync_probe_waits_for_a_lost_pool_to_come_back(doomed, tmp_path):
+    # Every server of the pool lost (one server under two addresses) right after a load: the trainer's post-sync probe
+    # waits --vllm_reconnect_timeout_s for one to come back, as requests and weight loads do.
+    import threading
+
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    pool = MultiServerEngine([doomed.url, doomed.url + "/v1"], model=doomed.model_dir, reconnect_timeout_s=600,
+                             weights_dir=str(tmp_path / "snapshots"), health_poll_s=0.5)
+    outcome = []
+
+    def probe():
+        try:
+            outcome.append(pool.prompt_logprobs_by_server(PROBE))
+        except Exception as error:  # noqa: BLE001 - the assertion below shows it
+            outcome.append(error)
+
+    try:
+        doomed.server.kill()
+        probing = threading.Thread(target=probe)
+        probing.start()
+        _wait_until(lambda: not pool.spread.live() or not probing.is_alive(), 120, "the pool never saw its loss")
+        time.sleep(1.0)
+        assert probing.is_alive(), f"the probe gave up at once: {outcome}"
+        doomed.restart_same_port()
+        probing.join(300)
+        assert len(outcome) == 1 and isinstance(outcome[0], dict) and len(outcome[0]) == 2, outcome
+        expected = hf_prompt_logprobs(doomed.model_dir, PROBE)
+        for name, logps in outcome[0].items():
+            torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=0, msg=name)
+    finally:
+        pool.close()
+

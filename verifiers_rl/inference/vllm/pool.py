@@ -10,7 +10,8 @@
 - Losing one: a server whose connection is lost is marked down (a warning names it), its requests go to the others;
   a watcher polls its ``/health`` and, once it answers at the same address, checks it, loads the current weights,
   compares its log-probs of a fixed sequence with a live server's after the load, and puts it back. With every
-  server down, requests wait ``reconnect_timeout_s`` for one to come back (0: the error at once).
+  server down, requests, weight loads and the post-sync probe wait ``reconnect_timeout_s`` for one to come back (0:
+  the error at once).
 """
 
 from __future__ import annotations
@@ -298,10 +299,11 @@ class MultiServerEngine:
 
     def prompt_logprobs_by_server(self, token_ids: list[int]) -> dict[str, list[float]]:
         """Every live server's log-probs of ``token_ids`` (``VLLMEngine.prompt_logprobs``), by ``Member.name``; a
-        server lost meanwhile is marked down and left out. Raises when none answers."""
+        server lost meanwhile is marked down and left out. With every server lost, waits ``reconnect_timeout_s`` for one
+        to rejoin, as a load does; then raises."""
         check_open(self._closed)
-        return {member.name: logps for member, logps in
-                self._on_each_live(lambda member: member.engine._prompt_logprobs(token_ids))}
+        return {member.name: logps for member, logps in self._on_each_live_or_wait(
+            lambda member: member.engine._prompt_logprobs(token_ids), "the post-sync probe")}
 
     def record_probe(self, gaps: dict[str, float]) -> None:
         """Keep each server's post-sync probe gap (by ``Member.name``) for ``server_metrics``."""
@@ -328,27 +330,13 @@ class MultiServerEngine:
                     return member.engine.transfer.send(kept)
                 return member.engine.transfer.load(kept, version)
 
-        deadline = time.monotonic() + self.reconnect_timeout_s
-        while True:
-            with self._lock:
-                try:
-                    loaded = self._on_each_live(send)
-                except VLLMUnavailableError as error:
-                    if not (getattr(error, "server_lost", False) and time.monotonic() < deadline):
-                        self._drop(kept)
-                        raise
-                    loaded = None
-                except BaseException:
-                    self._drop(kept)
-                    raise
-                if loaded is not None:
-                    self._loaded(kept, loaded, version)
-                    return
-            # Outside the lock: the watcher rejoins a server that answers again (with the last weights loaded).
-            logger.warning("Every vLLM server was lost during the load of policy version %d: waiting up to %.0f s "
-                           "(%s) for one to come back.", version, deadline - time.monotonic(), RECONNECT_FLAG)
-            while not self.spread.live() and time.monotonic() < deadline and not self._closed:
-                time.sleep(WAIT_POLL_S)
+        try:
+            self._on_each_live_or_wait(send, f"the load of policy version {version}",
+                                       lambda loaded: self._loaded(kept, loaded, version))
+        except BaseException:
+            if self._kept is not kept:  # not (yet) the weights a rejoining server is given
+                self._drop(kept)
+            raise
 
     def _loaded(self, kept, loaded: list[tuple[Member, dict]], version: int) -> None:
         """Record a load that reached ``loaded``: the weights kept for a rejoin, the versions, the reference."""
@@ -374,6 +362,29 @@ class MultiServerEngine:
         if not loaded:
             raise self._all_down()
         return loaded
+
+    def _on_each_live_or_wait(self, call: Callable[[Member], T], what: str,
+                              then: Callable[[list[tuple[Member, T]]], None] = lambda results: None,
+                              ) -> list[tuple[Member, T]]:
+        """``_on_each_live`` and ``then`` of its results under the load lock (no rejoin in between); with every server
+        lost, waits ``reconnect_timeout_s`` for the watcher to rejoin one and calls it then (``what`` it was doing)."""
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            with self._lock:
+                try:
+                    results = self._on_each_live(call)
+                except VLLMUnavailableError as error:
+                    if not (getattr(error, "server_lost", False) and time.monotonic() < deadline and not self._closed):
+                        raise
+                    results = None
+                if results is not None:
+                    then(results)
+                    return results
+            # Outside the lock: the watcher rejoins a server that answers again (with the last weights loaded).
+            logger.warning("Every vLLM server was lost during %s: waiting up to %.0f s (%s) for one to come back.",
+                           what, deadline - time.monotonic(), RECONNECT_FLAG)
+            while not self.spread.live() and time.monotonic() < deadline and not self._closed:
+                time.sleep(WAIT_POLL_S)
 
     def _drop(self, kept) -> None:
         if self._writer is not None and kept is not None:
