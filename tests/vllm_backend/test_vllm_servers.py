@@ -273,3 +273,24 @@ def test_the_post_sync_probe_waits_for_a_lost_pool_to_come_back(doomed, tmp_path
     finally:
         pool.close()
 
+
+def test_a_request_to_a_hung_server_goes_to_another(untied, doomed, tmp_path):
+    # A server that hangs (SIGSTOPped: it accepts connections, never answers) holds a group's affinity: the request
+    # that times out (--vllm_request_timeout_s) marks it down and goes to the other server; resumed, it rejoins.
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    pool = MultiServerEngine([doomed.url, untied.url], model=untied.model_dir, request_timeout_s=5.0,
+                             weights_dir=str(tmp_path / "snapshots"), health_poll_s=0.5)
+    try:
+        asyncio.run(pool.sample(PROBE[:4], 4))
+        assert [m.requests for m in pool.members] == [1, 0]  # the group's server: the hung one below
+        doomed.server.kill(signal.SIGSTOP)
+        try:
+            sample = asyncio.run(pool.sample(PROBE[:4], 4))
+        finally:
+            doomed.server.kill(signal.SIGCONT)
+        assert len(sample.token_ids) == 4 and [m.requests for m in pool.members] == [1, 1], pool.health()
+        assert pool.members[0].losses == 1 and pool.resent_requests == 1
+        _wait_until(lambda: pool.members[0].up, 60, "the resumed server never rejoined")
+    finally:
+        pool.close()

@@ -7,11 +7,11 @@
 - Kept in step: ``load_weights`` reaches every live server (``files``: one snapshot written once and loaded by each;
   ``nccl``/``gloo``: the tensors copied to host memory once and broadcast to each server in turn), and
   ``prompt_logprobs_by_server`` lets the trainer's post-sync probe check each one.
-- Losing one: a server whose connection is lost is marked down (a warning names it), its requests go to the others;
-  a watcher polls its ``/health`` and, once it answers at the same address, checks it, loads the current weights,
-  compares its log-probs of a fixed sequence with a live server's after the load, and puts it back. With every
-  server down, requests, weight loads and the post-sync probe wait ``reconnect_timeout_s`` for one to come back (0:
-  the error at once).
+- Losing one: a server whose connection is lost, or that hangs (a request timed out while another server is up), is
+  marked down (a warning names it), its requests go to the others; a watcher polls its ``/health`` and, once it
+  answers at the same address, checks it, loads the current weights, compares its log-probs of a fixed sequence
+  with a live server's after the load, and puts it back. With every server down, requests, weight loads and the
+  post-sync probe wait ``reconnect_timeout_s`` for one to come back (0: the error at once).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 
 from verifiers_rl.core.engine import Sample, check_open
 from verifiers_rl.inference.vllm.engine import ChatSample, VLLMEngine
-from verifiers_rl.inference.vllm.http import VLLMError, VLLMUnavailableError, cause
+from verifiers_rl.inference.vllm.http import VLLMError, VLLMTimeoutError, VLLMUnavailableError, cause
 from verifiers_rl.inference.vllm.recovery import MAX_RECOVERIES_PER_REQUEST, RECONNECT_FLAG, reference_gap, reference_ids
 from verifiers_rl.inference.vllm.weight_loads import SnapshotLoad, plain_names
 
@@ -254,7 +254,7 @@ class MultiServerEngine:
             try:
                 result = await call(member.engine)
             except VLLMError as error:
-                if not _is_lost(error) or resends >= MAX_RECOVERIES_PER_REQUEST * len(self.members):
+                if not self._moves(member, error) or resends >= MAX_RECOVERIES_PER_REQUEST * len(self.members):
                     raise
                 self.spread.mark_down(member, error)
                 resends += 1
@@ -264,6 +264,14 @@ class MultiServerEngine:
                 member.outstanding -= cost
             member.answered(len((result.sample if isinstance(result, ChatSample) else result).token_ids))
             return result
+
+    def _moves(self, member: Member, error: VLLMError) -> bool:
+        """Whether a request that failed on ``member`` goes to another server (``member`` then marked down): it was
+        lost, or it timed out while another server is up (a hung server answers no request, its ``/health``
+        neither, so group affinity would send the group's retries back to it; it rejoins once it answers)."""
+        if _is_lost(error):
+            return True
+        return isinstance(error, VLLMTimeoutError) and any(other.up and other is not member for other in self.members)
 
     def _run(self, call: Callable[[VLLMEngine], T]) -> T:
         """``call`` (blocking) on a live server, the next one if it is lost; waits like ``_send`` when all are."""
