@@ -108,6 +108,24 @@ def test_tool_modes_template_text_and_auto(tokenizer, tool_tokenizer, caplog):
         ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[undocumented])
 
 
+def test_two_tools_of_one_name_are_refused_by_name(tool_tokenizer):
+    """Calls are looked up by name: of two tools named alike the model would see both schemas and reach only the
+    last one, whatever it meant to call."""
+    def negate():
+        def add(a: int) -> int:
+            """Negate an integer.
+
+            Args:
+                a: The integer.
+            """
+            return -a
+
+        return add
+
+    with pytest.raises(ValueError, match=r"ToolEnv: two tools are named 'add'.*give each tool a distinct name"):
+        ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[add, negate()])
+
+
 def test_default_tool_mode_records_what_read_it(tokenizer):
     """--tool_mode is refused where nothing reads it: the block names the tool environments built inside it (a
     nested load's too), none for an environment without tools, none for a ToolEnv given its own mode."""

@@ -175,6 +175,10 @@ class ToolEnv(MultiTurnEnv):
         from transformers.utils import get_json_schema  # here, not at import: only tool environments need transformers
 
         self.tools = {tool.__name__: tool for tool in tools}
+        if len(self.tools) < len(tools):  # calls find a tool by name: all but the last of a name would be unreachable
+            twice = sorted({tool.__name__ for tool in tools if [t.__name__ for t in tools].count(tool.__name__) > 1})
+            raise ValueError(f"ToolEnv: two tools are named {twice[0]!r}; a call names the tool it runs, so give each "
+                             "tool a distinct name (its function's __name__).")
         try:
             self.tool_schemas = [get_json_schema(tool) for tool in tools]
         except Exception as error:  # transformers raises several exception types, all meaning "cannot describe it"
