@@ -86,6 +86,18 @@ def test_construction_errors_name_the_problem():
 
         Rubric([needs_x])
 
+    def needs_y(completion, y, **kwargs):  # **kwargs receives the rubric's inputs, never y
+        return 0.0
+
+    with pytest.raises(TypeError, match=r"'needs_y' requires \['y'\], which a rubric cannot provide"):
+        Rubric([needs_y])
+
+    def positional(completion, /):  # inputs are passed by name
+        return 0.0
+
+    with pytest.raises(TypeError, match=r"'positional' takes \['completion'\] by position only; .* by name"):
+        Rubric([positional])
+
     def dup():
         return 0.0
 

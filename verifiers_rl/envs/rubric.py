@@ -38,6 +38,26 @@ class _RewardFunction:
     inputs: tuple[str, ...]
 
 
+def _inputs(func: Callable[..., Any], name: str) -> tuple[str, ...]:
+    """The inputs ``func`` receives by name; a parameter no call could fill is refused here, not at every rollout."""
+    parameters = inspect.signature(func).parameters.values()
+    by_position = [p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if by_position:
+        raise TypeError(f"Rubric: reward function {name!r} takes {by_position} by position only; a rubric passes its "
+                        "inputs by name: drop the '/' from its parameters.")
+    named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    # Checked with **kwargs too: it receives the rubric's inputs, never another required parameter.
+    unknown = [p.name for p in named if p.name not in REWARD_INPUTS and p.default is p.empty]
+    if unknown:
+        raise TypeError(
+            f"Rubric: reward function {name!r} requires {unknown}, which a rubric cannot provide; "
+            f"it may ask for any of {list(REWARD_INPUTS)}."
+        )
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return REWARD_INPUTS
+    return tuple(p.name for p in named if p.name in REWARD_INPUTS)
+
+
 class Rubric:
     """Weighted reward functions, each a plain function or ``async def``.
 
@@ -69,18 +89,7 @@ class Rubric:
             raise ValueError(f"Rubric: a reward function named {name!r} clashes with another metric of the same name.")
         if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise ValueError(f"Rubric: the weight of {name!r} must be a finite number, got {weight!r}.")
-        parameters = inspect.signature(func).parameters.values()
-        if any(p.kind is p.VAR_KEYWORD for p in parameters):
-            inputs = REWARD_INPUTS
-        else:
-            unknown = [p.name for p in parameters if p.name not in REWARD_INPUTS and p.default is p.empty]
-            if unknown:
-                raise TypeError(
-                    f"Rubric: reward function {name!r} requires {unknown}, which a rubric cannot provide; "
-                    f"it may ask for any of {list(REWARD_INPUTS)}."
-                )
-            inputs = tuple(p.name for p in parameters if p.name in REWARD_INPUTS)
-        self.functions.append(_RewardFunction(func, float(weight), name, inputs))
+        self.functions.append(_RewardFunction(func, float(weight), name, _inputs(func, name)))
 
     async def score(self, prompt: Messages, completion: Messages, answer: Any, state: dict, info: dict) -> Score:
         """Run every reward function (in order) and combine their values."""
