@@ -76,6 +76,19 @@ def test_bool_and_int_results_are_numbers():
     assert result.reward == 1.0 and result.errors == {}
 
 
+def test_numpy_scalars_are_numbers_as_pythons_are():
+    import numpy as np
+
+    def close(answer):  # np.isclose returns numpy's bool, as a comparison of numpy numbers does
+        return np.isclose(float(answer), 42.0)
+
+    def half(answer):
+        return np.float32(0.5)
+
+    result = score(Rubric([close, half]))
+    assert result.reward == 1.5 and result.errors == {} and result.metrics["close"] == 1.0
+
+
 def test_construction_errors_name_the_problem():
     with pytest.raises(ValueError, match="2 reward functions but 1 weights"):
         Rubric([lambda: 0, lambda: 0], weights=[1.0])

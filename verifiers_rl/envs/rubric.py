@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy
+
 from verifiers_rl.envs.awaitable import maybe_await
 from verifiers_rl.envs.messages import Messages
 from verifiers_rl.envs.parsers import Parser
@@ -99,6 +101,8 @@ class Rubric:
         for function in self.functions:
             try:
                 value = await maybe_await(function.func(**{name: available[name] for name in function.inputs}))
+                if isinstance(value, numpy.bool_):  # np.isclose(...), a == b of numpy numbers: a bool as Python's
+                    value = bool(value)
                 if not isinstance(value, numbers.Real) or not math.isfinite(value):
                     raise TypeError(f"returned {value!r}, not a finite number")
             except Exception as error:  # noqa: BLE001 - recorded in the score and counted in a metric
