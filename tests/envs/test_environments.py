@@ -153,6 +153,15 @@ def test_multi_turn_stops_at_max_turns_and_when_the_sequence_is_full(tokenizer):
     assert rollout.truncated and rollout.completion_ids == [5, eos]  # the environment's reply would not fit
 
 
+@pytest.mark.parametrize("limit,value", [("max_turns", None), ("max_turns", 2.5), ("max_new_tokens", None),
+                                         ("max_seq_len", "512")])
+def test_a_limit_that_is_not_a_whole_number_is_refused_by_name(tokenizer, limit, value):
+    # As --env_args '{"max_turns": null}' passes it: it said "'<' not supported between NoneType and int", or a
+    # max_turns of 2.5 ran three model turns.
+    with pytest.raises(ValueError, match=rf"EchoEnv: {limit} must be an int >= \d+, got {value!r}"):
+        EchoEnv([{"question": "go"}], Rubric(), tokenizer, **{limit: value})
+
+
 def test_template_that_is_not_prefix_consistent_is_a_clear_error(tokenizer):
     counting = copy.deepcopy(tokenizer)
     counting.chat_template = "{{ messages | length }} messages\n" + tokenizer.chat_template

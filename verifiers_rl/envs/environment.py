@@ -24,6 +24,12 @@ logger = logging.getLogger(__name__)
 
 
 
+def check_limit(name: str, limit: str, value: Any, minimum: int) -> None:
+    """Refuse a limit that is no int >= ``minimum`` (--env_args may bring a null, a string or a fraction)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}: {limit} must be an int >= {minimum}, got {value!r}.")
+
+
 class RolloutError(RuntimeError):
     """A rollout failed; the message names the environment and the dataset row."""
 
@@ -100,8 +106,8 @@ class Environment(ABC):
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         self.name = name or type(self).__name__
-        if max_new_tokens < 1 or max_seq_len < 2:
-            raise ValueError(f"{self.name}: max_new_tokens must be >= 1 and max_seq_len >= 2.")
+        check_limit(self.name, "max_new_tokens", max_new_tokens, 1)
+        check_limit(self.name, "max_seq_len", max_seq_len, 2)
         if self._requires_chat_template and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(f"{self.name}: the tokenizer has no chat template, so prompts cannot be rendered.")
         self.rubric = rubric

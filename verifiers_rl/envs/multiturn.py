@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from verifiers_rl.envs.awaitable import maybe_await
-from verifiers_rl.envs.environment import Environment, Trajectory
+from verifiers_rl.envs.environment import Environment, Trajectory, check_limit
 from verifiers_rl.envs.messages import Messages, check_messages
 from verifiers_rl.core.sampling import Sampler
 from verifiers_rl.envs.turns import TemplateError, bridge_ids  # noqa: F401  (TemplateError: re-exported by envs)
@@ -23,8 +23,7 @@ class MultiTurnEnv(Environment):
 
     def __init__(self, *args: Any, max_turns: int = 10, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if max_turns < 1:
-            raise ValueError(f"{self.name}: max_turns must be >= 1, got {max_turns}.")
+        check_limit(self.name, "max_turns", max_turns, 1)
         self.max_turns = max_turns
 
     def is_completed(self, messages: Messages, state: dict[str, Any]) -> bool:
