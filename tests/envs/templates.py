@@ -16,3 +16,11 @@ TOOL_TEMPLATE = (
     "{{ '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+# TOOL_TEMPLATE asking for calls in Llama 3.1's format (a bare JSON object with "parameters"), which no <tool_call>
+# block carries: it shows the tools, but a call written as it asks is never read.
+OTHER_CALL_FORMAT_TEMPLATE = TOOL_TEMPLATE.replace(
+    'Call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
+)
+assert OTHER_CALL_FORMAT_TEMPLATE != TOOL_TEMPLATE

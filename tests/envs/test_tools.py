@@ -1,6 +1,7 @@
 """ToolEnv: tools are shown through the chat template, run on the model's calls, and their results fed back."""
 
 import asyncio
+import copy
 import logging
 
 import pytest
@@ -9,6 +10,7 @@ from verifiers_rl.envs import Parser, Rubric, ToolEnv, extract_boxed_answer, par
 from verifiers_rl.envs.tools import default_tool_mode
 
 from .scripted import ScriptedSampler
+from .templates import OTHER_CALL_FORMAT_TEMPLATE
 
 
 def add(a: int, b: int) -> int:
@@ -106,6 +108,20 @@ def test_tool_modes_template_text_and_auto(tokenizer, tool_tokenizer, caplog):
 
     with pytest.raises(ValueError, match="cannot describe a tool to the model: .*undocumented"):
         ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[undocumented])
+
+
+def test_a_template_asking_for_another_call_format_gets_the_tools_as_text(tokenizer, caplog):
+    """A template that shows the tools but asks for calls in its own format (Llama 3.1's bare JSON) would have the
+    model write calls that are never read: no tool ever ran. auto describes the tools in the system prompt instead,
+    with a notice; tool_mode="template" is refused by name."""
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = OTHER_CALL_FORMAT_TEMPLATE
+    with caplog.at_level(logging.WARNING):
+        env = ToolEnv([{"question": "q"}], Rubric(), other, tools=[add])
+    assert env.tool_mode == "text" and "asks for tool calls in a format of its own" in caplog.text
+    assert "<tool_call>" in env.render(env.dataset[0].prompt, True)
+    with pytest.raises(ValueError, match=r"asks for tool calls in a format of its own.*--tool_mode text"):
+        ToolEnv([{"question": "q"}], Rubric(), other, tools=[add], tool_mode="template")
 
 
 def test_two_tools_of_one_name_are_refused_by_name(tool_tokenizer):

@@ -95,8 +95,8 @@ class ScriptArguments:
         default="auto",
         metadata={"help": "How tool environments show tools to the model: 'template' (the chat template's tool "
                   "support), 'text' (described in the system prompt, calls parsed from the text), or 'auto' (the "
-                  "template if it shows tools, else text). Refused where the run loads no tool environment (a "
-                  "ToolEnv, or a verifiers environment, whose rollouts may bring tools).",
+                  "template if it shows the tools and asks for <tool_call> blocks, else text). Refused where the run "
+                  "loads no tool environment (a ToolEnv, or a verifiers environment, whose rollouts may bring tools).",
                   "choices": list(TOOL_MODES)},
     )
     eval_env: str | None = field(

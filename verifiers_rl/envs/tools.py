@@ -73,7 +73,8 @@ class ToolRenderer:
       (``describe_tools``) and the chat is rendered without them.
 
     ``auto`` (the default, or the ``default_tool_mode`` in force) picks ``template`` when the template shows every
-    tool's name, else ``text`` with a one-line notice. Either way the model writes calls as ``<tool_call>`` blocks.
+    tool's name and asks for ``<tool_call>`` blocks, else ``text`` with a one-line notice. Either way the model writes
+    calls as ``<tool_call>`` blocks.
     """
 
     def __init__(self, tokenizer: Any, schemas: Sequence[dict[str, Any]], mode: str | None = None, name: str = "ToolEnv",
@@ -88,29 +89,39 @@ class ToolRenderer:
         # Every rendering passes them (the environment's chat_template_kwargs, e.g. enable_thinking).
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.mode = "template"
-        if mode == "text" or (mode == "auto" and self._hidden_tools()):
+        problem = self._template_problem() if mode != "text" else None
+        if mode == "text" or (mode == "auto" and problem):
             self.mode = "text"
             if mode == "auto":
                 logger.warning(
-                    "%s: the chat template has no tool support, so the tools are described in the system prompt and "
+                    "%s: the chat template %s, so the tools are described in the system prompt and "
                     "calls are read from <tool_call> blocks in the text (tool_mode='text').",
                     name,
+                    "has no tool support" if problem.startswith("does not show") else problem,
                 )
-        elif mode == "template" and self._hidden_tools():
+        elif mode == "template" and problem:
             raise ValueError(
-                f"{name}: the tokenizer's chat template does not show the tools {self._hidden_tools()} to the model; "
-                "use a chat template with tool support, or tool_mode='text' (--tool_mode text) to describe them in "
-                "the system prompt."
+                f"{name}: the tokenizer's chat template {problem}; use a chat template with tool support that asks "
+                "for <tool_call> blocks, or tool_mode='text' (--tool_mode text) to describe the tools in the system "
+                "prompt."
             )
 
     def with_kwargs(self, chat_template_kwargs: dict[str, Any]) -> "ToolRenderer":
         """A renderer of the same tools and requested mode with ``chat_template_kwargs`` (``auto`` decides anew)."""
         return ToolRenderer(self.tokenizer, self.schemas, self.requested_mode, self.name, chat_template_kwargs)
 
-    def _hidden_tools(self) -> list[str]:
-        """Tools whose names the chat template leaves out of a rendered prompt."""
+    def _template_problem(self) -> str | None:
+        """Why the chat template cannot offer the tools (None if it can): it must show every tool's name and ask for
+        calls as ``<tool_call>`` blocks, the only calls read (``parse_tool_calls``)."""
+        if not self.schemas:
+            return None
         probe = self._template([{"role": "user", "content": "?"}], True)
-        return [schema["function"]["name"] for schema in self.schemas if schema["function"]["name"] not in probe]
+        hidden = [schema["function"]["name"] for schema in self.schemas if schema["function"]["name"] not in probe]
+        if hidden:
+            return f"does not show the tools {hidden} to the model"
+        if "<tool_call>" not in probe:  # e.g. Llama 3.1's bare JSON: calls written as it asks would never run
+            return "asks for tool calls in a format of its own, not the <tool_call> blocks that are read"
+        return None
 
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
         if self.mode == "text" and self.schemas:
