@@ -181,6 +181,34 @@ def test_an_environment_raising_mid_rollout_names_itself_and_the_row(tokenizer):
         asyncio.run(env.rollout(ScriptedSampler([[5]]), env.dataset[1], 0))
 
 
+def test_a_rollout_that_fails_stops_the_rest_of_its_group(tokenizer):
+    # The group is generated again (or dropped): its other episodes left running would play on unseen beside the
+    # retry's, holding the engine's rows and the environment's resources (a sandbox, a game server) meanwhile.
+    class SandboxEnv(MultiTurnEnv):
+        failed = False
+        turns_played = 0
+
+        async def env_response(self, messages, state):
+            if not self.failed:  # one episode's sandbox fails; the others go on
+                self.failed = True
+                raise ConnectionError("sandbox gone")
+            await asyncio.sleep(0.01)
+            self.turns_played += 1
+            return [{"role": "user", "content": "more"}]
+
+    env = SandboxEnv([{"question": "go"}], Rubric(), tokenizer, max_turns=20)
+
+    async def failing_group():
+        with pytest.raises(RolloutError, match="sandbox gone"):
+            await env.rollout_group(ScriptedSampler([[5, tokenizer.eos_token_id]] * 100), env.dataset[0], 0, 3)
+        played = env.turns_played
+        await asyncio.sleep(0.3)  # time for the other two episodes' 19 turns each, had they gone on
+        return played, env.turns_played
+
+    played, later = asyncio.run(failing_group())
+    assert later == played, f"the failed group's other episodes played {later - played} more turns after it failed"
+
+
 def test_sampler_breaking_its_contract_is_a_clear_error(tokenizer):
     class OverlongSampler:
         async def sample(self, prompt_ids, max_new_tokens):

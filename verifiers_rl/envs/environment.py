@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -11,6 +10,7 @@ from typing import Any
 
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.choices import RESERVED_TEMPLATE_KWARGS, check_chat_template_kwargs  # noqa: F401
+from verifiers_rl.envs.awaitable import gather_or_cancel
 from verifiers_rl.envs.messages import Messages, check_messages
 from verifiers_rl.envs.rubric import Rubric
 from verifiers_rl.core.sampling import (RolloutSampling, Sampler, derive_seed, sampling_for_rollout,
@@ -278,14 +278,16 @@ class Environment(ABC):
         seed: int | None = None,
         temperature: float | None = None,
     ) -> list[Rollout]:
-        """``n`` concurrent rollouts of ``row`` sharing ``group_id``.
+        """``n`` concurrent rollouts of ``row`` sharing ``group_id``; one that raises cancels the others.
 
         With ``seed``, rollout i samples its model calls with seeds derived from ``(seed, i)`` (``RolloutSampling``):
         the group's tokens are then a function of the seed and the weights alone. ``temperature`` overrides the
         engine's (evaluation).
         """
         samplings = self.group_samplings(n, seed, temperature)
-        return list(await asyncio.gather(*(self._rollout_under(s, sampler, row, group_id) for s in samplings)))
+        # The group is retried or dropped whole: its other rollouts, left running, would hold the engine's rows and
+        # the environment's resources unseen.
+        return await gather_or_cancel([self._rollout_under(s, sampler, row, group_id) for s in samplings])
 
     def group_samplings(self, n: int, seed: int | None, temperature: float | None) -> list[RolloutSampling]:
         """The sampling settings of a group's ``n`` rollouts: rollout i's seed is ``derive_seed(seed, i)``."""
