@@ -162,6 +162,23 @@ def test_a_limit_that_is_not_a_whole_number_is_refused_by_name(tokenizer, limit,
         EchoEnv([{"question": "go"}], Rubric(), tokenizer, **{limit: value})
 
 
+def test_is_completed_sees_the_last_allowed_turn_too(tokenizer):
+    # A game that records the outcome when it checks the model's turn, and a reward that reads it: an answer on the
+    # last allowed turn scored as if never given when max_turns ended the episode before is_completed ran.
+    class Game(EchoEnv):
+        def is_completed(self, messages, state):
+            state["solved"] = "stop" in messages[-1]["content"]
+            return state["solved"]
+
+    def solved(state):
+        return float(state.get("solved", False))
+
+    eos = tokenizer.eos_token_id
+    env = Game([{"question": "go"}], Rubric([solved]), tokenizer, max_turns=2)
+    rollout = asyncio.run(env.rollout(ScriptedSampler([[5, eos], encode(tokenizer, "stop") + [eos]]), env.dataset[0], 0))
+    assert [m["content"] for m in rollout.completion][-1] == "stop" and rollout.reward == 1.0
+
+
 def test_template_that_is_not_prefix_consistent_is_a_clear_error(tokenizer):
     counting = copy.deepcopy(tokenizer)
     counting.chat_template = "{{ messages | length }} messages\n" + tokenizer.chat_template

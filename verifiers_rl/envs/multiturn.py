@@ -27,7 +27,8 @@ class MultiTurnEnv(Environment):
         self.max_turns = max_turns
 
     def is_completed(self, messages: Messages, state: dict[str, Any]) -> bool:
-        """Whether the conversation is over after the model's last turn (default: only ``max_turns`` ends it)."""
+        """Whether the conversation is over after the model's last turn (default: only ``max_turns`` ends it). Called
+        after every model turn that was not cut by a length limit, the last one ``max_turns`` allows included."""
         return False
 
     def env_response(self, messages: Messages, state: dict[str, Any]) -> Messages:
@@ -53,7 +54,8 @@ class MultiTurnEnv(Environment):
             if sample.finish_reason == "length":
                 out.truncated = True
                 break
-            if state["turn"] >= self.max_turns or await maybe_await(self.is_completed(messages, state)):
+            # is_completed first: it sees every complete turn, the last allowed one too (it may record the outcome).
+            if await maybe_await(self.is_completed(messages, state)) or state["turn"] >= self.max_turns:
                 break
             new = check_messages(await maybe_await(self.env_response(messages, state)), f"{self.name}.env_response")
             env_ids = self.environment_ids(messages, new, sample.token_ids[-1:])
