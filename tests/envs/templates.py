@@ -24,3 +24,15 @@ OTHER_CALL_FORMAT_TEMPLATE = TOOL_TEMPLATE.replace(
     'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
 )
 assert OTHER_CALL_FORMAT_TEMPLATE != TOOL_TEMPLATE
+
+# After Gemma 3's template: roles must alternate from a user turn (a system message joins the first user turn),
+# the assistant is "model", contents trimmed.
+ALTERNATING_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + (message['content'] | trim) }}"
+    "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)

@@ -9,6 +9,8 @@ import pytest
 
 from verifiers_rl.envs.turns import TemplateError, bridge_ids
 
+from .templates import ALTERNATING_TEMPLATE
+
 
 def render_with(tokenizer):
     return lambda messages, gen: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
@@ -50,6 +52,21 @@ def test_a_template_that_rewrites_earlier_assistant_turns_still_bridges(tokenize
     bridge = bridge_ids(render_with(dropping), encode_with(dropping), [dropping.eos_token_id],
                         [{"role": "user", "content": "more"}], "t")
     assert dropping.decode(bridge).startswith("\n<|im_start|>user\nmore")
+
+
+def test_a_template_whose_roles_must_alternate_from_a_user_turn_bridges(tokenizer):
+    # Like Gemma's: a conversation opening with an assistant turn is refused ("roles must alternate"), so the stand-in
+    # turn alone failed every multi-turn rollout of such a model.
+    alternating = copy.deepcopy(tokenizer)
+    alternating.chat_template = ALTERNATING_TEMPLATE
+    render, encode = render_with(alternating), encode_with(alternating)
+    new = [{"role": "user", "content": "again"}]
+    sampled = encode("cat") + [alternating.eos_token_id]  # the model's eos is not the template's end of turn
+    bridge = bridge_ids(render, encode, sampled[-1:], new, "t")
+    assert alternating.decode(bridge) == "<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n"
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say cat"}]
+    ids = encode(render(prompt, True)) + encode("cat") + bridge
+    assert alternating.decode(ids) == render(prompt + [{"role": "assistant", "content": "cat"}] + new, True)
 
 
 def test_a_template_that_is_not_prefix_consistent_is_a_clear_error(tokenizer):

@@ -3,8 +3,9 @@
 A rollout's token sequence is built incrementally: prompt ids, each sample's ids verbatim (trained), and between two
 samples the environment's ids (not trained): the rest of the template's end-of-turn that the model did not emit
 itself, the environment's new messages and the next generation prompt. Those are rendered after a stand-in assistant
-turn, so the model's own turn is never re-rendered (a template that rewrites earlier assistant turns, e.g. dropping
-their reasoning, cannot change the tokens already sampled). ``MultiTurnEnv`` and the verifiers adapter's client both
+turn (itself after a stand-in user turn where the template refuses to open with an assistant turn), so the model's
+own turn is never re-rendered (a template that rewrites earlier assistant turns, e.g. dropping their reasoning,
+cannot change the tokens already sampled). ``MultiTurnEnv`` and the verifiers adapter's client both
 use ``bridge_ids``.
 """
 
@@ -29,7 +30,8 @@ def bridge_ids(render: Render, encode: Callable[[str], list[int]], last_sampled:
 
     = end_of_turn (less its first token if the model sampled it, its eos) + render(stand_in + new)[len(render(stand_in)):]
     """
-    plain_turn = render([{"role": "assistant", "content": CONTENT_PROBE}], False)
+    lead = _lead(render)
+    plain_turn = render([*lead, {"role": "assistant", "content": CONTENT_PROBE}], False)
     if CONTENT_PROBE not in plain_turn:
         raise TemplateError(f"{name}: the chat template does not render an assistant message's content verbatim.")
     end_of_turn = encode(plain_turn.rsplit(CONTENT_PROBE, 1)[1])
@@ -41,8 +43,8 @@ def bridge_ids(render: Render, encode: Callable[[str], list[int]], last_sampled:
         stand_in["tool_calls"] = [
             {"id": i, "type": "function", "function": {"name": "f", "arguments": {}}} for i in tool_call_ids
         ]
-    base = encode(render([stand_in], False))
-    full = encode(render([stand_in, *new], True))
+    base = encode(render([*lead, stand_in], False))
+    full = encode(render([*lead, stand_in, *new], True))
     if full[: len(base)] != base:
         raise TemplateError(
             f"{name}: the chat template is not prefix-consistent: it renders an assistant turn differently once "
@@ -50,3 +52,14 @@ def bridge_ids(render: Render, encode: Callable[[str], list[int]], last_sampled:
             "template that renders earlier turns identically."
         )
     return end_of_turn + full[len(base) :]
+
+
+def _lead(render: Render) -> list[dict[str, Any]]:
+    """What the stand-in assistant turn follows: nothing, or a user turn where the template refuses a conversation
+    opening with an assistant turn (Gemma's, Mistral's: roles must alternate from a user turn). Nothing where it can:
+    a user turn would change how some templates render the stand-in (Qwen3's, after the last user turn)."""
+    try:
+        render([{"role": "assistant", "content": CONTENT_PROBE}], False)
+        return []
+    except Exception:  # noqa: BLE001 - the template's own error (jinja's raise_exception); the lead is retried below
+        return [{"role": "user", "content": "?"}]
