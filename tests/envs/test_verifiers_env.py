@@ -190,6 +190,21 @@ def test_failures_are_clear_errors(tokenizer, engine):
     assert "the inference server is down" in str(error.value.__cause__)
 
 
+def test_a_rollout_that_fails_stops_the_rest_of_its_group(tokenizer, engine):
+    # The group is generated again or dropped: its other episodes, left running, played on unseen.
+    env = load_environment(SPEC, tokenizer=tokenizer, kind="one_sandbox_gone", max_turns=20, **SHORT)
+
+    async def failing_group():
+        with pytest.raises(RolloutError, match="ConnectionError: sandbox gone"):
+            await env.rollout_group(ScriptedSampler([[5, tokenizer.eos_token_id]] * 100), env.dataset[0], 0, 3)
+        played = env.vf_env.turns_played
+        await asyncio.sleep(0.3)  # time for the other two episodes' 19 turns each, had they gone on
+        return played, env.vf_env.turns_played
+
+    played, later = asyncio.run(failing_group())
+    assert later == played, f"the failed group's other episodes played {later - played} more turns after it failed"
+
+
 def test_an_environment_that_provides_advantages_is_refused(tokenizer):
     class OwnAdvantages(vf.Rubric):
         @property

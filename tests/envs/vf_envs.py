@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import verifiers as vf
 from datasets import Dataset
 
@@ -59,6 +61,22 @@ class BrokenEnv(vf.MultiTurnEnv):
         return [vf.UserMessage(content="again")]
 
 
+class OneSandboxGone(vf.MultiTurnEnv):
+    """The first environment turn of any rollout fails; the others go on, counting the turns they play."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.failed, self.turns_played = False, 0
+
+    async def env_response(self, messages, state, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise ConnectionError("sandbox gone")
+        await asyncio.sleep(0.01)
+        self.turns_played += 1
+        return [vf.UserMessage(content="again")]
+
+
 def broken_group_reward(completions, **kwargs) -> list[float]:
     return [1.0]  # one score for a whole group: verifiers' score_group then fails with an IndexError
 
@@ -81,6 +99,8 @@ def load_environment(kind: str = "single", num_examples: int = 8, max_turns: int
         return vf.ReasoningGymEnv(gym="leg_counting", num_train_examples=num_examples, num_eval_examples=4, seed=0)
     if kind == "broken_env":
         return BrokenEnv(fail_after=fail_after, rubric=rubric, max_turns=max_turns, **common)
+    if kind == "one_sandbox_gone":
+        return OneSandboxGone(rubric=rubric, max_turns=max_turns, **common)
     if kind == "broken_rubric":
         return vf.SingleTurnEnv(rubric=vf.Rubric(funcs=[broken_group_reward]), **common)
     raise ValueError(f"unknown kind {kind!r}")

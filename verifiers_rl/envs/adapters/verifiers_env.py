@@ -15,12 +15,12 @@ steps into samples), but in process: the n rollouts of a group run in their own 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from verifiers_rl.envs.awaitable import gather_or_cancel
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.envs.environment import Environment, RolloutError, Row
 from verifiers_rl.envs.rubric import Rubric
@@ -178,7 +178,7 @@ class VerifiersEnv(Environment):
         ``run_group``), each sampling under its own ``RolloutSampling(derive_seed(seed, i), temperature)``."""
         client = self.client(sampler)
         samplings = self.group_samplings(n, seed, temperature)
-        states = await asyncio.gather(*(self._vf_rollout(s, client, row) for s in samplings))
+        states = await gather_or_cancel([self._vf_rollout(s, client, row) for s in samplings])  # one fails: all stop
         rubric = self.vf_env.rubric
         try:
             if self.vf_env.score_rollouts:
