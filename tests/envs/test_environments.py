@@ -226,6 +226,25 @@ def test_a_rollout_that_fails_stops_the_rest_of_its_group(tokenizer):
     assert later == played, f"the failed group's other episodes played {later - played} more turns after it failed"
 
 
+def test_a_rollout_that_changes_its_task_leaves_the_dataset_row_as_it_was(tokenizer):
+    # A game whose row gives the starting board and whose turns play on it in state["info"]: the dataset row's own
+    # board was played on, so the group's other episodes, and every later epoch, began from a board already played.
+    class Game(MultiTurnEnv):
+        def env_response(self, messages, state):
+            state["info"]["board"].append("X")
+            return [{"role": "user", "content": " ".join(state["info"]["board"])}]
+
+    def board_size(info, answer):
+        return float(len(info["board"]) + len(answer))
+
+    eos = tokenizer.eos_token_id
+    env = Game([{"question": "play", "answer": ["win"], "info": {"board": ["."]}}], Rubric([board_size]), tokenizer,
+               max_turns=3)
+    rollouts = asyncio.run(env.rollout_group(ScriptedSampler([[5, eos]] * 9), env.dataset[0], 0, 3))
+    assert [r.completion[-2]["content"] for r in rollouts] == [". X X"] * 3 and [r.reward for r in rollouts] == [4.0] * 3
+    assert env.dataset[0].info == {"board": ["."]} and env.dataset[0].answer == ["win"]
+
+
 def test_sampler_breaking_its_contract_is_a_clear_error(tokenizer):
     class OverlongSampler:
         async def sample(self, prompt_ids, max_new_tokens):
