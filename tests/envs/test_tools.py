@@ -2,6 +2,7 @@
 
 import asyncio
 import copy
+import json
 import logging
 
 import pytest
@@ -191,3 +192,23 @@ def test_parse_tool_calls_formats():
         'a tool call must be {"name": <string>, "arguments": <object>}, got \'["not", "a", "call"]\'',
     ]
     assert parse_tool_calls("no calls, <tool_call>unclosed") == []
+
+
+def test_the_eval_cli_shows_the_tools_as_its_tool_mode_flag_says(tiny_model_dir, tool_tokenizer, tmp_path, capsys):
+    """A run trained with --tool_mode text evaluates as it trained only if `verifiers-rl eval` takes the flag too: the
+    template would otherwise show the tools its own way, to prompts the model never trained on."""
+    from verifiers_rl.cli.eval import main
+
+    tool_tokenizer.save_pretrained(tmp_path / "tokenizer")  # a chat template with tool support
+    base = ["--model", tiny_model_dir, "--tokenizer", str(tmp_path / "tokenizer"), "-n", "1"]
+
+    def prompt(flags: list[str]) -> str:
+        out = tmp_path / f"eval{len(flags)}.jsonl"
+        assert main([*base, "--env", "calculator", "--env_args", '{"max_new_tokens": 4}', "--output", str(out),
+                     *flags]) == 0
+        return tool_tokenizer.decode(json.loads(out.read_text().splitlines()[0])["prompt_ids"])
+
+    assert "You may call the functions below" in prompt(["--tool_mode", "text"])
+    assert "# Tools\n<tools>" in prompt([]) and "You may call the functions below" not in prompt([])
+    with pytest.raises(ValueError, match="--tool_mode text is not used by this evaluation: no environment it loads"):
+        main([*base, "--env", "reverse_text", "--tool_mode", "text"])

@@ -12,7 +12,8 @@ pass@k, each reward function's mean, tokens, time; for a mixture also each entry
 per rollout. The rows, seeds and metrics are those of the trainer's evaluation
 (``verifiers_rl.rollouts.evaluation``): with the same ``--seed`` (the training run's, 42 unless set), ``-n``,
 ``-k``, ``--temperature`` and the run's sampling flags (``--top_p``, ``--top_k``, ``--min_p``,
-``--repetition_penalty``, ``--chat_template_kwargs``), a checkpoint evaluates to what the run logged at its step.
+``--repetition_penalty``, ``--chat_template_kwargs``, ``--tool_mode``), a checkpoint evaluates to what the run logged
+at its step.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--chat_template_kwargs", default="{}",
                         help="JSON variables for the chat template, as training's --chat_template_kwargs "
                              "(e.g. '{\"enable_thinking\": false}' for Qwen3).")
+    parser.add_argument("--tool_mode", default="auto", choices=("auto", "template", "text"),
+                        help="How tool environments show tools to the model, as training's --tool_mode (a run trained "
+                             "with one evaluates as it trained with the same).")
     parser.add_argument("-n", "--num_examples", type=int, default=None,
                         help="Prompts: the held-out split's first N rows (default: all of it).")
     parser.add_argument("-k", "--samples_per_prompt", type=int, default=1, help="Samples per prompt (pass@k).")
@@ -223,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     from verifiers_rl.envs.loading import load_with_args, loader_errors_named
     from verifiers_rl.envs.mixture import load_mixture
     from verifiers_rl.envs.prepare import prepare_environment
+    from verifiers_rl.envs.tools import default_tool_mode
     from verifiers_rl.rollouts.evaluation import EvalSettings, eval_rows, evaluate
     import torch
 
@@ -235,13 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     prepare = lambda env, entry=None: prepare_environment(  # noqa: E731
         env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed,
         holdout_flag="--holdout")
-    with loader_errors_named("--env", args.env, bool(args.env_kwargs)):
+    with loader_errors_named("--env", args.env, bool(args.env_kwargs)), default_tool_mode(args.tool_mode) as readers:
         if args.entries is None:
-            environment = load_with_args(args.env, tokenizer, env_args=args.env_kwargs)
+            environment = load_with_args(args.env, tokenizer, args.tool_mode, env_args=args.env_kwargs)
             prepare(environment)
         else:  # each entry on its own, as training loads a mixture (--holdout: N rows of each)
             environment = load_mixture(args.entries, lambda entry: load_with_args(
-                entry.env, tokenizer, env_args=entry.env_args), prepare, "--env")
+                entry.env, tokenizer, args.tool_mode, env_args=entry.env_args), prepare, "--env")
+    if args.tool_mode != "auto" and not readers:  # as training refuses it
+        raise ValueError(f"--tool_mode {args.tool_mode} is not used by this evaluation: no environment it loads "
+                         "renders tools (ToolEnv and verifiers environments read it). Leave it out.")
     settings = EvalSettings(args.num_examples, args.samples_per_prompt, args.temperature, args.pass_threshold,
                             args.seed, args.generation_timeout_s)
     rows = eval_rows(environment, settings.num_examples, "-n")  # a bad -n fails before the model loads
