@@ -245,6 +245,20 @@ def test_a_rollout_that_changes_its_task_leaves_the_dataset_row_as_it_was(tokeni
     assert env.dataset[0].info == {"board": ["."]} and env.dataset[0].answer == ["win"]
 
 
+def test_a_rollout_that_edits_its_messages_leaves_the_dataset_prompt_as_it_was(tokenizer):
+    # An environment that keeps the game's state in the system message, edited in place: it edited the dataset row's
+    # own prompt, so every later rollout of the row began from another prompt.
+    class Game(MultiTurnEnv):
+        def env_response(self, messages, state):
+            messages[0]["content"] += " (moved)"
+            return [{"role": "user", "content": "your move"}]
+
+    eos = tokenizer.eos_token_id
+    env = Game([{"question": "play"}], Rubric(), tokenizer, system_prompt="A game.", max_turns=2)
+    first, second = (asyncio.run(env.rollout(ScriptedSampler([[5, eos]] * 2), env.dataset[0], 0)) for _ in range(2))
+    assert first.prompt_ids == second.prompt_ids and env.dataset[0].prompt[0]["content"] == "A game."
+
+
 def test_sampler_breaking_its_contract_is_a_clear_error(tokenizer):
     class OverlongSampler:
         async def sample(self, prompt_ids, max_new_tokens):

@@ -247,11 +247,11 @@ class Environment(ABC):
                     f"the prompt is {len(prompt_ids)} tokens, leaving no room within max_seq_len={self.max_seq_len}"
                 )
             # ``state`` is shared by the rollout procedure and the reward functions; ``turn`` counts model turns.
-            # Its own answer and info: one that changes them (a game's board) leaves the dataset row as it was.
-            answer, info = copy.deepcopy(row.answer), copy.deepcopy(row.info)
+            # Its own prompt, answer and info: one that changes them (a game's board) leaves the dataset row as it was.
+            prompt, answer, info = copy.deepcopy((row.prompt, row.answer, row.info))
             state: dict[str, Any] = {"answer": answer, "info": info, "turn": 0}
-            trajectory = await self.generate(sampler, row.prompt, prompt_ids, state)
-            score = await self.rubric.score(row.prompt, trajectory.completion, answer, state, info)
+            trajectory = await self.generate(sampler, prompt, prompt_ids, state)
+            score = await self.rubric.score(prompt, trajectory.completion, answer, state, info)
         except Exception as error:
             kind = RolloutRefused if isinstance(error, RolloutRefused) else RolloutError  # a refusal stays one
             raise kind(
