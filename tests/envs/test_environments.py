@@ -175,7 +175,8 @@ def test_is_completed_sees_the_last_allowed_turn_too(tokenizer):
 
     eos = tokenizer.eos_token_id
     env = Game([{"question": "go"}], Rubric([solved]), tokenizer, max_turns=2)
-    rollout = asyncio.run(env.rollout(ScriptedSampler([[5, eos], encode(tokenizer, "stop") + [eos]]), env.dataset[0], 0))
+    sampler = ScriptedSampler([[5, eos], encode(tokenizer, "stop") + [eos]])
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
     assert [m["content"] for m in rollout.completion][-1] == "stop" and rollout.reward == 1.0
 
 
@@ -241,7 +242,8 @@ def test_a_rollout_that_changes_its_task_leaves_the_dataset_row_as_it_was(tokeni
     env = Game([{"question": "play", "answer": ["win"], "info": {"board": ["."]}}], Rubric([board_size]), tokenizer,
                max_turns=3)
     rollouts = asyncio.run(env.rollout_group(ScriptedSampler([[5, eos]] * 9), env.dataset[0], 0, 3))
-    assert [r.completion[-2]["content"] for r in rollouts] == [". X X"] * 3 and [r.reward for r in rollouts] == [4.0] * 3
+    assert [r.completion[-2]["content"] for r in rollouts] == [". X X"] * 3
+    assert [r.reward for r in rollouts] == [4.0] * 3
     assert env.dataset[0].info == {"board": ["."]} and env.dataset[0].answer == ["win"]
 
 

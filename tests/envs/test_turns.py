@@ -63,7 +63,8 @@ def test_a_template_whose_roles_must_alternate_from_a_user_turn_bridges(tokenize
     new = [{"role": "user", "content": "again"}]
     sampled = encode("cat") + [alternating.eos_token_id]  # the model's eos is not the template's end of turn
     bridge = bridge_ids(render, encode, sampled[-1:], new, "t")
-    assert alternating.decode(bridge) == "<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n"
+    expected = "<end_of_turn>\n<start_of_turn>user\nagain<end_of_turn>\n<start_of_turn>model\n"
+    assert alternating.decode(bridge) == expected
     prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "say cat"}]
     ids = encode(render(prompt, True)) + encode("cat") + bridge
     assert alternating.decode(ids) == render(prompt + [{"role": "assistant", "content": "cat"}] + new, True)
