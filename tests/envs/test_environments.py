@@ -160,6 +160,9 @@ def test_a_limit_that_is_not_a_whole_number_is_refused_by_name(tokenizer, limit,
     # max_turns of 2.5 ran three model turns.
     with pytest.raises(ValueError, match=rf"EchoEnv: {limit} must be an int >= \d+, got {value!r}"):
         EchoEnv([{"question": "go"}], Rubric(), tokenizer, **{limit: value})
+    import numpy as np
+
+    assert EchoEnv([{"question": "go"}], Rubric(), tokenizer, **{limit: np.int64(64)}).max_seq_len > 2  # an int
 
 
 def test_is_completed_sees_the_last_allowed_turn_too(tokenizer):

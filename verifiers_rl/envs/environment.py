@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 def check_limit(name: str, limit: str, value: Any, minimum: int) -> None:
     """Refuse a limit that is no int >= ``minimum`` (--env_args may bring a null, a string or a fraction)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:  # numpy's ints too
         raise ValueError(f"{name}: {limit} must be an int >= {minimum}, got {value!r}.")
 
 
