@@ -230,6 +230,35 @@ def test_a_rollout_that_fails_stops_the_rest_of_its_group(tokenizer):
     assert later == played, f"the failed group's other episodes played {later - played} more turns after it failed"
 
 
+def test_a_trl_form_reward_that_fails_stops_the_others_of_its_group(tokenizer):
+    # TRL's form: one reward function raising left the other (async) ones running unseen while the group was retried.
+    from verifiers_rl.envs.adapters.trl_dataset import RewardFunctionsEnv
+
+    steps = []
+
+    async def judge(completions, **kwargs):  # an LLM judge polling its server
+        for _ in range(30):
+            await asyncio.sleep(0.01)
+            steps.append(1)
+        return [0.0] * len(completions)
+
+    async def broken(completions, **kwargs):
+        await asyncio.sleep(0.02)
+        raise ConnectionError("judge gone")
+
+    env = RewardFunctionsEnv([{"prompt": "go"}], [judge, broken], tokenizer, max_new_tokens=4, max_seq_len=64)
+
+    async def failing_group():
+        with pytest.raises(RolloutError, match="judge gone"):
+            await env.rollout_group(ScriptedSampler([[5, tokenizer.eos_token_id]] * 2), env.dataset[0], 0, 2)
+        done = len(steps)
+        await asyncio.sleep(0.4)  # time for the judge's 30 polls, had it gone on
+        return done, len(steps)
+
+    done, later = asyncio.run(failing_group())
+    assert later == done < 30, f"the judge polled {later - done} more times after its group failed"
+
+
 def test_a_rollout_that_changes_its_task_leaves_the_dataset_row_as_it_was(tokenizer):
     # A game whose row gives the starting board and whose turns play on it in state["info"]: the dataset row's own
     # board was played on, so the group's other episodes, and every later epoch, began from a board already played.

@@ -26,7 +26,6 @@ averaged, then the groups).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import inspect
 import math
@@ -35,6 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.envs.awaitable import gather_or_cancel
 from verifiers_rl.envs.environment import Environment, RolloutError, Row, Trajectory
 from verifiers_rl.envs.messages import Messages, check_messages, last_assistant_text
 from verifiers_rl.core.sampling import Sampler
@@ -225,7 +225,8 @@ class RewardFunctionsEnv(Environment):
 
         samplings = self.group_samplings(n, seed, temperature)
         version = getattr(sampler, "policy_version", None)  # the group's first tokens'
-        return await self._score(row, list(await asyncio.gather(*(one(s) for s in samplings))), version)
+        # One that fails cancels the others: the group is retried or dropped whole (Environment.rollout_group).
+        return await self._score(row, await gather_or_cancel([one(s) for s in samplings]), version)
 
     async def _unscored(self, sampler: Sampler, row: Row, group_id) -> Rollout:
         try:
@@ -248,8 +249,8 @@ class RewardFunctionsEnv(Environment):
                       completion_ids=[r.completion_ids for r in rollouts], trainer_state=self._state_at(version),
                       log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)))
         try:
-            values = await asyncio.gather(*(self._call(f, n, kwargs, count)
-                                            for f, n in zip(self.reward_funcs, self.reward_names)))
+            values = await gather_or_cancel([self._call(f, n, kwargs, count)
+                                             for f, n in zip(self.reward_funcs, self.reward_names)])
         except Exception as error:
             raise RolloutError(f"{self.name} failed on dataset row {row.index}: {type(error).__name__}: {error}") from error
         for i, rollout in enumerate(rollouts):
