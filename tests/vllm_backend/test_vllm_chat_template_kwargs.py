@@ -24,7 +24,7 @@ def local_ids(tokenizer, kwargs: dict) -> list[int]:
 def test_chat_renders_the_server_template_with_the_config_kwargs(untied, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
     config = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", vllm_server_url=untied.url,
-                      max_completion_length=2, chat_template_kwargs='{"enable_thinking": false}')
+                      max_completion_length=2, max_seq_len=256, chat_template_kwargs='{"enable_thinking": false}')
     engine = build_engine(config, untied.model_dir, tokenizer)
     plain = VLLMEngine(untied.url, model=untied.model_dir, check=False)
     try:

@@ -92,7 +92,7 @@ def test_the_weight_sync_probe_stays_at_the_plain_softmax(untied):
 def test_rl_config_knobs_reach_the_server_through_build_engine(untied):
     """RLConfig's fields and generation_kwargs (overriding --temperature) -> build_engine -> the server's sampler."""
     config = RLConfig(output_dir="/tmp/unused", report_to="none", vllm_server_url=untied.url, max_completion_length=24,
-                      temperature=1.0, min_p=0.05, repetition_penalty=1.3,
+                      max_seq_len=256, temperature=1.0, min_p=0.05, repetition_penalty=1.3,
                       generation_kwargs={"temperature": 0.3, "top_k": 40, "top_p": 0.9})
     engine = build_engine(config, untied.model_dir, None)
     sampling = dict(temperature=0.3, top_k=40, top_p=0.9, min_p=0.05, repetition_penalty=1.3)
