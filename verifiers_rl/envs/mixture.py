@@ -352,7 +352,7 @@ class MixtureEnv(Environment):
     def eval_selection(self, num_examples: int | None, flag: str = "--eval_num_examples") -> list[MixtureRow]:
         """The held-out rows evaluation uses: the first ``num_examples`` (``flag``'s value) of each entry's split (all
         for None)."""
-        from verifiers_rl.rollouts.evaluation import split_size_hint
+        from verifiers_rl.envs.splits import split_size_hint
 
         picked = []
         for number, entry in enumerate(self.entries):

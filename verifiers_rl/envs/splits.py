@@ -88,3 +88,11 @@ def hold_out(environment: Environment, count: int, seed: int, flag: str = "--eva
         environment._all_eval_rows = [row for row in all_rows if row.index in held]
         environment._all_rows = [row for row in all_rows if row.index not in held]
     environment._verifiers_rl_holdout = (count, seed)
+
+
+def split_size_hint(environment: Environment, form: str) -> str:
+    """The loader argument that sizes ``environment``'s held-out split (reasoning-gym's, or the built-ins'), written
+    into ``form`` (``{}``: the JSON object), as "... takes ..."."""
+    if environment.name.startswith("reasoning_gym:"):
+        return "reasoning-gym takes " + form.format('{"eval_size": N}')
+    return "the built-ins take " + form.format('{"num_eval_examples": N}')

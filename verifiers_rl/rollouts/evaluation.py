@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from verifiers_rl.envs.environment import Environment, Row
 from verifiers_rl.envs.rubric import ERRORS_METRIC
+from verifiers_rl.envs.splits import split_size_hint
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.core.rollout import Rollout, group_episodes, metric_values
 from verifiers_rl.core.settings import settings_from
@@ -110,14 +111,6 @@ def eval_rows(environment: Environment, num_examples: int | None, flag: str = "-
             "rows)."
         )
     return rows if num_examples is None else rows[:num_examples]
-
-
-def split_size_hint(environment: Environment, form: str) -> str:
-    """The loader argument that sizes ``environment``'s held-out split (reasoning-gym's, or the built-ins'), written
-    into ``form`` (``{}``: the JSON object), as "... takes ..."."""
-    if environment.name.startswith("reasoning_gym:"):
-        return "reasoning-gym takes " + form.format('{"eval_size": N}')
-    return "the built-ins take " + form.format('{"num_eval_examples": N}')
 
 
 @dataclass

@@ -142,6 +142,13 @@ def _render_with_config(args, environment, eval_environment) -> None:
         env.use_chat_template_kwargs(args.chat_template_kwargs)
 
 
+def _check_server_length(engine, environment) -> None:
+    """A vLLM server's --max-model-len must hold the environment's sequences (``VLLMEngine.take_sequences``)."""
+    takes = getattr(engine, "take_sequences", None)
+    if environment is not None and takes is not None:
+        takes(environment.max_seq_len)
+
+
 def _give_trainer_state(state, *environments) -> None:
     """TRL-form environments, alone or a mixture's entries, give ``state()`` to their reward functions as
     ``trainer_state`` (``use_trainer_state``), as TRL's GRPOTrainer gives its own."""
@@ -277,9 +284,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self._source: RolloutSource | None = None  # the main process's; the other ranks never read a source
 
         def made() -> int:
-            takes = getattr(engine, "take_sequences", None)
-            if environment is not None and takes is not None:  # a vLLM server: its --max-model-len must hold them
-                takes(environment.max_seq_len)
+            _check_server_length(engine, environment)
             self._source = make_source(args, rollout_source, environment, engine)
             self.generator = self._source if environment is not None else None
             if isinstance(self._source, ReplaySource):  # a file's over-long rollout: refused now, not at its batch

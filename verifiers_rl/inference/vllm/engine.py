@@ -89,8 +89,7 @@ class VLLMEngine:
             (continuous generation): samples go through vLLM's token-in-token-out route and every load pauses the
             server around it (``vllm.versions``; the server needs ``--enable-scale-out``). Off: ``/v1/completions``
             and ``/v1/chat/completions``, no versions.
-        max_seq_len: the run's longest prompt + completion; ``check()`` refuses a server whose ``--max-model-len``
-            is shorter (vLLM would cut the completions that do not fit short, unsaid, and refuse longer prompts).
+        max_seq_len: the run's longest prompt + completion; ``check()`` refuses a shorter server (``check_length``).
 
     Log-probs are the sampler's: of the distribution sampled (repetition penalty, temperature, min-p, top-k, top-p,
     renormalised), as the embedded engine's (the server must run with ``--logprobs-mode processed_logprobs``;
@@ -163,26 +162,15 @@ class VLLMEngine:
         ``policy_version``; raises ``VLLMUnavailableError`` / ``VLLMError``."""
         self.server.update(connect(self.http, self.expected_model, self.weight_transfer, require_weight_sync, wait_s))
         self._require_weight_sync = require_weight_sync
-        self._check_length()
+        check_length(self.base_url, self.server.max_model_len, self.max_seq_len)
         if self.versions is not None:  # labelled now: a restarted server's weights are relabelled here too
             self.versions.check(self.model_name or self.expected_model, self.policy_version)
         return {"url": self.base_url, "model": self.model_name, "vocab_size": self.vocab_size}
 
     def take_sequences(self, max_seq_len: int) -> None:
-        """Refuse (``VLLMLengthError``) a server whose ``--max-model-len`` is below ``max_seq_len`` too (an evaluation
-        environment's own limit); checked again whenever the server is (a restart)."""
+        """``check_length`` for ``max_seq_len`` too (an eval environment's own limit), and at every later check."""
         self.max_seq_len = max(self.max_seq_len or 0, int(max_seq_len))
-        self._check_length()
-
-    def _check_length(self) -> None:
-        served = self.server.max_model_len
-        if self.max_seq_len is not None and served is not None and served < self.max_seq_len:
-            raise VLLMLengthError(
-                f"The vLLM server at {self.base_url} takes at most {served} tokens a sequence (its --max-model-len), "
-                f"fewer than this run's max_seq_len {self.max_seq_len} (--max_seq_len; an environment's own limit, "
-                "in --env_args or --eval_env_args): it would cut completions short and refuse longer prompts. Start "
-                f"it with verifiers-rl vllm-serve --max-model-len {self.max_seq_len} (or more), or lower that "
-                "max_seq_len.")
+        check_length(self.base_url, self.server.max_model_len, self.max_seq_len)
 
     # What check() learnt; dtype is the server's compute dtype, e.g. "torch.bfloat16" (sets the probe's tolerance).
     model_name = _server_field("model_name")
@@ -364,6 +352,17 @@ class VLLMEngine:
         self._closed = True
         self.transfer.close()
         self.http.close()
+
+
+def check_length(base_url: str, served: int | None, max_seq_len: int | None) -> None:
+    """Refuse (``VLLMLengthError``) a server taking fewer tokens a sequence (``served``, its ``--max-model-len``)
+    than the run's ``max_seq_len``: vLLM would cut the completions that do not fit short, unsaid."""
+    if max_seq_len is not None and served is not None and served < max_seq_len:
+        raise VLLMLengthError(
+            f"The vLLM server at {base_url} takes at most {served} tokens a sequence (its --max-model-len), fewer "
+            f"than this run's max_seq_len {max_seq_len} (--max_seq_len; an environment's own limit, in --env_args or "
+            "--eval_env_args): it would cut completions short and refuse longer prompts. Start it with verifiers-rl "
+            f"vllm-serve --max-model-len {max_seq_len} (or more), or lower that max_seq_len.")
 
 
 def _openai_sample(data: dict, max_new_tokens: int, base_url: str, chat: bool = False) -> Sample:

@@ -68,9 +68,68 @@ class Member:
         self.requests_since_rejoin += 1
         self.tokens += tokens
 
+    def cannot_rejoin(self, error: VLLMError, poll_s: float) -> None:
+        """Say why this server cannot rejoin, once per reason: the watcher asks again at every poll, quietly."""
+        reason = str(error)
+        if reason == self.refused:
+            logger.debug("%s still cannot rejoin: %s", self.name, reason)
+            return
+        self.refused = reason
+        logger.warning("%s answers again but cannot rejoin: %s (the pool keeps polling it every %.3g s and says when "
+                       "it rejoins)", self.name, reason, poll_s)
+
 
 def _is_lost(error: BaseException) -> bool:
     return isinstance(error, VLLMUnavailableError) and error.connection_lost
+
+
+def check_all(members: list[Member], wait_s: float) -> None:
+    """``VLLMEngine.check`` on every server at once (waits overlap: N servers still starting take one ``wait_s``, not
+    N); raises the one error, or one naming every server that failed."""
+    def check(member: Member) -> VLLMError | None:
+        try:
+            member.engine.check(require_weight_sync=member.engine._require_weight_sync, wait_s=wait_s)
+        except VLLMError as error:
+            return error
+        return None
+
+    with ThreadPoolExecutor(len(members), thread_name_prefix="vllm-pool-check") as checks:
+        errors = [error for error in checks.map(check, members) if error is not None]
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        kinds = {type(error) for error in errors}
+        kind = kinds.pop() if len(kinds) == 1 else VLLMError
+        raise kind(f"{len(errors)} of {len(members)} vLLM servers failed their check:\n"
+                   + "\n".join(f"- {error}" for error in errors)) from errors[0]
+
+
+def moves(member: Member, error: VLLMError, members: list[Member]) -> bool:
+    """Whether a request that failed on ``member`` goes to another server (``member`` then marked down): it was lost,
+    or it timed out while another server is up (a hung server answers no request, its ``/health`` neither, so group
+    affinity would send the group's retries back to it; it rejoins once it answers)."""
+    if _is_lost(error):
+        return True
+    return isinstance(error, VLLMTimeoutError) and any(other.up and other is not member for other in members)
+
+
+def server_metrics(members: list[Member]) -> dict[str, float]:
+    """Per server ``i``: ``vllm/i/requests`` (answered so far), ``vllm/i/tokens_per_s`` (completion tokens since the
+    last call), ``vllm/i/policy_version``, ``vllm/i/up`` (1/0) and ``vllm/i/probe_gap`` (when probed)."""
+    now = time.monotonic()
+    metrics = {}
+    for member in members:
+        then, tokens = member.last_read
+        prefix = f"vllm/{member.index}/"
+        metrics[prefix + "requests"] = member.requests
+        if then:
+            metrics[prefix + "tokens_per_s"] = (member.tokens - tokens) / max(now - then, 1e-9)
+        member.last_read = (now, member.tokens)
+        metrics[prefix + "policy_version"] = member.engine.policy_version
+        metrics[prefix + "up"] = float(member.up)
+        if member.probe_gap is not None:
+            metrics[prefix + "probe_gap"] = member.probe_gap
+    return metrics
 
 
 class Spread:
@@ -131,6 +190,9 @@ class MultiServerEngine:
         check / wait_s: check every server now, all at once: those still starting are waited for together, at most
             ``wait_s`` (one deadline for all); the error names each server that failed.
         **engine_kwargs: the other ``VLLMEngine`` arguments (model, sampling, api_key, ...), the same for each.
+
+    Over 300 lines: requests, loads and the watcher that rejoins a server share one lock and the weights kept for a
+    rejoin; what needs neither is a module function (``check_all``, ``moves``, ``server_metrics``, ``Spread``).
     """
 
     def __init__(self, base_urls: list[str], *, reconnect_timeout_s: float = 0.0, weight_transfer: str = "files",
@@ -152,7 +214,7 @@ class MultiServerEngine:
                                     reconnect_timeout_s=0.0, check=False, **engine_kwargs)
                 self.members.append(Member(index, engine))
             if check:
-                self._check_all(wait_s)
+                check_all(self.members, wait_s)
         except BaseException:
             self.close()
             raise
@@ -170,26 +232,6 @@ class MultiServerEngine:
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="vllm-pool-watcher", daemon=True)
         self._watcher.start()
-
-    def _check_all(self, wait_s: float) -> None:
-        """``VLLMEngine.check`` on every server at once (waits overlap: N servers still starting take one
-        ``wait_s``, not N); raises the one error, or one naming every server that failed."""
-        def check(member: Member) -> VLLMError | None:
-            try:
-                member.engine.check(require_weight_sync=member.engine._require_weight_sync, wait_s=wait_s)
-            except VLLMError as error:
-                return error
-            return None
-
-        with ThreadPoolExecutor(len(self.members), thread_name_prefix="vllm-pool-check") as checks:
-            errors = [error for error in checks.map(check, self.members) if error is not None]
-        if len(errors) == 1:
-            raise errors[0]
-        if errors:
-            kinds = {type(error) for error in errors}
-            kind = kinds.pop() if len(kinds) == 1 else VLLMError
-            raise kind(f"{len(errors)} of {len(self.members)} vLLM servers failed their check:\n"
-                       + "\n".join(f"- {error}" for error in errors)) from errors[0]
 
     # --- what the servers are -----------------------------------------------------------------------------------
 
@@ -254,7 +296,7 @@ class MultiServerEngine:
             try:
                 result = await call(member.engine)
             except VLLMError as error:
-                if not self._moves(member, error) or resends >= MAX_RECOVERIES_PER_REQUEST * len(self.members):
+                if not moves(member, error, self.members) or resends >= MAX_RECOVERIES_PER_REQUEST * len(self.members):
                     raise
                 self.spread.mark_down(member, error)
                 resends += 1
@@ -264,14 +306,6 @@ class MultiServerEngine:
                 member.outstanding -= cost
             member.answered(len((result.sample if isinstance(result, ChatSample) else result).token_ids))
             return result
-
-    def _moves(self, member: Member, error: VLLMError) -> bool:
-        """Whether a request that failed on ``member`` goes to another server (``member`` then marked down): it was
-        lost, or it timed out while another server is up (a hung server answers no request, its ``/health``
-        neither, so group affinity would send the group's retries back to it; it rejoins once it answers)."""
-        if _is_lost(error):
-            return True
-        return isinstance(error, VLLMTimeoutError) and any(other.up and other is not member for other in self.members)
 
     def _run(self, call: Callable[[VLLMEngine], T]) -> T:
         """``call`` (blocking) on a live server, the next one if it is lost; waits like ``_send`` when all are."""
@@ -424,42 +458,18 @@ class MultiServerEngine:
                     version, ids, before = self._reference
                     gap = reference_gap(before, engine._prompt_logprobs(ids), engine.dtype, version)
             except VLLMError as error:
-                self._refused(member, error)
+                member.cannot_rejoin(error, self.health_poll_s)
                 return
             member.requests_since_rejoin, member.refused = 0, None
             self.spread.mark_up(member)
         logger.warning("%s is back: given policy version %d%s; it takes requests again.", member.name,
                        self.policy_version, "" if gap is None else f" (log-probs as the others', gap {gap:.2g})")
 
-    def _refused(self, member: Member, error: VLLMError) -> None:
-        """Say why ``member`` cannot rejoin, once per reason: the watcher asks again at every poll, quietly."""
-        reason = str(error)
-        if reason == member.refused:
-            logger.debug("%s still cannot rejoin: %s", member.name, reason)
-            return
-        member.refused = reason
-        logger.warning("%s answers again but cannot rejoin: %s (the pool keeps polling it every %.3g s and says when "
-                       "it rejoins)", member.name, reason, self.health_poll_s)
-
     # --- state --------------------------------------------------------------------------------------------------
 
     def server_metrics(self) -> dict[str, float]:
-        """Per server ``i``: ``vllm/i/requests`` (answered so far), ``vllm/i/tokens_per_s`` (completion tokens since
-        the last call), ``vllm/i/policy_version``, ``vllm/i/up`` (1/0) and ``vllm/i/probe_gap`` (when probed)."""
-        now = time.monotonic()
-        metrics = {}
-        for member in self.members:
-            then, tokens = member.last_read
-            prefix = f"vllm/{member.index}/"
-            metrics[prefix + "requests"] = member.requests
-            if then:
-                metrics[prefix + "tokens_per_s"] = (member.tokens - tokens) / max(now - then, 1e-9)
-            member.last_read = (now, member.tokens)
-            metrics[prefix + "policy_version"] = member.engine.policy_version
-            metrics[prefix + "up"] = float(member.up)
-            if member.probe_gap is not None:
-                metrics[prefix + "probe_gap"] = member.probe_gap
-        return metrics
+        """Each server's requests, tokens/s, version, whether up, probe gap (``pool.server_metrics``)."""
+        return server_metrics(self.members)
 
     def health(self) -> dict:
         """``ok`` when at least one server answers ``/health``; ``servers``: each one's ``VLLMEngine.health()``
