@@ -115,41 +115,51 @@ def test_a_pool_without_its_servers_says_which_is_missing():
 def test_a_weight_load_waits_for_a_lost_pool_to_come_back(doomed, tmp_path):
     # Every server of the pool lost (here: one server under two addresses) while the trainer trains: the next load
     # waits --vllm_reconnect_timeout_s for one to come back, as requests and a single server's load do.
-    import threading
-
-    from verifiers_rl.inference.vllm.pool import MultiServerEngine
-
-    pool = MultiServerEngine([doomed.url, doomed.url + "/v1"], model=doomed.model_dir, reconnect_timeout_s=600,
-                             weights_dir=str(tmp_path / "snapshots"), health_poll_s=0.5)
-    outcome = []
-
-    def load():
-        try:
-            pool.load_weights(doomed.hf_model("other").named_parameters(), version=1)
-            outcome.append("loaded")
-        except Exception as error:  # noqa: BLE001 - the assertion below shows it
-            outcome.append(error)
-
+    pool = _pool_of_one(doomed, tmp_path)
     try:
-        doomed.server.kill()
-        doomed.dirty = True
-        loading = threading.Thread(target=load)
-        loading.start()
-        deadline = time.monotonic() + 120
-        while pool.spread.live() and loading.is_alive():
-            assert time.monotonic() < deadline, "the pool never noticed its servers were gone"
-            time.sleep(0.2)
-        time.sleep(1.0)
-        assert loading.is_alive(), f"the load gave up at once: {outcome}"
-        doomed.restart_same_port()
-        doomed.dirty = True
-        loading.join(300)
-        assert outcome == ["loaded"] and pool.policy_version == 1, outcome
+        other = doomed.hf_model("other").named_parameters()
+        assert _through_a_lost_pool(doomed, pool, lambda: pool.load_weights(other, version=1)) is None
+        assert pool.policy_version == 1
         expected = hf_prompt_logprobs(doomed.other_dir, PROBE)
         for name, logps in pool.prompt_logprobs_by_server(PROBE).items():
             torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=0, msg=name)
     finally:
+        doomed.dirty = True  # the restarted server got the other weights
         pool.close()
+
+
+def _pool_of_one(doomed, tmp_path):
+    """A pool of ``doomed``'s server under two addresses: killing it loses every server of the pool."""
+    from verifiers_rl.inference.vllm.pool import MultiServerEngine
+
+    return MultiServerEngine([doomed.url, doomed.url + "/v1"], model=doomed.model_dir, reconnect_timeout_s=600,
+                             weights_dir=str(tmp_path / "snapshots"), health_poll_s=0.5)
+
+
+def _through_a_lost_pool(doomed, pool, call):
+    """``call()`` on a thread while ``pool``'s one server is killed and started again: it must wait rather than fail
+    at once; returns what it returned."""
+    import threading
+
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except Exception as error:  # noqa: BLE001 - the assertion below shows it
+            outcome.append(error)
+
+    doomed.server.kill()
+    doomed.dirty = True
+    thread = threading.Thread(target=run)
+    thread.start()
+    _wait_until(lambda: not pool.spread.live() or not thread.is_alive(), 120, "the pool never saw its loss")
+    time.sleep(1.0)
+    assert thread.is_alive(), f"it gave up at once: {outcome}"
+    doomed.restart_same_port()
+    thread.join(300)
+    assert len(outcome) == 1 and not isinstance(outcome[0], Exception), outcome
+    return outcome[0]
 
 
 @pytest.mark.parametrize("transfer", ["files", "gloo"])
@@ -243,32 +253,12 @@ def test_a_refused_rejoin_is_said_once(untied, doomed, tmp_path, caplog):
 def test_the_post_sync_probe_waits_for_a_lost_pool_to_come_back(doomed, tmp_path):
     # Every server of the pool lost (one server under two addresses) right after a load: the trainer's post-sync probe
     # waits --vllm_reconnect_timeout_s for one to come back, as requests and weight loads do.
-    import threading
-
-    from verifiers_rl.inference.vllm.pool import MultiServerEngine
-
-    pool = MultiServerEngine([doomed.url, doomed.url + "/v1"], model=doomed.model_dir, reconnect_timeout_s=600,
-                             weights_dir=str(tmp_path / "snapshots"), health_poll_s=0.5)
-    outcome = []
-
-    def probe():
-        try:
-            outcome.append(pool.prompt_logprobs_by_server(PROBE))
-        except Exception as error:  # noqa: BLE001 - the assertion below shows it
-            outcome.append(error)
-
+    pool = _pool_of_one(doomed, tmp_path)
     try:
-        doomed.server.kill()
-        probing = threading.Thread(target=probe)
-        probing.start()
-        _wait_until(lambda: not pool.spread.live() or not probing.is_alive(), 120, "the pool never saw its loss")
-        time.sleep(1.0)
-        assert probing.is_alive(), f"the probe gave up at once: {outcome}"
-        doomed.restart_same_port()
-        probing.join(300)
-        assert len(outcome) == 1 and isinstance(outcome[0], dict) and len(outcome[0]) == 2, outcome
+        by_server = _through_a_lost_pool(doomed, pool, lambda: pool.prompt_logprobs_by_server(PROBE))
+        assert len(by_server) == 2, by_server
         expected = hf_prompt_logprobs(doomed.model_dir, PROBE)
-        for name, logps in outcome[0].items():
+        for name, logps in by_server.items():
             torch.testing.assert_close(torch.tensor(logps), expected, atol=1e-4, rtol=0, msg=name)
     finally:
         pool.close()

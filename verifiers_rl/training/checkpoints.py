@@ -48,9 +48,9 @@ from verifiers_rl.training.weight_stream import gathered
 
 logger = logging.getLogger(__name__)
 
-_SAVED, _FAILED, _DISK_FULL = 0, 1, 2
+_SAVED, _FAILED, _DISK_FULL = 0, 1, 2  # a rank's outcome of writing its part of a checkpoint, agreed by the largest
 # In --output_dir: --save_rollouts_path's length when the run started fresh (``start_saved_rollouts``).
-ROLLOUTS_START_FILE = "verifiers_rl_rollouts_start.json"  # a rank's outcome of writing its part of a checkpoint, agreed by the largest
+ROLLOUTS_START_FILE = "verifiers_rl_rollouts_start.json"
 
 
 class RunCheckpoints:
