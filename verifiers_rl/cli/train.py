@@ -151,12 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
     except TrainingPreempted as stopped:
         # Every rank says where the checkpoint is; the exit status tells a scheduler the run was stopped, not done.
-        print(f"[rank {trainer.accelerator.process_index}] {stopped}", flush=True)
+        sys.stdout.write(f"[rank {trainer.accelerator.process_index}] {stopped}\n")  # one write (as below)
+        sys.stdout.flush()
         leave_process_group()
         return stopped.exit_code
     except RUN_FAILURES as failed:  # the environment, the engine or the main process failed mid-run: said in a line
         rank = f"[rank {trainer.accelerator.process_index}] " if trainer.accelerator.num_processes > 1 else ""
-        print(f"{rank}{parser.prog}: error: {failure_line(failed)}", file=sys.stderr, flush=True)
+        # One write, newline included: print() writes the text and its end apart, and two ranks' lines interleaved.
+        sys.stderr.write(f"{rank}{parser.prog}: error: {failure_line(failed)}\n")
+        sys.stderr.flush()
         leave_process_group()
         return 1
     finally:
