@@ -632,8 +632,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         """--logging_steps acts only with --logging_strategy steps (HF reads it nowhere else): ``given`` (default:
         other than the field's default) beside epoch or no, refused by name. Checked by the trainer and the command,
         not in __post_init__: the command's own default (a line a step) is not the field's, and only it can tell."""
-        default = next(f.default for f in fields(self) if f.name == "logging_steps")
-        given = self.logging_steps != default if given is None else given
+        given = self.logging_steps != type(self).logging_steps if given is None else given
         strategy = getattr(self.logging_strategy, "value", self.logging_strategy)  # HF's enum, or a string
         if strategy != "steps" and given:
             raise ValueError(f"--logging_steps {self.logging_steps:g} acts only with --logging_strategy steps, not "

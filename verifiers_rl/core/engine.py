@@ -80,6 +80,14 @@ def check_open(closed: bool) -> None:
         raise EngineClosedError("The engine is closed.")
 
 
+def check_sequences_fit(engine, max_seq_len: int | None) -> None:
+    """An engine with a sequence limit of its own (a vLLM server's --max-model-len: ``take_sequences``) must hold
+    ``max_seq_len`` tokens (None: nothing is generated); others take any length."""
+    takes = getattr(engine, "take_sequences", None)
+    if takes is not None and max_seq_len is not None:
+        takes(max_seq_len)
+
+
 def check_token_ids(token_ids: Iterable[int], vocab_size: int | None, name: str = "prompt_ids",
                     min_length: int = 1) -> list[int]:
     """``token_ids`` as ints; raises when there are fewer than ``min_length`` or one is outside [0, vocab_size)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from verifiers_rl.envs.environment import Environment, Row
 from verifiers_rl.envs.rubric import ERRORS_METRIC
 from verifiers_rl.envs.splits import split_size_hint
+from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.core.rollout import Rollout, group_episodes, metric_values
 from verifiers_rl.core.settings import settings_from
@@ -302,9 +303,7 @@ class TrainingEvaluation:
                 "Evaluation needs an inference engine on the main process (examples/train.py builds one; with "
                 "RLTrainer pass engine=...)."
             )
-        takes = getattr(engine, "take_sequences", None)  # a vLLM server: its --max-model-len must hold them
-        if takes is not None:
-            takes(self.environment.max_seq_len)
+        check_sequences_fit(engine, self.environment.max_seq_len)
 
     def run(self, engine) -> EvalResult:
         self.check_engine(engine)

@@ -43,6 +43,7 @@ from verifiers_rl.training.distributed import (
 from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
 from verifiers_rl.inference.factory import build_engine
+from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.launch import restart_count
 from verifiers_rl.core.modeling import unwrap
 from verifiers_rl.training.preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
@@ -140,13 +141,6 @@ def _render_with_config(args, environment, eval_environment) -> None:
                          "already. Leave it unset.")
     for env in environments:
         env.use_chat_template_kwargs(args.chat_template_kwargs)
-
-
-def _check_server_length(engine, environment) -> None:
-    """A vLLM server's --max-model-len must hold the environment's sequences (``VLLMEngine.take_sequences``)."""
-    takes = getattr(engine, "take_sequences", None)
-    if environment is not None and takes is not None:
-        takes(environment.max_seq_len)
 
 
 def _give_trainer_state(state, *environments) -> None:
@@ -284,7 +278,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self._source: RolloutSource | None = None  # the main process's; the other ranks never read a source
 
         def made() -> int:
-            _check_server_length(engine, environment)
+            check_sequences_fit(engine, getattr(environment, "max_seq_len", None))  # None: a replay
             self._source = make_source(args, rollout_source, environment, engine)
             self.generator = self._source if environment is not None else None
             if isinstance(self._source, ReplaySource):  # a file's over-long rollout: refused now, not at its batch
