@@ -165,6 +165,14 @@ def test_a_limit_that_is_not_a_whole_number_is_refused_by_name(tokenizer, limit,
     assert EchoEnv([{"question": "go"}], Rubric(), tokenizer, **{limit: np.int64(64)}).max_seq_len > 2  # an int
 
 
+def test_a_single_turn_environment_refuses_max_turns_by_name(tokenizer):
+    # As --env_args '{"max_turns": 3}' passes it to reverse_text: Python's "got multiple values for keyword argument".
+    with pytest.raises(ValueError, match=r"SingleTurnEnv: max_turns=3 is refused: a single-turn environment has one "
+                                         r"model turn; use a MultiTurnEnv for several"):
+        SingleTurnEnv([{"question": "go"}], Rubric(), tokenizer, max_turns=3)
+    assert SingleTurnEnv([{"question": "go"}], Rubric(), tokenizer, max_turns=1).max_turns == 1  # what it is
+
+
 def test_is_completed_sees_the_last_allowed_turn_too(tokenizer):
     # A game that records the outcome when it checks the model's turn, and a reward that reads it: an answer on the
     # last allowed turn scored as if never given when max_turns ended the episode before is_completed ran.
