@@ -191,6 +191,29 @@ def test_is_completed_sees_the_last_allowed_turn_too(tokenizer):
     assert [m["content"] for m in rollout.completion][-1] == "stop" and rollout.reward == 1.0
 
 
+def test_the_environments_reply_can_end_the_episode(tokenizer):
+    # is_completed runs after model turns only: a game decided by the model's move still asked for another model
+    # turn after announcing the outcome. As in verifiers' MultiTurnEnv, the reply set as final_env_response ends it.
+    class Game(EchoEnv):
+        def env_response(self, messages, state):
+            reply = [{"role": "user", "content": "You win."}]
+            if state["turn"] == 2:
+                state["final_env_response"] = reply
+            return reply
+
+    def heard_outcome(completion):
+        return float(completion[-1]["content"] == "You win.")
+
+    eos = tokenizer.eos_token_id
+    env = Game([{"question": "go"}], Rubric([heard_outcome]), tokenizer, max_turns=5)
+    sampler = ScriptedSampler([[5, eos], [6, eos], [7, eos]])
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    assert len(sampler.calls) == 2 and rollout.reward == 1.0 and not rollout.truncated
+    assert [m["role"] for m in rollout.completion] == ["assistant", "user", "assistant", "user"]
+    assert [t for t, m in zip(rollout.completion_ids, rollout.completion_mask) if m] == [5, eos, 6, eos]
+    assert rollout.completion_ids[-2:] == [6, eos]  # the final reply is no tokens: no model turn follows it
+
+
 def test_template_that_is_not_prefix_consistent_is_a_clear_error(tokenizer):
     counting = copy.deepcopy(tokenizer)
     counting.chat_template = "{{ messages | length }} messages\n" + tokenizer.chat_template

@@ -15,8 +15,9 @@ from verifiers_rl.core.sampling import Sampler
 from verifiers_rl.envs.turns import TemplateError, bridge_ids  # noqa: F401  (TemplateError: re-exported by envs)
 
 class MultiTurnEnv(Environment):
-    """Alternates model turns and ``env_response`` until ``is_completed``, ``max_turns`` model turns, a truncated
-    model turn, or no room left within ``max_seq_len`` (the last two mark the rollout truncated).
+    """Alternates model turns and ``env_response`` until ``is_completed``, ``max_turns`` model turns, a reply of the
+    environment's that ends the episode (``state["final_env_response"]``), a truncated model turn, or no room left
+    within ``max_seq_len`` (the last two mark the rollout truncated).
 
     Subclasses implement ``env_response`` and usually ``is_completed`` (plain or ``async def``).
     """
@@ -32,7 +33,9 @@ class MultiTurnEnv(Environment):
         return False
 
     def env_response(self, messages: Messages, state: dict[str, Any]) -> Messages:
-        """The environment's messages in reply to the model's last turn (``messages[-1]``)."""
+        """The environment's messages in reply to the model's last turn (``messages[-1]``). To end the episode with
+        this reply (a game decided by the model's move), set ``state["final_env_response"]`` to the reply, as verifiers'
+        MultiTurnEnv does: those messages end the completion (the rubric reads them) and no model turn follows."""
         raise NotImplementedError(f"{type(self).__name__} must implement env_response(messages, state).")
 
     async def generate(
@@ -58,6 +61,11 @@ class MultiTurnEnv(Environment):
             if await maybe_await(self.is_completed(messages, state)) or state["turn"] >= self.max_turns:
                 break
             new = check_messages(await maybe_await(self.env_response(messages, state)), f"{self.name}.env_response")
+            if state.get("final_env_response") is not None:  # the environment's reply ended the episode
+                final = check_messages(state["final_env_response"], f"{self.name}: state['final_env_response']")
+                messages += final
+                out.completion += final  # for the rubric; no model turn follows, so no tokens
+                break
             env_ids = self.environment_ids(messages, new, sample.token_ids[-1:])
             if len(prompt_ids) + len(out.completion_ids) + len(env_ids) >= self.max_seq_len:
                 out.truncated = True  # no room for another model turn
