@@ -2,13 +2,14 @@
 
 import asyncio
 import copy
+import datetime
 import json
 import logging
 
 import pytest
 
 from verifiers_rl.envs import Parser, Rubric, ToolEnv, extract_boxed_answer, parse_tool_calls
-from verifiers_rl.envs.tools import default_tool_mode
+from verifiers_rl.envs.tools import default_tool_mode, tool_result_text
 
 from .scripted import ScriptedSampler
 from .templates import OTHER_CALL_FORMAT_TEMPLATE
@@ -31,6 +32,15 @@ async def fail(reason: str) -> str:
         reason: What to fail with.
     """
     raise RuntimeError(reason)
+
+
+def lookup(city: str) -> dict:
+    """Look a city up.
+
+    Args:
+        city: The city's name.
+    """
+    return {"city": city, "found": True, "population": None, "tags": ("a", "b"), "since": datetime.date(1048, 1, 1)}
 
 
 def boxed_five(completion, parser):
@@ -212,3 +222,20 @@ def test_the_eval_cli_shows_the_tools_as_its_tool_mode_flag_says(tiny_model_dir,
     assert "# Tools\n<tools>" in prompt([]) and "You may call the functions below" not in prompt([])
     with pytest.raises(ValueError, match="--tool_mode text is not used by this evaluation: no environment it loads"):
         main([*base, "--env", "reverse_text", "--tool_mode", "text"])
+
+
+def test_a_tool_result_reaches_the_model_as_json(tool_tokenizer):
+    """A dict or list result reached the model as Python's str() ({'found': True, 'population': None}), which no
+    model reads as tool output: it is JSON; a string stays as it is; what JSON cannot hold is written with str()."""
+    env = ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[lookup, add])
+
+    def result(name, **arguments):
+        return asyncio.run(env.call_tool({"name": name, "arguments": arguments}))["content"]
+
+    assert json.loads(result("lookup", city="Oslo")) == {"city": "Oslo", "found": True, "population": None,
+                                                          "tags": ["a", "b"], "since": "1048-01-01"}
+    assert result("lookup", city="Zürich").startswith('{"city": "Zürich", "found": true, "population": null')
+    assert result("add", a=2, b=3) == "5"
+    assert [tool_result_text(v) for v in ("it's 'as is'", [1, None], {(1, 2): 3}, datetime.date(2026, 1, 2))] == [
+        "it's 'as is'", "[1, null]", "{(1, 2): 3}", "2026-01-02"]
+

@@ -144,6 +144,20 @@ class ToolRenderer:
         return [{"role": "system", "content": description}, *messages]
 
 
+def tool_result_text(result: Any) -> str:
+    """A tool's return value as the tool message's text: a string as it is; a dict, list, number, bool or None as
+    JSON (``{"ok": true}``, not Python's ``{'ok': True}``), a value inside it that JSON cannot hold written as its
+    ``str()``; any other object as its ``str()``."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, (dict, list, tuple, int, float, type(None))):
+        try:
+            return json.dumps(result, ensure_ascii=False, default=str)
+        except (TypeError, ValueError):  # keys JSON cannot hold (a tuple) or a circular reference
+            pass
+    return str(result)
+
+
 def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
     """Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in ``text``, as a dict with ``name`` and
     ``arguments`` (a dict); a call that cannot be read is returned as a string describing the problem."""
@@ -231,4 +245,4 @@ class ToolEnv(MultiTurnEnv):
             result = await maybe_await(self.tools[name](**call["arguments"]))
         except Exception as error:  # noqa: BLE001 - the model sees its mistake instead of the rollout crashing
             return {"role": "tool", "name": name, "content": f"Error: {type(error).__name__}: {error}"}
-        return {"role": "tool", "name": name, "content": str(result)}
+        return {"role": "tool", "name": name, "content": tool_result_text(result)}
