@@ -36,3 +36,11 @@ ALTERNATING_TEMPLATE = (
     "{{ '<start_of_turn>' + role + '\n' + (prefix if loop.first else '') + (message['content'] | trim) }}"
     "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
 )
+
+# TOOL_TEMPLATE that, like Mistral's, needs each tool message's tool_call_id (and shows it to the model).
+CALL_ID_TOOL_TEMPLATE = TOOL_TEMPLATE.replace(
+    "{{ '\n<tool_response>\n' + message.content",
+    "{% if message.tool_call_id is not defined %}{{ raise_exception('Tool messages need a tool_call_id') }}{% endif %}"
+    "{{ '\n<tool_response id=' + message.tool_call_id + '>\n' + message.content",
+)
+assert CALL_ID_TOOL_TEMPLATE != TOOL_TEMPLATE

@@ -12,7 +12,7 @@ from verifiers_rl.envs import Parser, Rubric, ToolEnv, extract_boxed_answer, par
 from verifiers_rl.envs.tools import default_tool_mode, tool_result_text
 
 from .scripted import ScriptedSampler
-from .templates import OTHER_CALL_FORMAT_TEMPLATE
+from .templates import CALL_ID_TOOL_TEMPLATE, OTHER_CALL_FORMAT_TEMPLATE
 
 
 def add(a: int, b: int) -> int:
@@ -238,4 +238,24 @@ def test_a_tool_result_reaches_the_model_as_json(tool_tokenizer):
     assert result("add", a=2, b=3) == "5"
     assert [tool_result_text(v) for v in ("it's 'as is'", [1, None], {(1, 2): 3}, datetime.date(2026, 1, 2))] == [
         "it's 'as is'", "[1, null]", "{(1, 2): 3}", "2026-01-02"]
+
+
+def test_tool_messages_carry_the_id_of_their_call(tool_tokenizer):
+    """Tool messages had no tool_call_id: a template that needs one (Mistral's) failed every tool rollout, and none
+    could show the model which result answers which call. The model's own id is kept; a call without one gets one."""
+    tok = copy.deepcopy(tool_tokenizer)
+    tok.chat_template = CALL_ID_TOOL_TEMPLATE
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "abc123xyz"}</tool_call>'
+             '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call><tool_call>oops</tool_call>',
+             '<tool_call>{"name": "add", "arguments": {"a": 0, "b": 5}}</tool_call>', "\\boxed{5}"]
+    sampler = ScriptedSampler([tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns])
+    env = ToolEnv([{"question": "2 + 3?"}], Rubric(), tok, tools=[add], max_new_tokens=512, max_seq_len=4096)
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    tool_messages = [m for m in rollout.completion if m["role"] == "tool"]
+    assert [(m["tool_call_id"], m["content"]) for m in tool_messages] == [
+        ("abc123xyz", "5"), ("call01001", "2"), ("call01002", tool_messages[2]["content"]), ("call02000", "5")]
+    assert all(len(m["tool_call_id"]) == 9 and m["tool_call_id"].isalnum() for m in tool_messages)  # as Mistral asks
+    env_text = tok.decode([t for t, m in zip(rollout.completion_ids, rollout.completion_mask) if m == 0])
+    assert "<tool_response id=abc123xyz>\n5\n</tool_response>" in env_text
+    assert "<tool_response id=call02000>" in env_text
 

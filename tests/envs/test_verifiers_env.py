@@ -114,6 +114,8 @@ def test_tool_env_calls_tools_from_sampled_text(tokenizer, template):
     assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "assistant"]
     assert rollout.completion[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert rollout.completion[1]["content"] == "5"
+    call_id = rollout.completion[0]["tool_calls"][0]["id"]  # 9 letters and digits, as Mistral's template asks
+    assert rollout.completion[1]["tool_call_id"] == call_id and len(call_id) == 9 and call_id.isalnum()
     prompt = tok.decode(rollout.prompt_ids)
     assert '"name": "add"' in prompt and ("# Tools\n<tools>" in prompt) == (template == "template")
     result = "<tool_response>\n5\n</tool_response>" if template == "template" else "<|im_start|>tool\n5<|im_end|>"

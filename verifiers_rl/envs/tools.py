@@ -144,6 +144,12 @@ class ToolRenderer:
         return [{"role": "system", "content": description}, *messages]
 
 
+def tool_call_id(turn: int, index: int) -> str:
+    """The id of the ``index``-th tool call of model turn ``turn`` where the model gave none: 9 letters and digits
+    (``call01000``), the form Mistral's template insists on, unique within a rollout and a function of it alone."""
+    return f"call{turn:02d}{index:03d}"
+
+
 def tool_result_text(result: Any) -> str:
     """A tool's return value as the tool message's text: a string as it is; a dict, list, number, bool or None as
     JSON (``{"ok": true}``, not Python's ``{'ok': True}``), a value inside it that JSON cannot hold written as its
@@ -160,7 +166,8 @@ def tool_result_text(result: Any) -> str:
 
 def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
     """Each ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in ``text``, as a dict with ``name`` and
-    ``arguments`` (a dict); a call that cannot be read is returned as a string describing the problem."""
+    ``arguments`` (a dict), and ``id`` where the model wrote a string one; a call that cannot be read is returned as a
+    string describing the problem."""
     calls: list[dict[str, Any] | str] = []
     for body in _TOOL_CALL.findall(text):
         try:
@@ -174,7 +181,8 @@ def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             calls.append(f'a tool call must be {{"name": <string>, "arguments": <object>}}, got {body.strip()!r}')
             continue
-        calls.append({"name": call["name"], "arguments": arguments})
+        calls.append({"name": call["name"], "arguments": arguments,
+                      **({"id": call["id"]} if isinstance(call.get("id"), str) and call["id"] else {})})
     return calls
 
 
@@ -228,7 +236,15 @@ class ToolEnv(MultiTurnEnv):
         return not parse_tool_calls(messages[-1]["content"])
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> Messages:
-        return [await self.call_tool(call) for call in parse_tool_calls(messages[-1]["content"])]
+        """One tool message per call of the model's last turn, in order, each with the ``tool_call_id`` of its call
+        (the model's own ``id``, else ``tool_call_id(turn, index)``), as chat templates and verifiers expect."""
+        calls = parse_tool_calls(messages[-1]["content"])
+        return [{**await self.call_tool(call), "tool_call_id": self._call_id(call, state["turn"], index)}
+                for index, call in enumerate(calls)]
+
+    @staticmethod
+    def _call_id(call: dict[str, Any] | str, turn: int, index: int) -> str:
+        return call["id"] if isinstance(call, dict) and "id" in call else tool_call_id(turn, index)
 
     async def call_tool(self, call: dict[str, Any] | str) -> Message:
         """Run one parsed tool call; any problem becomes the tool message's text, for the model to read."""

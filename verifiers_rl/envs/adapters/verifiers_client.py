@@ -23,7 +23,7 @@ from verifiers.types import Response, ResponseMessage, ResponseTokens, ToolCall,
 
 from verifiers_rl.envs.turns import TemplateError, bridge_ids
 from verifiers_rl.core.sampling import Sample, Sampler, rollout_sampling
-from verifiers_rl.envs.tools import ToolRenderer, parse_tool_calls
+from verifiers_rl.envs.tools import ToolRenderer, parse_tool_calls, tool_call_id
 
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -165,7 +165,8 @@ class EngineClient(vf.Client):
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         calls = [c for c in parse_tool_calls(text) if isinstance(c, dict)] if response.tools_offered else []
         tool_calls = [
-            ToolCall(id=f"call_{response.turn}_{k}", name=c["name"], arguments=json.dumps(c["arguments"]))
+            ToolCall(id=c.get("id") or tool_call_id(response.turn, k), name=c["name"],
+                     arguments=json.dumps(c["arguments"]))
             for k, c in enumerate(calls)
         ]
         content = _TOOL_CALL_BLOCK.sub("", text).strip() if tool_calls else text
