@@ -5,10 +5,11 @@ import copy
 import datetime
 import json
 import logging
+import threading
 
 import pytest
 
-from verifiers_rl.envs import Parser, Rubric, ToolEnv, extract_boxed_answer, parse_tool_calls
+from verifiers_rl.envs import Parser, Rubric, Sample, ToolEnv, extract_boxed_answer, parse_tool_calls
 from verifiers_rl.envs.tools import default_tool_mode, tool_result_text
 
 from .scripted import ScriptedSampler
@@ -259,3 +260,40 @@ def test_tool_messages_carry_the_id_of_their_call(tool_tokenizer):
     assert "<tool_response id=abc123xyz>\n5\n</tool_response>" in env_text
     assert "<tool_response id=call02000>" in env_text
 
+
+def test_a_slow_plain_tool_does_not_hold_up_the_other_rollouts(tool_tokenizer):
+    """A plain (def) tool ran on the event loop: one slow call (a blocking request) stopped every rollout in flight
+    until it returned. It runs in a worker thread: while it waits, another rollout's turns go on."""
+    tok, events, other_went_on = tool_tokenizer, [], threading.Event()
+
+    def wait_for_other(seconds: int) -> str:
+        """Wait until another rollout has gone on, or ``seconds`` have passed.
+
+        Args:
+            seconds: The longest wait.
+        """
+        other_went_on.wait(seconds)  # set by the other rollout's second model turn, if it runs meanwhile
+        events.append("slow tool returned")
+        return "done"
+
+    replies = {"slow": ['<tool_call>{"name": "wait_for_other", "arguments": {"seconds": 5}}</tool_call>', "ok"],
+               "fast": ['<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', "ok"]}
+
+    class TwoTasks:  # the model: each task's replies in turn; the fast task's second turn is the progress observed
+        async def sample(self, prompt_ids, max_new_tokens):
+            task = "slow" if "slow task" in tok.decode(prompt_ids) else "fast"
+            if task == "fast" and len(replies["fast"]) == 1:
+                events.append("other rollout's second turn")
+                other_went_on.set()
+            ids = tok.encode(replies[task].pop(0), add_special_tokens=False) + [tok.eos_token_id]
+            return Sample(ids, [-1.0] * len(ids), "stop")
+
+    env = ToolEnv([{"question": "slow task"}, {"question": "fast task"}], Rubric(), tok, tools=[wait_for_other, add],
+                  max_new_tokens=512, max_seq_len=4096)
+
+    async def both():
+        return await asyncio.gather(*(env.rollout(TwoTasks(), row, i) for i, row in enumerate(env.dataset)))
+
+    rollouts = asyncio.run(both())
+    assert events == ["other rollout's second turn", "slow tool returned"]
+    assert [m["content"] for r in rollouts for m in r.completion if m["role"] == "tool"] == ["done", "3"]

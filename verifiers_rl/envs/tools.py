@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from verifiers_rl.envs.awaitable import maybe_await
+from verifiers_rl.envs.awaitable import call_off_loop
 from verifiers_rl.core.choices import check_chat_template_kwargs
 from verifiers_rl.envs.messages import Message, Messages
 from verifiers_rl.envs.multiturn import MultiTurnEnv
@@ -258,7 +258,7 @@ class ToolEnv(MultiTurnEnv):
                 "content": f"Error: unknown tool {name!r}; available: {sorted(self.tools)}.",
             }
         try:
-            result = await maybe_await(self.tools[name](**call["arguments"]))
+            result = await call_off_loop(self.tools[name], **call["arguments"])
         except Exception as error:  # noqa: BLE001 - the model sees its mistake instead of the rollout crashing
             return {"role": "tool", "name": name, "content": f"Error: {type(error).__name__}: {error}"}
         return {"role": "tool", "name": name, "content": tool_result_text(result)}
