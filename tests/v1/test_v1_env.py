@@ -132,3 +132,35 @@ def test_failures_and_settings_that_cannot_act_are_clear_errors(engine, tokenize
         load_environment(str(TEMPLATE))
     with pytest.raises(ValueError, match="--tool_mode text cannot reach .*renders tools itself"):
         load_environment(str(TEMPLATE), tokenizer=tokenizer, tool_mode="text")
+
+
+def test_a_failing_episode_stops_the_others_of_its_group_down_to_the_engine(engine, tokenizer):
+    # A group's episodes were gathered plainly: one failing left the others running, in the trainer and in the worker,
+    # playing and sampling for nobody while the group was retried. They are cancelled, down to the engine's call.
+    env = load_environment(str(TEMPLATE), tokenizer=tokenizer, harness="inprocess", taskset={"num_tasks": 2})
+
+    async def group():
+        waiting, stopped = asyncio.Event(), asyncio.Event()
+
+        class OneHangsOneFails:  # the engine: the first call waits (until cancelled), the second fails
+            eos_token_ids, sampling, policy_version = engine.eos_token_ids, engine.sampling, 0
+
+            async def sample(self, prompt_ids, max_new_tokens):
+                if not waiting.is_set():
+                    waiting.set()
+                    try:
+                        await asyncio.Event().wait()
+                    finally:
+                        stopped.set()
+                raise ValueError("the engine failed on purpose")
+
+        with pytest.raises(RolloutError, match="the engine failed on purpose"):
+            await env.rollout_group(OneHangsOneFails(), env.dataset[0], "g", 2, seed=1)
+        await asyncio.wait_for(stopped.wait(), 60)  # the other episode's call was cancelled, not left waiting
+
+    try:
+        asyncio.run(group())
+        process = env.worker.process
+    finally:
+        env.close()
+    assert process.returncode == 0  # closed with no episode left to finish, not killed

@@ -21,6 +21,7 @@ Protocol: JSON lines, requests on stdin, answers on stdout (verifiers' own print
   marks untrainable (a judge, a simulated user). The API key is read from the environment variable
   ``VERIFIERS_RL_V1_API_KEY``. For a model without a renderer of its own in the ``renderers`` package, turns are
   bridged by ``bridge_renderer.py`` (the sampled ids kept verbatim: one branch per episode of one agent).
+* ``{"op": "cancel", "id": <a run's id>}``: stop that run's episode (its group failed); no answer.
 * ``{"op": "close"}`` or end of input: exit.
 
 Any request that fails answers ``{"op": "error", "id": ..., "error": <type: message>, "traceback": ...}``.
@@ -246,7 +247,7 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    worker, pending = Worker(), set()
+    worker, pending = Worker(), {}  # the runs in flight, by request id
 
     async def answer(request: dict) -> None:
         try:
@@ -271,12 +272,15 @@ async def main() -> None:
                 break
             if request.get("op") == "load":
                 await answer(request)  # runs wait for the environment
+            elif request.get("op") == "cancel":
+                if (task := pending.get(request.get("id"))) is not None:
+                    task.cancel()  # v1's episode unwinds: its harness and model calls stop
             else:
                 task = asyncio.create_task(answer(request))
-                pending.add(task)
-                task.add_done_callback(pending.discard)
+                pending[request.get("id")] = task
+                task.add_done_callback(lambda _, key=request.get("id"): pending.pop(key, None))
         if pending:
-            await asyncio.gather(*pending)
+            await asyncio.gather(*pending.values(), return_exceptions=True)
     finally:
         await worker.close()
 

@@ -88,7 +88,8 @@ class GenerateEndpoint:
         app.router.add_post("/r/{key}/inference/v1/generate", self._generate)
         app.router.add_get("/r/{key}/v1/models", self._models)
         app.router.add_get("/r/{key}/models", self._models)
-        self._runner = web.AppRunner(app, access_log=None)
+        # A caller that goes away (its episode cancelled) cancels its call: the engine stops sampling for nobody.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, 0)
         await site.start()

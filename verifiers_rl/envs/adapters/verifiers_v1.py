@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.core.rollout import Rollout
+from verifiers_rl.envs.awaitable import gather_or_cancel
 from verifiers_rl.envs.environment import Environment, RolloutError, RolloutRefused, Row
 from verifiers_rl.envs.rubric import Rubric
 from verifiers_rl.core.sampling import RolloutSampling, Sampler, set_completion_versions
@@ -105,7 +106,13 @@ class EpisodeWorker:
         self._waiting[request_id] = future
         self.process.stdin.write((json.dumps(request) + "\n").encode())
         await self.process.stdin.drain()
-        answer = await future
+        try:
+            answer = await future
+        except asyncio.CancelledError:  # e.g. its group failed: the worker stops the episode too, else it plays on
+            self._waiting.pop(request_id, None)
+            if self.process is not None and self.process.returncode is None:
+                self.process.stdin.write((json.dumps({"op": "cancel", "id": request_id}) + "\n").encode())
+            raise
         if answer.get("op") == "error":
             raise EpisodeWorkerError(answer["error"], answer.get("traceback", ""))
         return answer
@@ -254,7 +261,9 @@ class V1Env(Environment):
         """``n`` episodes of task ``row.index``, episode i sampling under ``RolloutSampling(derive_seed(seed, i),
         temperature)``; an episode of several trainable branches gives one rollout per branch (``episode_id`` i)."""
         samplings = self.group_samplings(n, seed, temperature)
-        episodes = await asyncio.gather(*(self._episode(sampler, s, row, group_id, i) for i, s in enumerate(samplings)))
+        # One failing episode stops the others (and the worker's episodes behind them), as for every environment.
+        episodes = await gather_or_cancel([self._episode(sampler, sampling, row, group_id, i)
+                                           for i, sampling in enumerate(samplings)])
         return [rollout for episode in episodes for rollout in episode]
 
     async def _episode(self, sampler: Sampler, sampling: RolloutSampling, row: Row, group_id,
