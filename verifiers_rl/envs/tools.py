@@ -187,8 +187,9 @@ def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
 
 
 class ToolEnv(MultiTurnEnv):
-    """The model may call ``tools`` (functions with type hints and a Google-style docstring, plain or ``async def``);
-    each call's result, or its error as text, comes back as a ``{"role": "tool"}`` message. The rollout is complete
+    """The model may call ``tools`` (functions with type hints and a Google-style docstring, plain or ``async def``; a
+    plain one runs in a worker thread, several rollouts' at once); each call's result, or its error as text, comes back
+    as a ``{"role": "tool"}`` message. The rollout is complete
     when the model answers without a tool call. Takes the arguments of ``MultiTurnEnv`` plus ``tools`` and
     ``tool_mode`` (``auto``, ``template`` or ``text``: see ``ToolRenderer``).
     """
