@@ -13,7 +13,7 @@ from verifiers_rl.envs import Parser, Rubric, Sample, ToolEnv, extract_boxed_ans
 from verifiers_rl.envs.tools import default_tool_mode, tool_result_text
 
 from .scripted import ScriptedSampler
-from .templates import CALL_ID_TOOL_TEMPLATE, OTHER_CALL_FORMAT_TEMPLATE
+from .templates import ALTERNATING_TEMPLATE, CALL_ID_TOOL_TEMPLATE, OTHER_CALL_FORMAT_TEMPLATE
 
 
 def add(a: int, b: int) -> int:
@@ -297,3 +297,26 @@ def test_a_slow_plain_tool_does_not_hold_up_the_other_rollouts(tool_tokenizer):
     rollouts = asyncio.run(both())
     assert events == ["other rollout's second turn", "slow tool returned"]
     assert [m["content"] for r in rollouts for m in r.completion if m["role"] == "tool"] == ["done", "3"]
+
+
+def test_tool_results_reach_a_template_without_a_tool_role_as_user_turns(tokenizer, caplog):
+    """Gemma's template refuses a "tool" message (roles must alternate): every rollout that called a tool failed with
+    the template's error. Its results go in one user turn of <tool_response> blocks, said once; the completion keeps
+    the tool messages (for the rubric) and the trained ids are the sampled ids."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ALTERNATING_TEMPLATE
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+             '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>', "It is \\boxed{5}."]
+    sampled = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns]
+    sampler = ScriptedSampler(list(sampled))
+    with caplog.at_level(logging.WARNING):
+        env = ToolEnv([{"question": "2 + 3?"}], Rubric([boxed_five], parser=Parser(extract=extract_boxed_answer)),
+                      tok, tools=[add], max_new_tokens=512, max_seq_len=4096)
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    assert "does not show tool messages, so tool results are sent as user messages" in caplog.text
+    assert [m["role"] for m in rollout.completion] == ["assistant", "tool", "tool", "assistant"]
+    assert rollout.reward == 1.0
+    assert [t for t, m in zip(rollout.completion_ids, rollout.completion_mask) if m] == sampled[0] + sampled[1]
+    assert tok.decode(sampler.calls[1][0]).endswith(
+        "<start_of_turn>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n2\n</tool_response>"
+        "<end_of_turn>\n<start_of_turn>model\n")

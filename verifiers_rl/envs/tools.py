@@ -105,6 +105,11 @@ class ToolRenderer:
                 "for <tool_call> blocks, or tool_mode='text' (--tool_mode text) to describe the tools in the system "
                 "prompt."
             )
+        # Gemma's refuses a "tool" message (roles must alternate), others drop it: results then go in a user turn.
+        self.tool_role = self.mode == "template" or self._shows_tool_messages()
+        if not self.tool_role:
+            logger.warning("%s: the chat template does not show tool messages, so tool results are sent as user "
+                           "messages of <tool_response> blocks.", name)
 
     def with_kwargs(self, chat_template_kwargs: dict[str, Any]) -> "ToolRenderer":
         """A renderer of the same tools and requested mode with ``chat_template_kwargs`` (``auto`` decides anew)."""
@@ -123,13 +128,25 @@ class ToolRenderer:
             return "asks for tool calls in a format of its own, not the <tool_call> blocks that are read"
         return None
 
+    def _shows_tool_messages(self) -> bool:
+        """Whether the chat template renders a tool message after an assistant turn, showing its content."""
+        probe = "\x00verifiers_rl-tool-result\x00"
+        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"},
+                {"role": "tool", "content": probe}]
+        try:
+            return probe in self._template(chat, True)
+        except Exception:  # noqa: BLE001 - the template's own refusal (jinja's raise_exception)
+            return False
+
     def render(self, messages: Messages, add_generation_prompt: bool) -> str:
-        if self.mode == "text" and self.schemas:
-            return self.tokenizer.apply_chat_template(
-                self._with_description(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
-                **self.chat_template_kwargs,
-            )
-        return self._template(messages, add_generation_prompt)
+        if self.mode == "template":
+            return self._template(messages, add_generation_prompt)
+        if not self.tool_role:
+            messages = tool_results_as_user_turns(messages)
+        if self.schemas:
+            messages = self._with_description(messages)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.chat_template_kwargs)
 
     def _template(self, messages: Messages, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -142,6 +159,22 @@ class ToolRenderer:
         if messages and messages[0]["role"] == "system":
             return [{**messages[0], "content": f"{messages[0]['content']}\n\n{description}"}, *messages[1:]]
         return [{"role": "system", "content": description}, *messages]
+
+
+def tool_results_as_user_turns(messages: Messages) -> Messages:
+    """``messages`` with each run of tool messages made one user message of ``<tool_response>`` blocks (Hermes' and
+    Qwen's form), for a chat template that has no tool role."""
+    out: Messages = []
+    for position, message in enumerate(messages):
+        if message["role"] != "tool":
+            out.append(message)
+            continue
+        block = f"<tool_response>\n{message['content']}\n</tool_response>"
+        if position and messages[position - 1]["role"] == "tool":  # the same run: one user turn
+            out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{block}"}
+        else:
+            out.append({"role": "user", "content": block})
+    return out
 
 
 def tool_call_id(turn: int, index: int) -> str:
