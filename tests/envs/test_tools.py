@@ -237,6 +237,8 @@ def test_a_tool_result_reaches_the_model_as_json(tool_tokenizer):
                                                           "tags": ["a", "b"], "since": "1048-01-01"}
     assert result("lookup", city="Zürich").startswith('{"city": "Zürich", "found": true, "population": null')
     assert result("add", a=2, b=3) == "5"
+    # A result that has no text is the model's error to read, not the rollout's crash.
+    assert result("add", a=10**4300, b=0).startswith("Error: ValueError: Exceeds the limit (4300 digits)")
     assert [tool_result_text(v) for v in ("it's 'as is'", [1, None], {(1, 2): 3}, datetime.date(2026, 1, 2))] == [
         "it's 'as is'", "[1, null]", "{(1, 2): 3}", "2026-01-02"]
 

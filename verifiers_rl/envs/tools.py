@@ -291,8 +291,8 @@ class ToolEnv(MultiTurnEnv):
                 "name": name,
                 "content": f"Error: unknown tool {name!r}; available: {sorted(self.tools)}.",
             }
-        try:
-            result = await call_off_loop(self.tools[name], **call["arguments"])
+        try:  # the result's text too: an int past Python's 4300 digits, an object whose __str__ raises
+            text = tool_result_text(await call_off_loop(self.tools[name], **call["arguments"]))
         except Exception as error:  # noqa: BLE001 - the model sees its mistake instead of the rollout crashing
             return {"role": "tool", "name": name, "content": f"Error: {type(error).__name__}: {error}"}
-        return {"role": "tool", "name": name, "content": tool_result_text(result)}
+        return {"role": "tool", "name": name, "content": text}
