@@ -154,6 +154,17 @@ def test_two_tools_of_one_name_are_refused_by_name(tool_tokenizer):
         ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=[add, negate()])
 
 
+@pytest.mark.parametrize("tools,refused", [
+    (add, r"tools must be a list of functions, got function <function add .*\(for one tool: tools=\[f\]\)"),
+    ("add", r"tools must be a list of functions, got str 'add'"),
+    ([add, "fail"], r"each tool must be a function .*got str 'fail'"),
+])
+def test_tools_that_are_not_a_list_of_functions_are_refused_by_name(tool_tokenizer, tools, refused):
+    # tools=add said "'function' object is not iterable"; tools=["add"] "'str' object has no attribute '__name__'".
+    with pytest.raises(TypeError, match=rf"ToolEnv: {refused}"):
+        ToolEnv([{"question": "q"}], Rubric(), tool_tokenizer, tools=tools)
+
+
 def test_default_tool_mode_records_what_read_it(tokenizer):
     """--tool_mode is refused where nothing reads it: the block names the tool environments built inside it (a
     nested load's too), none for an environment without tools, none for a ToolEnv given its own mode."""

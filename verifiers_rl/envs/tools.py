@@ -219,6 +219,17 @@ def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
     return calls
 
 
+def check_tools(tools: Any) -> None:
+    """Refuse ``tools`` that are not a list of named functions (``tools=add`` for ``tools=[add]``, a tool's name)."""
+    if callable(tools) or isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence):
+        raise TypeError(f"ToolEnv: tools must be a list of functions, got {type(tools).__name__} {tools!r:.60} "
+                        "(for one tool: tools=[f]).")
+    for tool in tools:
+        if not callable(tool) or not isinstance(getattr(tool, "__name__", None), str):
+            raise TypeError(f"ToolEnv: each tool must be a function (its __name__ is the name calls use), got "
+                            f"{type(tool).__name__} {tool!r:.60}.")
+
+
 class ToolEnv(MultiTurnEnv):
     """The model may call ``tools`` (functions with type hints and a Google-style docstring, plain or ``async def``; a
     plain one runs in a worker thread, several rollouts' at once); each call's result, or its error as text, comes back
@@ -241,6 +252,7 @@ class ToolEnv(MultiTurnEnv):
     ):
         from transformers.utils import get_json_schema  # here, not at import: only tool environments need transformers
 
+        check_tools(tools)
         self.tools = {tool.__name__: tool for tool in tools}
         if len(self.tools) < len(tools):  # calls find a tool by name: all but the last of a name would be unreachable
             twice = sorted({tool.__name__ for tool in tools if [t.__name__ for t in tools].count(tool.__name__) > 1})
