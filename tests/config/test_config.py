@@ -96,6 +96,19 @@ def test_reward_weights_must_be_finite_numbers(weights):
     assert RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, reward_weights=[1, 0.5]).reward_weights
 
 
+@pytest.mark.parametrize("knob, value, message", [
+    ("ref_model_sync_steps", 0, "must be >= 1, got 0"),  # TRL's callback divided by it at the first step
+    ("ref_model_sync_steps", -1, "must be >= 1, got -1"),  # global_step % -1 == 0: a mix at every step
+    ("ref_model_mixup_alpha", 1.5, "must be <= 1, got 1.5"),  # reference = 1.5 policy - 0.5 reference
+    ("ref_model_mixup_alpha", -0.5, "must be >= 0, got -0.5"),
+])
+def test_sync_ref_models_mix_knobs_are_checked_by_name(knob, value, message):
+    mixing = dict(output_dir="/tmp/unused", report_to="none", use_cpu=True, beta=0.1, sync_ref_model=True)
+    with pytest.raises(ValueError, match=rf"^{knob} {message}"):
+        RLConfig(**mixing, **{knob: value})
+    assert getattr(RLConfig(**mixing, ref_model_sync_steps=1, ref_model_mixup_alpha=1.0), knob) == 1
+
+
 def test_vllm_fields_are_validated():
     assert vllm_config(vllm_server_url="http://127.0.0.1:8000").vllm_server_url == "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match="vllm_server_url must start with http"):
