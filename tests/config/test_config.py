@@ -109,6 +109,13 @@ def test_sync_ref_models_mix_knobs_are_checked_by_name(knob, value, message):
     assert getattr(RLConfig(**mixing, ref_model_sync_steps=1, ref_model_mixup_alpha=1.0), knob) == 1
 
 
+@pytest.mark.parametrize("count", [0, -1])
+def test_num_completions_to_print_below_one_is_refused(count):
+    # Taken, 0 printed the default 3 samples and -1 every group's: neither what was asked.
+    with pytest.raises(ValueError, match=rf"^num_completions_to_print must be >= 1, got {count}"):
+        RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, num_completions_to_print=count)
+
+
 def test_vllm_fields_are_validated():
     assert vllm_config(vllm_server_url="http://127.0.0.1:8000").vllm_server_url == "http://127.0.0.1:8000"
     with pytest.raises(ValueError, match="vllm_server_url must start with http"):

@@ -57,6 +57,7 @@ INHERITED_RANGES: dict[str, Range] = {
     "off_policy_mask_threshold": NON_NEGATIVE,
     "top_entropy_quantile": Range(0, strict=True, high=1),
     "ref_model_mixup_alpha": Range(0, high=1),  # a weight of a mix: above 1 extrapolates past the policy
+    "num_completions_to_print": AT_LEAST_ONE,  # 0 printed the default 3, a negative one every group
     "ref_model_sync_steps": AT_LEAST_ONE,  # TRL's callback mixes when global_step % it == 0 (0: a ZeroDivisionError)
     "logging_steps": POSITIVE,  # a float below 1: that fraction of the run's steps (as eval_steps, save_steps)
     "eval_steps": POSITIVE,
