@@ -109,6 +109,18 @@ def test_sync_ref_models_mix_knobs_are_checked_by_name(knob, value, message):
     assert getattr(RLConfig(**mixing, ref_model_sync_steps=1, ref_model_mixup_alpha=1.0), knob) == 1
 
 
+def test_an_unknown_multi_objective_aggregation_is_refused_by_name():
+    # TRL's field is a str: a misspelt value was taken and trained as sum_then_normalize.
+    with pytest.raises(ValueError, match=r"^Unknown multi_objective_aggregation 'normalise_then_sum'; expected one of "
+                                         r"sum_then_normalize, normalize_then_sum"):
+        RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True,
+                 multi_objective_aggregation="normalise_then_sum")
+    from verifiers_rl.cli.train import build_parser  # the command lists the choices
+
+    action = next(a for a in build_parser()._actions if a.dest == "multi_objective_aggregation")
+    assert list(action.choices) == ["sum_then_normalize", "normalize_then_sum"]
+
+
 @pytest.mark.parametrize("count", [0, -1])
 def test_num_completions_to_print_below_one_is_refused(count):
     # Taken, 0 printed the default 3 samples and -1 every group's: neither what was asked.

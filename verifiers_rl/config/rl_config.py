@@ -24,6 +24,7 @@ from verifiers_rl.core.choices import (
     LossType,
     MicroBatchingMode,
     OverlongPolicy,
+    RewardAggregation,
     ScaleRewards,
     SEQUENCE_CORRECTIONS,
     SequenceLogRatio,
@@ -187,6 +188,12 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     )
     scale_rewards: ScaleRewards = field(
         default="group", metadata={"help": "Advantage scaling: group std, batch std, or none."}
+    )
+    multi_objective_aggregation: RewardAggregation = field(
+        default="sum_then_normalize",  # TRL's str took any value, and every other one meant sum_then_normalize
+        metadata={"help": "How TRL-style reward_funcs combine: sum_then_normalize (their weighted sum, scaled by "
+                  "--scale_rewards) or normalize_then_sum (each standardised in its group, weighted, summed, then "
+                  "standardised over the step batch; GDPO)."},
     )
     max_off_policy_steps: Annotated[int, NON_NEGATIVE] = field(
         default=1,

@@ -19,6 +19,7 @@ SequenceLogRatio = Literal["mean", "sum"]
 SEQUENCE_CORRECTIONS = ("sequence_truncate", "sequence_mask")
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 ScaleRewards = Literal["group", "batch", "none"]
+RewardAggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # TRL's multi_objective_aggregation
 OverlongPolicy = Literal["error", "truncate"]
 MicroBatchingMode = Literal["padded", "packed"]
 SharePromptTraining = Literal["auto", "on", "off"]
