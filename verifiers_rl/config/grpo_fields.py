@@ -185,6 +185,9 @@ TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
     "dataloader_prefetch_factor": _NO_DATALOADER,
     "dataloader_multiprocessing_context": _NO_DATALOADER,
     "data_seed": "prompts are drawn by a shuffle seeded by --seed",
+    "neftune_noise_alpha": "noise on the training forward's embeddings, not the sampler's: the trained log-probs "
+                           "would differ from the sampled policy's, and the importance ratio and PPO clip measure "
+                           "the noise (NEFTune is for supervised fine-tuning)",
     "ignore_data_skip": "a resumed run continues the rollout source exactly where the checkpoint stood",
 }
 
