@@ -65,6 +65,8 @@ def test_a_refused_field_set_by_the_user_stops_with_its_name_and_reason(name):
 @pytest.mark.parametrize("name, value, why", [
     # HF's train() hooks noise into the training forward only: at k = 0 is_ratio read 1.016, not 1.
     ("neftune_noise_alpha", 5.0, "the trained log-probs would differ from the sampled policy's"),
+    # HF's SIGTERM handler never ran (ours replaced it in train()) and was restored after it: SIGTERM then ignored.
+    ("enable_jit_checkpoint", True, "SIGTERM and Ctrl-C already finish the step and write a checkpoint"),
 ])
 def test_training_arguments_that_would_act_wrongly_or_not_at_all_are_refused(name, value, why):
     with pytest.raises(ValueError, match=rf"^{name}={value!r} has no effect in verifiers_rl: .*{why}"):

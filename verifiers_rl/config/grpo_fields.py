@@ -185,6 +185,9 @@ TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
     "dataloader_prefetch_factor": _NO_DATALOADER,
     "dataloader_multiprocessing_context": _NO_DATALOADER,
     "data_seed": "prompts are drawn by a shuffle seeded by --seed",
+    "enable_jit_checkpoint": "SIGTERM and Ctrl-C already finish the step and write a checkpoint on every rank "
+                             "(docs/durability.md); HF's handler, replaced by ours during training, was put back "
+                             "after it and left SIGTERM ignored",
     "neftune_noise_alpha": "noise on the training forward's embeddings, not the sampler's: the trained log-probs "
                            "would differ from the sampled policy's, and the importance ratio and PPO clip measure "
                            "the noise (NEFTune is for supervised fine-tuning)",
