@@ -28,7 +28,7 @@ SAMPLE_VALUES = {
     "include_for_metrics": ["inputs"], "label_names": ["labels"], "length_column_name": "size",
     "train_sampling_strategy": "sequential", "dataloader_num_workers": 2, "dataloader_prefetch_factor": 4,
     "dataloader_multiprocessing_context": "spawn", "data_seed": 7, "include_num_input_tokens_seen": "all",
-    "neftune_noise_alpha": 5.0,
+    "neftune_noise_alpha": 5.0, "torch_empty_cache_steps": 4,
 }
 
 
@@ -67,6 +67,9 @@ def test_a_refused_field_set_by_the_user_stops_with_its_name_and_reason(name):
     ("neftune_noise_alpha", 5.0, "the trained log-probs would differ from the sampled policy's"),
     # HF's SIGTERM handler never ran (ours replaced it in train()) and was restored after it: SIGTERM then ignored.
     ("enable_jit_checkpoint", True, "SIGTERM and Ctrl-C already finish the step and write a checkpoint"),
+    # Read only by HF's own training_step and DataLoader, neither of which runs here.
+    ("torch_empty_cache_steps", 4, "RLTrainer's training_step .* replaces HF's"),
+    ("dataloader_in_order", False, "batches come from the rollout source"),
 ])
 def test_training_arguments_that_would_act_wrongly_or_not_at_all_are_refused(name, value, why):
     with pytest.raises(ValueError, match=rf"^{name}={value!r} has no effect in verifiers_rl: .*{why}"):

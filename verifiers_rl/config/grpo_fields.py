@@ -184,7 +184,10 @@ TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
     "dataloader_persistent_workers": _NO_DATALOADER,
     "dataloader_prefetch_factor": _NO_DATALOADER,
     "dataloader_multiprocessing_context": _NO_DATALOADER,
+    "dataloader_in_order": _NO_DATALOADER,
     "data_seed": "prompts are drawn by a shuffle seeded by --seed",
+    "torch_empty_cache_steps": "RLTrainer's training_step (every micro-batch of one optimizer step) replaces HF's, "
+                               "which emptied the device cache; it is not implemented",
     "enable_jit_checkpoint": "SIGTERM and Ctrl-C already finish the step and write a checkpoint on every rank "
                              "(docs/durability.md); HF's handler, replaced by ours during training, was put back "
                              "after it and left SIGTERM ignored",
