@@ -193,6 +193,15 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
                                          rf"Set max_seq_len={longest + 64} or more"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
                   args=config(tmp_path, max_completion_length=64, max_seq_len=40))
+    # A prompt with no room at all was dropped with a warning (TRL trains it), though the longest that fits is refused.
+    long_row = {"prompt": [{"role": "user", "content": "word " * 60}], "target": "a", "task": "math"}
+    too_long = len(tokenizer.apply_chat_template(long_row["prompt"], add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)["input_ids"])
+    assert too_long > 96
+    with pytest.raises(ValueError, match=rf"longest prompt \({too_long} tokens\): it leaves no room for one. "
+                                         rf"Set max_seq_len={too_long + 8} or more"):
+        RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True) + [long_row],
+                  args=config(tmp_path))
     with pytest.raises(ValueError, match="--logging_steps 5 acts only with --logging_strategy steps, not epoch"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
                   args=config(tmp_path, logging_strategy="epoch", logging_steps=5))

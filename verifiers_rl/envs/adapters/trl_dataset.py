@@ -123,14 +123,17 @@ class RewardFunctionsEnv(Environment):
 
     def check_completion_room(self) -> None:
         """TRL samples up to max_completion_length tokens whatever the prompt; here prompt + completion fit
-        max_seq_len, so a prompt leaving less room would cut its completions short unseen: refused, naming both."""
-        longest = max(self._prompt_lengths(self.dataset + list(self.eval_dataset or ())))
+        max_seq_len, so a prompt leaving less room would cut its completions short unseen: refused, naming both.
+        Rows with no room at all count too (an environment drops them with a warning; TRL would train them)."""
+        longest = max(self._prompt_lengths(self._all_rows + self._all_eval_rows))
         if longest + self.max_new_tokens > self.max_seq_len:
+            room = self.max_seq_len - longest
             raise ValueError(
                 f"max_completion_length={self.max_new_tokens} does not fit max_seq_len={self.max_seq_len} (prompt + "
-                f"completion) after the dataset's longest prompt ({longest} tokens): its completions would be cut at "
-                f"{self.max_seq_len - longest} tokens. Set max_seq_len={longest + self.max_new_tokens} or more (TRL has "
-                "no such limit), or lower max_completion_length."
+                f"completion) after the dataset's longest prompt ({longest} tokens): "
+                + (f"its completions would be cut at {room} tokens. " if room > 0 else "it leaves no room for one. ")
+                + f"Set max_seq_len={longest + self.max_new_tokens} or more (TRL has no such limit), or lower "
+                "max_completion_length."
             )
 
     def use_trainer_state(self, state: Callable[[], Any]) -> None:
