@@ -202,6 +202,11 @@ def test_bad_input_is_refused_by_name(tiny_model_dir, tmp_path):
                                          rf"Set max_seq_len={too_long + 8} or more"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True) + [long_row],
                   args=config(tmp_path))
+    # As HF's Trainer: evaluation without eval_dataset named --eval_env, a flag this form has not got.
+    with pytest.raises(ValueError, match=r"^eval_strategy='steps' evaluates the held-out rows, and this trainer has "
+                                         r"none: pass eval_dataset=\.\.\. \(TRL's form\), or hold out"):
+        RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
+                  args=config(tmp_path, eval_steps=1))
     with pytest.raises(ValueError, match="--logging_steps 5 acts only with --logging_strategy steps, not epoch"):
         RLTrainer(model=tiny_model_dir, reward_funcs=[letters_like_target], train_dataset=rows(True),
                   args=config(tmp_path, logging_strategy="epoch", logging_steps=5))

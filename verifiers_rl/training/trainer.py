@@ -77,12 +77,18 @@ def _tokenizer_of(model):
     return load_tokenizer(str(name))
 
 
-def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer):
+def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer,
+                         eval_environment=None):
     from verifiers_rl.envs.adapters.trl_dataset import RewardFunctionsEnv
     from verifiers_rl.envs.prepare import prepare_environment
 
     if reward_funcs is None or train_dataset is None:
         raise ValueError("TRL's form needs both reward_funcs and train_dataset.")
+    if args.eval_strategy != "no" and eval_dataset is None and eval_environment is None and not args.eval_holdout:
+        # As HF's Trainer refuses it; evaluation's own message names --eval_env, a flag of the command only.
+        strategy = getattr(args.eval_strategy, "value", args.eval_strategy)  # HF's enum
+        raise ValueError(f"eval_strategy={strategy!r} evaluates the held-out rows, and this trainer has "
+                         "none: pass eval_dataset=... (TRL's form), or hold out training rows with eval_holdout=N.")
     if isinstance(eval_dataset, Mapping):  # else its names would be read as rows
         raise ValueError(f"eval_dataset as a dict of named datasets ({', '.join(map(str, eval_dataset))}; HF evaluates "
                          "each under eval_<name>_) is not supported: pass one dataset, or evaluate each by name in a "
@@ -256,7 +262,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
                                  "rollout source / --rollouts_path, not both.")
             processing_class = processing_class or _tokenizer_of(model)
             environment = _dataset_environment(args, reward_funcs, train_dataset, eval_dataset,
-                                               reward_processing_classes, processing_class)
+                                               reward_processing_classes, processing_class, eval_environment)
             if engine is None and args.process_index == 0:  # sets up this process first (launch.py)
                 engine = build_engine(args, model, processing_class)
         elif args.reward_weights is not None:
