@@ -121,6 +121,15 @@ def test_an_unknown_multi_objective_aggregation_is_refused_by_name():
     assert list(action.choices) == ["sum_then_normalize", "normalize_then_sum"]
 
 
+@pytest.mark.parametrize("delta", [0.5, 1.0])
+def test_a_two_sided_clip_at_or_below_one_is_refused(delta):
+    # The bound min(r, delta) A is flat around r = 1 then: at k = 0 step 1 logged loss 0.17 (not 0), and tokens with a
+    # positive advantage got no gradient.
+    with pytest.raises(ValueError, match=rf"^delta must be > 1, got {delta}"):
+        RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, delta=delta)
+    assert RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, delta=1.2).delta == 1.2
+
+
 @pytest.mark.parametrize("count", [0, -1])
 def test_num_completions_to_print_below_one_is_refused(count):
     # Taken, 0 printed the default 3 samples and -1 every group's: neither what was asked.

@@ -54,7 +54,8 @@ INHERITED_RANGES: dict[str, Range] = {
     "beta": NON_NEGATIVE,  # TRL takes a negative one: a loss that rewards moving away from the reference
     "epsilon": NON_NEGATIVE,
     "epsilon_high": NON_NEGATIVE,
-    "delta": POSITIVE,
+    # min(r, delta) A at delta <= 1 is constant near r = 1: a positive advantage's token got no gradient.
+    "delta": Range(1, strict=True),
     "off_policy_mask_threshold": NON_NEGATIVE,
     "top_entropy_quantile": Range(0, strict=True, high=1),
     "ref_model_mixup_alpha": Range(0, high=1),  # a weight of a mix: above 1 extrapolates past the policy
