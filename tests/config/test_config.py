@@ -121,6 +121,17 @@ def test_an_unknown_multi_objective_aggregation_is_refused_by_name():
     assert list(action.choices) == ["sum_then_normalize", "normalize_then_sum"]
 
 
+def test_a_batch_that_does_not_divide_into_groups_says_where_its_size_came_from():
+    # A TRL script sets per_device_train_batch_size, never rollouts_per_step: the message named only the latter.
+    base = dict(output_dir="/tmp/unused", report_to="none", use_cpu=True, num_generations=3)
+    with pytest.raises(ValueError, match=r"^rollouts_per_step \(8 = per_device_train_batch_size 8 x "
+                                         r"gradient_accumulation_steps 1 x 1 process\) must be a multiple of "
+                                         r"num_generations \(3\).*set --rollouts_per_step \(or per_device_train"):
+        RLConfig(**base)
+    with pytest.raises(ValueError, match=r"^rollouts_per_step \(16\) must be a multiple of num_generations \(3\)"):
+        RLConfig(**base, rollouts_per_step=16)
+
+
 @pytest.mark.parametrize("delta", [0.5, 1.0])
 def test_a_two_sided_clip_at_or_below_one_is_refused(delta):
     # The bound min(r, delta) A is flat around r = 1 then: at k = 0 step 1 logged loss 0.17 (not 0), and tokens with a

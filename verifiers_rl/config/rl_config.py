@@ -477,6 +477,10 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         implied = self.per_device_train_batch_size * self.gradient_accumulation_steps * world
         if self.rollouts_per_step is None:
             self.rollouts_per_step = implied
+            # What a refusal of the batch size names: a TRL script sets only these.
+            self._batch_from = (f"per_device_train_batch_size {self.per_device_train_batch_size} x "
+                                f"gradient_accumulation_steps {self.gradient_accumulation_steps} x {world} process"
+                                f"{'es' if world != 1 else ''}")
         elif self.gradient_accumulation_steps != 1 and self.rollouts_per_step != implied:
             # gradient_accumulation_steps sizes only the default batch: beside another one it would do nothing.
             raise ValueError(
@@ -573,8 +577,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                              "a group of one rollout always has advantage 0.")
         if not self.rollouts_path and self.rollouts_per_step % self.num_generations:
             # Live generation samples whole groups (replay takes its groups from the file, of any size).
-            raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}) must be a multiple of num_generations "
-                             f"({self.num_generations}) when generating from an environment (--env).")
+            source = getattr(self, "_batch_from", None)
+            raise ValueError(f"rollouts_per_step ({self.rollouts_per_step}{f' = {source}' if source else ''}) must be "
+                             f"a multiple of num_generations ({self.num_generations}) when generating from an "
+                             "environment (--env): set --rollouts_per_step (or per_device_train_batch_size) to a "
+                             "multiple of it, or another --num_generations.")
         from verifiers_rl.core.settings import settings_from
 
         curriculum = settings_from(self, CurriculumSettings)
