@@ -67,7 +67,7 @@ def test_the_first_use_of_the_device_sets_the_process_up(monkeypatch):
 
 
 def vllm_config(**kwargs) -> RLConfig:
-    return RLConfig(output_dir="/tmp/unused", report_to="none", **kwargs)
+    return RLConfig(**{"output_dir": "/tmp/unused", "report_to": "none", **kwargs})
 
 
 def test_trl_vllm_switches_point_to_vllm_server_url():
@@ -216,6 +216,8 @@ _ENABLER_OFF = {
     ("save_steps", 20, "--save_strategy steps", {"save_strategy": "steps"}),
     ("eval_steps", 5, r"--eval_strategy steps \(given alone", {}),
     ("save_total_limit", 3, r"checkpoints \(--save_strategy steps, epoch or best\)", {"save_strategy": "epoch"}),
+    ("project", "mine", "--report_to trackio", {"report_to": "trackio"}),  # wandb's is WANDB_PROJECT
+    ("trackio_space_id", "me/space", "--report_to trackio", {"report_to": "trackio"}),
 ])
 def test_a_knob_given_without_the_setting_it_tunes_is_refused_naming_both(knob, value, enabler, enabled):
     off = _ENABLER_OFF.get(knob, {})  # the others' enablers are off by default

@@ -617,6 +617,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                                               "or sequence_mask)", self.importance_correction in SEQUENCE_CORRECTIONS),
             "log_completions_steps": ("a --report_to backend that shows tables (tensorboard, trackio, wandb)",
                                       any(name in TABLE_BACKENDS for name in self.report_to or [])),
+            # transformers reads them in its Trackio callback only (wandb takes WANDB_PROJECT).
+            **{name: ("--report_to trackio", "trackio" in (self.report_to or [])) for name in _TRACKIO_KNOBS},
             "num_completions_to_print": ("sample printing (--print_samples_every N >= 1)",
                                          self.print_samples_every > 0),
             "max_tokens_per_microbatch": ("packed rows (--micro_batching packed or auto) or shared prompts "
@@ -695,6 +697,7 @@ _SERVER_KNOBS = ("vllm_server_timeout", "vllm_max_concurrency", "vllm_request_ti
                  "vllm_reconnect_timeout_s", "vllm_weights_dir", "vllm_weight_transfer", "vllm_weight_transfer_address")
 _EVAL_KNOBS = ("eval_num_examples", "eval_samples_per_prompt", "eval_temperature", "eval_pass_threshold",
                "load_best_model_at_end", "metric_for_best_model")
+_TRACKIO_KNOBS = ("project", "trackio_space_id", "trackio_bucket_id")
 # The --report_to backends our extras install (pyproject.toml), by the extra.
 _BACKEND_EXTRAS = {"tensorboard": "logging", "trackio": "logging", "wandb": "wandb"}
 # The --report_to backends that take completion tables (training/reporting.py).
