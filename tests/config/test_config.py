@@ -258,3 +258,10 @@ def test_bf16_stays_off_with_use_cpu_where_a_gpu_is(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the default reads only this answer
     assert RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none").bf16 is False
+
+
+def test_fp16_on_the_cpu_is_refused_by_name():
+    # Accelerate ignores fp16 on the CPU (the run trained in float32, bitwise as without it) and DeepSpeed raises.
+    with pytest.raises(ValueError, match=r"^--fp16 needs a GPU: .* Use --bf16"):
+        RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", fp16=True)
+    assert RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", bf16=True).bf16  # bf16 acts on the CPU

@@ -527,6 +527,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             check_choice(name, getattr(self, name), choices)
         for name, allowed in config_ranges().items():
             allowed.check(name, getattr(self, name))
+        if self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
+            # Accelerate runs fp16 autocast on GPUs only (on the CPU it silently trains in float32); DeepSpeed raises.
+            raise ValueError("--fp16 needs a GPU: on the CPU (--use_cpu, or no GPU visible) Accelerate ignores it and "
+                             "trains in float32, and DeepSpeed refuses it. Use --bf16 (bf16 autocast on the CPU), "
+                             "or leave --fp16 out.")
         if self.micro_batching != "padded":
             check_packed_row_fits(self.max_tokens_per_microbatch, self.max_seq_len)
         if self.importance_cap_min is not None and not self.importance_cap_min < self.importance_cap:
