@@ -91,6 +91,22 @@ def test_transformers_zero3_switch_is_the_weak_ref_we_clear():
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
+def test_transformers_lists_deepspeed_config_mismatches_when_the_trainer_is_built():
+    # HF's own propagate_args_to_deepspeed (run by Trainer.__init__) on a config fixing bf16 off beside bf16=True;
+    # the accelerator is a stand-in holding only the plugin (a DeepSpeed accelerator needs a launch).
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import propagate_args_to_deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": False}, "zero_optimization": {"stage": 3}}
+    accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config)))
+    propagate_args_to_deepspeed(accelerator, RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none",
+                                                      bf16=True))
+    assert compat.deepspeed_config_mismatches(accelerator) == ["ds bf16.enabled=False vs hf "
+                                                                        "bf16|bf16_full_eval=True"]
+
+
 def test_torch_gloo_options_take_a_timeout_and_a_device():
     # vllm_worker/vllm_weight_sync.gloo_group (the trainer side of the gloo weight transfer) builds these.
     import datetime

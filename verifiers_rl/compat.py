@@ -132,6 +132,14 @@ def device_setup_deferred(args) -> bool:
     return bool(args.__dict__.get(_DEFERRED))
 
 
+def deepspeed_config_mismatches(accelerator) -> list[str]:
+    """The DeepSpeed config's fixed values that disagree with the training arguments, as transformers 5.23 lists
+    them when the trainer is built (``HfTrainerDeepSpeedConfig.mismatches``, e.g. ``ds bf16.enabled=False vs hf
+    bf16|bf16_full_eval=True``); it raises on them only in ``train()``'s ``deepspeed_init``."""
+    hf_config = getattr(accelerator.state.deepspeed_plugin, "hf_ds_config", None)
+    return [line.removeprefix("- ") for line in getattr(hf_config, "mismatches", [])]
+
+
 def loop_is_idle(loop) -> bool | None:
     """Whether ``loop`` has no callbacks ready to run (None when it does not say).
 

@@ -11,6 +11,8 @@ import json
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from verifiers_rl.core.rollout import episode_key, group_episodes, read_rollouts, write_rollouts
 from verifiers_rl.training.batching import BatchingConfig, plan_batch
@@ -129,3 +131,33 @@ def test_bad_input_stops_every_rank_with_the_error(runs, tiny_model_dir, tmp_pat
         assert own_error in log, log[-4000:]
         assert "The main process failed:" in log, log[-4000:]  # rank 1 got the same error
         assert "step 1/2 | reward" not in log
+
+
+def test_bf16_under_the_shipped_zero3_cpu_config_trains_in_bf16_and_a_config_fixing_it_off_is_one_line(
+        initial_parameters, tiny_model_dir, tmp_path):
+    """--bf16 acts under accelerate_configs/zero3_cpu.yaml (its DeepSpeed config leaves bf16 to the flag: DeepSpeed
+    keeps bf16 weights, the saved model's); a config that fixes bf16 off beside --bf16 is refused when the trainer is
+    built, in one line naming the file, not by HF's traceback on every rank inside train()."""
+    write_rollouts(tmp_path / "r.jsonl", random_rollouts(2, 4, vocab_size=390, seed=5))
+    args = [str(ROOT / "examples" / "train.py"), "--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "r.jsonl"),
+            "--rollouts_per_step", "8", "--max_seq_len", "64", "--max_steps", "1", "--learning_rate", "1e-2",
+            "--report_to", "none", "--save_strategy", "no", "--bf16", "true"]
+    ok = launch(accelerate("zero3_cpu.yaml"), args + ["--output_dir", str(tmp_path / "out")], tmp_path / "ok.log")
+    assert ok.returncode == 0, (tmp_path / "ok.log").read_text()[-6000:]
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert {tensor.dtype for tensor in saved.values()} == {torch.bfloat16}
+    assert any(not torch.equal(saved[name], initial_parameters[name].bfloat16()) for name in saved)  # it trained
+
+    ds_config = json.loads((ROOT / "accelerate_configs" / "ds_zero3_cpu.json").read_text())
+    ds_config["bf16"] = {"enabled": False}
+    (tmp_path / "ds_off.json").write_text(json.dumps(ds_config))
+    launch_config = (ROOT / "accelerate_configs" / "zero3_cpu.yaml").read_text()
+    (tmp_path / "zero3_off.yaml").write_text(launch_config.replace("accelerate_configs/ds_zero3_cpu.json",
+                                                                   str(tmp_path / "ds_off.json")))
+    prefix = accelerate("zero3_cpu.yaml")
+    prefix[prefix.index("--config_file") + 1] = str(tmp_path / "zero3_off.yaml")
+    bad = launch(prefix, args + ["--output_dir", str(tmp_path / "bad")], tmp_path / "bad.log")
+    log = (tmp_path / "bad.log").read_text()
+    assert bad.returncode != 0 and "[rank0]: Traceback" not in log, log[-6000:]
+    line = f"verifiers-rl train: error: {tmp_path / 'ds_off.json'} disagrees with this run's flags (ds bf16.enabled"
+    assert sum(text.startswith(line) for text in log.splitlines()) == 2, log[-6000:]  # one line from each rank

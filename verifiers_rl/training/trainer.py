@@ -193,6 +193,24 @@ def _is_peft(model) -> bool:
     return isinstance(model, PeftModel)
 
 
+def _check_launch(accelerator, deepspeed: bool) -> None:
+    """Refuse a launch that would not train one model as asked: processes Accelerate does not see (each would train
+    its own copy), or a DeepSpeed config whose fixed values disagree with the run's flags (HF says so only inside
+    ``train()``, as a traceback on every rank)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise RuntimeError(
+            f"{launched} processes were launched but Accelerate sees {accelerator.num_processes}: each would "
+            "train its own copy. On CPU pass use_cpu=True (or ACCELERATE_USE_CPU=1) with a MULTI_GPU/DEEPSPEED "
+            "launch; never `accelerate launch --cpu --num_processes N`."
+        )
+    mismatches = compat.deepspeed_config_mismatches(accelerator) if deepspeed else []
+    if mismatches:
+        where = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or "the DeepSpeed config"
+        raise ValueError(f"{where} disagrees with this run's flags ({'; '.join(mismatches)}): set those keys to "
+                         '"auto" in it (the flags then fill them in), or give flags that agree.')
+
+
 def run_steps(args: RLConfig, num_batches: int) -> int:
     """Optimizer steps of the run: ``max_steps``, or when unset HF's count, ceil(num_train_epochs * steps per epoch),
     an epoch being each of the source's ``num_batches`` batches trained ``num_iterations`` times."""
@@ -315,13 +333,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if self.accelerator.num_processes != launched:
-            raise RuntimeError(
-                f"{launched} processes were launched but Accelerate sees {self.accelerator.num_processes}: each would "
-                "train its own copy. On CPU pass use_cpu=True (or ACCELERATE_USE_CPU=1) with a MULTI_GPU/DEEPSPEED "
-                "launch; never `accelerate launch --cpu --num_processes N`."
-            )
+        _check_launch(self.accelerator, self.is_deepspeed_enabled)
         self.loss_fn = loss_fn
         self.args.sync_ref_model = args.sync_ref_model  # what runs (TRL's callback or the adapters' reference)
         self.adapter_reference = self._adapter_reference() if adapter_sync else None
