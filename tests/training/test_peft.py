@@ -139,3 +139,23 @@ def test_sync_ref_model_mixes_the_adapters_and_resumes_exactly(lora_work, tiny_m
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     final = {n: p for n, p in resumed.model.named_parameters() if p.requires_grad}
     assert all(torch.equal(final[n], full.seen.after[3][n]) for n in initial)
+
+
+@pytest.mark.parametrize("resumed_with", ["no peft_config", "another rank"])
+def test_a_lora_checkpoint_resumed_without_its_adapters_is_refused_naming_peft_config(lora_work, tiny_model_dir,
+                                                                                      tmp_path, resumed_with):
+    """HF failed opaquely here ("Can't find a checkpoint index", or a size mismatch per tensor)."""
+    from verifiers_rl.training.run_state import CheckpointError
+
+    def trainer(name, lora):
+        args = RLConfig(output_dir=str(tmp_path / name), use_cpu=True, report_to="none", max_steps=2,
+                        rollouts_path=str(lora_work / "r.jsonl"), rollouts_per_step=8, max_seq_len=64,
+                        gradient_checkpointing=False, disable_tqdm=True, save_strategy="steps", save_steps=1)
+        return RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                         peft_config=lora)
+
+    trainer("saved", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)).train()
+    other = None if resumed_with == "no peft_config" else LoraConfig(r=8, target_modules=["v_proj", "q_proj"])
+    expected = "this run trains the whole model" if other is None else "'r': 4, .* this run's peft_config .*'r': 8"
+    with pytest.raises(CheckpointError, match=rf"^Cannot resume from .*checkpoint-1: .*{expected}"):
+        trainer("resumed", other).train(resume_from_checkpoint=str(tmp_path / "saved" / "checkpoint-1"))

@@ -22,6 +22,7 @@ from verifiers_rl.training.run_state import (
     REFERENCE_FILE,
     CheckpointError,
     RunState,
+    check_adapters,
     check_fresh_output_dir,
     check_optimizer_saved,
     disk_full,
@@ -124,6 +125,7 @@ class RunCheckpoints:
                 return None, None
             saved = load_run_state(path)
             check_fits(saved, self.run_state(global_step), path)
+            check_adapters(path, self.model())
             if self.reference() is not None and not (path / REFERENCE_FILE).is_file():
                 raise CheckpointError(f"{path} has no {REFERENCE_FILE}: it was written by a run without "
                                       "--sync_ref_model, whose reference model stays the initial one. Resume it "

@@ -307,6 +307,43 @@ def check_optimizer_saved(folder: Path) -> None:
     )
 
 
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # what HF's checkpoint of a peft_config run holds beside its adapters
+# The adapter settings that decide which tensors a checkpoint's adapters hold and what they compute.
+_ADAPTER_KEYS = ("peft_type", "r", "lora_alpha", "target_modules", "modules_to_save", "bias", "use_dora", "use_rslora")
+
+
+def adapter_signature(config) -> dict[str, Any]:
+    """An adapter config's (a peft ``LoraConfig``, or its saved JSON as a dict) ``_ADAPTER_KEYS``, sets as sorted
+    lists and enums as their names: a saved one and a built one compare equal when they are the same adapters."""
+    values = config if isinstance(config, dict) else config.to_dict()
+    signature = {}
+    for key in _ADAPTER_KEYS:
+        value = values.get(key)
+        value = getattr(value, "value", value)
+        signature[key] = sorted(value) if isinstance(value, (set, list, tuple)) else value
+    return signature
+
+
+def check_adapters(folder: Path, model) -> None:
+    """Raise ``CheckpointError`` when the checkpoint in ``folder`` and this run's ``model`` disagree on LoRA adapters
+    (HF would fail opaquely loading it: no checkpoint index, or a size mismatch per tensor)."""
+    saved_file = folder / ADAPTER_CONFIG_FILE
+    saved = adapter_signature(json.loads(saved_file.read_text())) if saved_file.is_file() else None
+    configs = getattr(model, "peft_config", None) or {}
+    current = adapter_signature(next(iter(configs.values()))) if configs else None
+    if saved == current:
+        return
+    if current is None:
+        raise CheckpointError(f"Cannot resume from {folder}: it holds adapters ({saved}), this run trains the whole "
+                              "model. Resume it with the same peft_config (RLTrainer(..., peft_config=...)), or start "
+                              "a new run.")
+    if saved is None:
+        raise CheckpointError(f"Cannot resume from {folder}: it holds the whole model, this run trains adapters "
+                              f"(peft_config {current}). Resume it without peft_config, or start a new run.")
+    raise CheckpointError(f"Cannot resume from {folder}: its adapters are {saved}, this run's peft_config "
+                          f"{current}. Resume it with the same peft_config.")
+
+
 def check_fits(saved: RunState, current: RunState, folder: Path) -> None:
     """Raise ``CheckpointError`` listing every way the checkpoint in ``folder`` does not fit this run (a run
     resumed from it would not continue the saved run)."""
