@@ -159,3 +159,35 @@ def test_a_lora_checkpoint_resumed_without_its_adapters_is_refused_naming_peft_c
     expected = "this run trains the whole model" if other is None else "'r': 4, .* this run's peft_config .*'r': 8"
     with pytest.raises(CheckpointError, match=rf"^Cannot resume from .*checkpoint-1: .*{expected}"):
         trainer("resumed", other).train(resume_from_checkpoint=str(tmp_path / "saved" / "checkpoint-1"))
+
+
+def test_a_folder_of_adapters_as_model_trains_from_the_merged_weights_with_them_as_kl_reference(
+        lora_work, tiny_model_dir, tmp_path, monkeypatch):
+    """--model on a peft_config run's output (adapters only) starts from its base model with the adapters merged,
+    as the engine and `verifiers-rl eval` load it, and the KL reference (which TRL reloads from the policy's path)
+    is that model too, not the bare base model. transformers failed on the folder: no model_type in config.json."""
+    import copy
+
+    from peft import get_peft_model
+
+    from verifiers_rl.core.models import resolve_model
+
+    monkeypatch.setenv("VERIFIERS_RL_CACHE", str(tmp_path / "cache"))  # the merged folder is written there
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    adapters = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    adapters.save_pretrained(tmp_path / "adapters")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "adapters")
+    merged = dict(copy.deepcopy(adapters).merge_and_unload().named_parameters())
+    model = resolve_model(str(tmp_path / "adapters"))
+    assert resolve_model(str(tmp_path / "adapters")) == model  # merged once
+    args = RLConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no",
+                    max_steps=2, rollouts_path=str(lora_work / "r.jsonl"), rollouts_per_step=8, max_seq_len=64,
+                    learning_rate=5e-2, beta=0.5, logging_steps=1, gradient_checkpointing=False, disable_tqdm=True)
+    trainer = RLTrainer(model, args, processing_class=AutoTokenizer.from_pretrained(model))
+    start = dict(trainer.model.named_parameters())
+    assert all(torch.equal(start[name], merged[name]) for name in merged)
+    base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert not torch.equal(start["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    trainer.train()
+    kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kl[0] == 0.0 and kl[1] > 0.0, kl  # step 1: the policy is its reference (against the base: kl > 0)

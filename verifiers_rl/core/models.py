@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 # What the Hub accepts as a model id: "name" or "namespace/name" (a local path that is not there is neither).
@@ -117,7 +120,39 @@ def resolve_model(name_or_path: str) -> str:
         return str(folder)
     if name_or_path == "smollm2":
         return str(smollm2_dir())
+    if (Path(name_or_path).expanduser() / ADAPTER_CONFIG).is_file():
+        return str(merged_adapters_dir(Path(name_or_path).expanduser()))
     return name_or_path
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # what a folder of LoRA adapters (a peft_config run's save_model) holds
+
+
+def merged_adapters_dir(adapters: Path) -> Path:
+    """A folder of LoRA adapters as a plain model folder: its base model with the adapters merged in and the
+    adapters' tokenizer, written once into the cache under the adapters' hash. The trainer (and TRL's KL reference,
+    which it reloads from the policy's path), the engines and a vLLM server then all start from the weights the
+    adapters' run ended with; transformers alone reads the folder as no model (no ``model_type``)."""
+    from transformers import AutoTokenizer
+
+    digest = hashlib.sha256()
+    for path in sorted(adapters.glob("adapter_*")):  # adapter_config.json and the adapters' weights
+        digest.update(path.name.encode() + path.read_bytes())
+    folder = default_tiny_model_dir().parent / "merged" / f"{adapters.resolve().name}-{digest.hexdigest()[:16]}"
+    if (folder / "config.json").is_file():
+        return folder
+    print(f"Merging the LoRA adapters of {adapters} into their base model (once): {folder}", file=sys.stderr,
+          flush=True)
+    partial = _partial(folder)
+    load_causal_lm(str(adapters), dtype="auto").save_pretrained(partial)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(adapters)
+    except (OSError, ValueError):  # adapters saved without their tokenizer: the base model's
+        tokenizer = AutoTokenizer.from_pretrained(json.loads((adapters / ADAPTER_CONFIG).read_text())
+                                                  ["base_model_name_or_path"])
+    tokenizer.save_pretrained(partial)
+    _publish(partial, folder)
+    return folder
 
 
 def load_causal_lm(name_or_path: str, dtype=None, **kwargs):
@@ -126,7 +161,7 @@ def load_causal_lm(name_or_path: str, dtype=None, **kwargs):
     (transformers alone would wrap the linear layers in adapter modules, which the engines' kernels do not run)."""
     from transformers import AutoModelForCausalLM
 
-    if (Path(name_or_path) / "adapter_config.json").is_file():
+    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
         from peft import AutoPeftModelForCausalLM
 
         return AutoPeftModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).merge_and_unload()

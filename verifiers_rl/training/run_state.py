@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from verifiers_rl.core.errors import CheckpointError, OutputDirInUseError  # noqa: F401  (raised, exported)
+from verifiers_rl.core.models import ADAPTER_CONFIG
 from verifiers_rl.core.rollout import Rollout, read_rollouts, write_rollouts
 
 logger = logging.getLogger(__name__)
@@ -307,7 +308,6 @@ def check_optimizer_saved(folder: Path) -> None:
     )
 
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"  # what HF's checkpoint of a peft_config run holds beside its adapters
 # The adapter settings that decide which tensors a checkpoint's adapters hold and what they compute.
 _ADAPTER_KEYS = ("peft_type", "r", "lora_alpha", "target_modules", "modules_to_save", "bias", "use_dora", "use_rslora")
 
@@ -327,7 +327,7 @@ def adapter_signature(config) -> dict[str, Any]:
 def check_adapters(folder: Path, model) -> None:
     """Raise ``CheckpointError`` when the checkpoint in ``folder`` and this run's ``model`` disagree on LoRA adapters
     (HF would fail opaquely loading it: no checkpoint index, or a size mismatch per tensor)."""
-    saved_file = folder / ADAPTER_CONFIG_FILE
+    saved_file = folder / ADAPTER_CONFIG
     saved = adapter_signature(json.loads(saved_file.read_text())) if saved_file.is_file() else None
     configs = getattr(model, "peft_config", None) or {}
     current = adapter_signature(next(iter(configs.values()))) if configs else None
