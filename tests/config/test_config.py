@@ -265,3 +265,14 @@ def test_fp16_on_the_cpu_is_refused_by_name():
     with pytest.raises(ValueError, match=r"^--fp16 needs a GPU: .* Use --bf16"):
         RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", fp16=True)
     assert RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", bf16=True).bf16  # bf16 acts on the CPU
+
+
+def test_the_launchs_mixed_precision_sets_bf16_left_unset_and_one_the_flags_contradict_is_refused(monkeypatch):
+    # accelerate launch passes its config's mixed_precision as ACCELERATE_MIXED_PRECISION, which transformers trains
+    # in whenever --bf16 and --fp16 are off: --bf16 false trained in bf16 all the same, the engine in float32.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    followed = RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none")
+    assert followed.bf16 and followed.mixed_precision == "bf16"
+    with pytest.raises(ValueError, match=r"^accelerate launch asks for mixed_precision bf16 .* this run's flags for no "
+                                         r"\(--bf16 False, --fp16 False\).* or pass --bf16 true\.$"):
+        RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", bf16=False)

@@ -36,7 +36,7 @@ from verifiers_rl.core.choices import (
     field_ranges,
 )
 from verifiers_rl.core.curriculum import EASY_RANGE, HARD_RANGE, CurriculumSettings
-from verifiers_rl.core.launch import launched_world_size
+from verifiers_rl.core.launch import launched_mixed_precision, launched_world_size
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
 
@@ -228,7 +228,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
     )
     bf16: bool | None = field(
         default=None, metadata={"help": "bf16 mixed precision (and the embedded engine's weights in bf16); defaults "
-                                         "to True on a GPU, False on CPU (and with use_cpu)."}
+                                         "to the accelerate launch's mixed_precision, else True on a GPU, False on "
+                                         "CPU (and with use_cpu). A launch's mixed_precision the flags contradict is "
+                                         "refused."}
     )
     weight_sync_bucket_mb: Annotated[float, NON_NEGATIVE] = field(
         default=256.0,
@@ -441,8 +443,11 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             self.vllm_server_url = ",".join(str(url).strip() for url in self.vllm_server_url)
         check_fields(self)  # before anything below derives a field from another
         apply_trl_names(self)
+        launched = launched_mixed_precision()
         if self.bf16 is None:  # use_cpu trains on the CPU even where a GPU is (a GPU machine's CPU reference run)
-            self.bf16 = torch.cuda.is_available() and not self.use_cpu and not self.fp16
+            self.bf16 = launched == "bf16" or (launched == "no" and torch.cuda.is_available() and not self.use_cpu
+                                               and not self.fp16)
+        self._check_launched_precision(launched)
         for deprecated, current in (("gradient_checkpointing", "activation_checkpointing"),
                                     ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
             # TRL defaults the old name (gradient_checkpointing=True), which transformers 5 then reports as a
@@ -493,6 +498,18 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         if self.max_tokens_per_microbatch is None:
             self.max_tokens_per_microbatch = 4 * self.max_seq_len
         self.validate()
+
+    def _check_launched_precision(self, launched: str) -> None:
+        """Refuse an ``accelerate launch`` mixed precision other than the flags': HF would train in the launch's
+        when --bf16 and --fp16 are off (transformers' TrainingArguments reads it then), while the engine's dtype and
+        the probe's tolerance follow the flags."""
+        mine = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        if launched != "no" and launched != mine:
+            flag = f", or pass --{launched} true" if launched in ("bf16", "fp16") else ""
+            raise ValueError(f"accelerate launch asks for mixed_precision {launched} (its config file's "
+                             f"mixed_precision, or --mixed_precision), this run's flags for {mine} (--bf16 "
+                             f"{self.bf16}, --fp16 {self.fp16}): HF would train in {launched} while the engine "
+                             f"follows the flags. Launch with mixed_precision {mine}{flag}.")
 
     def _best_checkpoint_metric(self) -> None:
         """The metric HF's best-checkpoint tracking reads (``metric_for_best_model``) named as our evaluation logs it:

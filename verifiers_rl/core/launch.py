@@ -23,6 +23,12 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_mixed_precision() -> str:
+    """The mixed precision ``accelerate launch`` asked for (its config file's ``mixed_precision`` or its
+    ``--mixed_precision``, passed as ``ACCELERATE_MIXED_PRECISION``): "no", "bf16", "fp16" or "fp8"."""
+    return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+
+
 def prepare_process(args) -> None:
     """Before transformers starts this process's device and process group (``args``: an ``RLConfig``):
 
