@@ -197,6 +197,29 @@ def test_a_config_value_its_flag_takes_is_parsed_as_the_flag_would(text, name, v
     assert script_args.model == "tiny"
 
 
+@pytest.mark.parametrize("flags, yaml, batch", [
+    ([], "", 16),  # the command's own default
+    (["--gradient_accumulation_steps", "2", "--per_device_train_batch_size", "4"], "", 8),
+    ([], "gradient_accumulation_steps: 3\nper_device_train_batch_size: 4", 12),
+    (["--gradient_accumulation_steps", "2"], "rollouts_per_step: 16", 16),  # 8 x 2 agrees with the one given
+])
+def test_gradient_accumulation_steps_sizes_the_batch_the_command_was_not_given(flags, yaml, batch, tmp_path):
+    # It met the command's default of 16 and was refused for disagreeing with a --rollouts_per_step never given.
+    from verifiers_rl.cli.train import build_parser
+
+    (tmp_path / "run.yaml").write_text(f"model: tiny\n{yaml}\n")
+    _, config = build_parser().parse_args_and_config(
+        args=["--config", str(tmp_path / "run.yaml"), "--output_dir", str(tmp_path), *flags])
+    assert config.rollouts_per_step == batch and type(config.rollouts_per_step) is int
+
+
+def test_gradient_accumulation_steps_beside_a_batch_it_disagrees_with_is_one_line(tmp_path, capsys):
+    assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), "--rollouts_per_step", "16",
+                    "--gradient_accumulation_steps", "3", "--per_device_train_batch_size", "2"], capsys).startswith(
+        "--gradient_accumulation_steps 3 sizes the batch: per_device_train_batch_size 2 x gradient_accumulation_steps "
+        "x 1 process = 6 rollouts, but --rollouts_per_step is 16")
+
+
 def test_config_without_its_file_is_one_line(tmp_path, capsys):
     assert refusal(["--output_dir", str(tmp_path), "--config"], capsys) == "--config needs a file: --config FILE.yaml"
 

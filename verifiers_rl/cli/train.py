@@ -55,10 +55,14 @@ from verifiers_rl.training.trainer import RLTrainer
 # learning rate a 135M model learns reverse_text with in 60 steps, no activation checkpointing (CPU time matters
 # more than memory at this size), a line per step. The two lengths hold for replays; a live run takes its
 # environment's own limits instead (unless given).
+class _CommandDefault(int):
+    """The command's own default of a flag, told apart from the same number given (``_TrainParser``)."""
+
+
 QUICKSTART = dict(
     learning_rate=2e-5,
     lr_scheduler_type="constant",
-    rollouts_per_step=16,
+    rollouts_per_step=_CommandDefault(16),  # unless --gradient_accumulation_steps sizes it (_TrainParser)
     num_generations=4,
     max_completion_length=16,
     max_seq_len=128,
@@ -127,8 +131,21 @@ def _another(default):
     return default + 1 if isinstance(default, (int, float)) else "\0unset"
 
 
+class _TrainParser(SectionedParser):
+    """The command's parser: --gradient_accumulation_steps given without --rollouts_per_step sizes the batch as its
+    help says (per_device_train_batch_size x it x processes, RLConfig's default) instead of meeting the command's 16
+    and being refused for disagreeing with a batch size the user never gave."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, rest = super().parse_known_args(args, namespace)
+        batch = getattr(namespace, "rollouts_per_step", None)
+        if isinstance(batch, _CommandDefault):  # not given (a flag or a --config value replaces the object)
+            namespace.rollouts_per_step = None if namespace.gradient_accumulation_steps != 1 else int(batch)
+        return namespace, rest
+
+
 def build_parser() -> TrlParser:
-    parser = SectionedParser((ScriptArguments, RLConfig), prog="verifiers-rl train")
+    parser = _TrainParser((ScriptArguments, RLConfig), prog="verifiers-rl train")
     parser.set_defaults(**QUICKSTART)  # a --config YAML and then the command line override these
     # Without a GPU the script must ask for the CPU itself: a MULTI_GPU / DEEPSPEED launch would otherwise start
     # processes that each train an independent copy (docs/architecture.md). The trainer also checks the world size.
