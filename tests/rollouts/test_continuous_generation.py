@@ -185,6 +185,27 @@ def test_a_group_older_than_its_batch_allows_is_dropped_counted_and_generated_ag
         assert min(r.oldest_version() for r in batch.rollouts) >= generator.required_version(index)
 
 
+def test_a_stale_refill_group_of_a_batch_at_a_time_checkpoint_is_dropped_and_a_new_position_takes_its_place(parts):
+    # A batch-at-a-time checkpoint's pending batch may hold a dynamic-sampling refill group (b<i>-r<round>-<j>), which
+    # stands for no position; resumed under continuous generation with a smaller k, it is stale like the others.
+    tokenizer, engine = parts
+    reference = AsyncGenerator(environment(tokenizer), engine, rollouts_per_step=P * G, num_generations=G,
+                               max_off_policy_steps=0, seed=3, shuffle=False)
+    engine.policy_version = 0
+    old = reference.batch(0).rollouts  # b0-p0, b0-p1, sampled by version 0
+    for rollout in old[G:]:
+        rollout.group_id = "b0-r1-0"
+    generator = continuous(environment(tokenizer), engine, total=5)
+    generator.restore(3, {3: old})  # resumed at batch 3: its bound is version 2; positions go on at 8
+    engine.policy_version = 3
+    try:
+        batch = step(generator, 3)
+    finally:
+        generator.close()
+    assert batch.stats["groups_stale_dropped"] == 2
+    assert sorted(groups(batch.rollouts)) == ["p0-retry1", "p8"]  # the position again; a new one for the refill
+
+
 def test_a_checkpoint_keeps_finished_groups_and_positions_in_flight_and_a_resume_trains_each_once(parts):
     tokenizer, engine = parts
     env = environment(tokenizer, gated=True)  # row 0 never finishes before the checkpoint

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -236,8 +237,9 @@ class ContinuousGenerator(GeneratorThread):
             return
         self._finished = [group for group in self._finished if group.oldest_version() >= bound]
         for group in stale:
-            position, retry = position_of(group.rollouts[0].group_id)
-            self._redo.append((position, retry + 1))
+            place = position_of(group.rollouts[0].group_id)
+            if place is not None:  # a refill group has no position: a new position takes its place (``_to_start``)
+                self._redo.append((place[0], place[1] + 1))
         self._counts["groups_stale_dropped"] = self._counts.get("groups_stale_dropped", 0.0) + len(stale)
         logger.info("Batch %d: %d group(s) older than policy version %d dropped, generated again.", index, len(stale),
                     bound)
@@ -384,10 +386,13 @@ class ContinuousGenerator(GeneratorThread):
         self._wake.set()
 
 
-def position_of(group_id: str) -> tuple[int, int]:
+def position_of(group_id: str) -> tuple[int, int] | None:
     """(position, retry) of a continuous group's id (``group_id_of``), or of a batch-at-a-time one (``b<i>-p<p>``,
-    retry 0)."""
+    retry 0); None for a batch-at-a-time refill group (``b<i>-r<round>-<j>``, dynamic sampling's: a batch-at-a-time
+    checkpoint's pending batches may hold one), which stands for no position."""
     text = str(group_id)
+    if re.fullmatch(r"b\d+-r\d+-\d+", text):
+        return None
     retry = 0
     if "-retry" in text:
         text, retry_text = text.rsplit("-retry", 1)
