@@ -82,3 +82,25 @@ def test_a_resumed_continuous_run_trains_each_position_once(uninterrupted, tiny_
     trained = before + batches(resumed_file)
     ids = [members[0].group_id for batch in trained for members in group_by_id(batch)]
     assert sorted(position_of(gid)[0] for gid in ids) == list(range(STEPS * PROMPTS))  # none lost, none twice
+
+
+def test_continuous_batching_rows_beside_an_engine_built_without_them_is_refused_by_name(tiny_model_dir, tmp_path):
+    # The trainer builds no engine when one is given: the flag would leave the given engine decoding batch by batch.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    args = RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=1, rollouts_per_step=8,
+                    num_generations=4, max_seq_len=64, groups_in_flight=2, continuous_batching_rows=4)
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer)  # continuous_rows 0: batch by batch
+    try:
+        with pytest.raises(ValueError, match=r"^--continuous_batching_rows 4 sets the running batch of the engine the "
+                                             r"trainer builds; the engine given to RLTrainer \(engine=\) was built "
+                                             r"with continuous_rows=0 .*EmbeddedEngine\(\.\.\., continuous_rows=4\)"):
+            RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=load_toy(tokenizer), engine=engine)
+    finally:
+        engine.close()
+    built = EmbeddedEngine(tiny_model_dir, tokenizer, continuous_rows=4)  # built as the flag says: taken
+    try:
+        trainer = RLTrainer(tiny_model_dir, args, processing_class=tokenizer, environment=load_toy(tokenizer),
+                            engine=built)
+        assert trainer.engine is built
+    finally:
+        built.close()

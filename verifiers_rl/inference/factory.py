@@ -57,6 +57,18 @@ def make_engine(model, tokenizer, sampling: SamplingConfig, *, vllm_server_url: 
     return engine
 
 
+def check_given_engine_rows(config, engine) -> None:
+    """An engine given to ``RLTrainer`` (``engine=``) decodes as it was built: ``config``'s
+    ``continuous_batching_rows``, set and not what the engine was built with, is refused by name (accepted, it would
+    change nothing)."""
+    rows, built = config.continuous_batching_rows, getattr(engine, "continuous_rows", 0)
+    if engine is not None and rows and built != rows:
+        raise ValueError(f"--continuous_batching_rows {rows} sets the running batch of the engine the trainer builds; "
+                         f"the engine given to RLTrainer (engine=) was built with continuous_rows={built} and decodes "
+                         f"as built, so it would change nothing. Build it with EmbeddedEngine(..., continuous_rows="
+                         f"{rows}), or leave continuous_batching_rows 0.")
+
+
 def sampling_settings(config) -> SamplingConfig:
     """The engine's ``SamplingConfig`` from ``config`` (an ``RLConfig``: its ``generation_kwargs`` are already written
     into these fields; TRL's ``top_k`` / ``min_p`` None is off)."""

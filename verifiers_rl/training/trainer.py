@@ -42,7 +42,7 @@ from verifiers_rl.training.distributed import (
 )
 from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
-from verifiers_rl.inference.factory import build_engine
+from verifiers_rl.inference.factory import build_engine, check_given_engine_rows
 from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.launch import restart_count
 from verifiers_rl.core.modeling import unwrap
@@ -211,6 +211,13 @@ def _check_launch(accelerator, deepspeed: bool) -> None:
                          '"auto" in it (the flags then fill them in), or give flags that agree.')
 
 
+def _check_engine(args, engine, environment) -> None:
+    """The run's engine (given or built) against the run: it takes the environment's sequences, and decodes as the
+    config says."""
+    check_sequences_fit(engine, getattr(environment, "max_seq_len", None))  # None: a replay
+    check_given_engine_rows(args, engine)
+
+
 def run_steps(args: RLConfig, num_batches: int) -> int:
     """Optimizer steps of the run: ``max_steps``, or when unset HF's count, ceil(num_train_epochs * steps per epoch),
     an epoch being each of the source's ``num_batches`` batches trained ``num_iterations`` times."""
@@ -302,7 +309,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         self._source: RolloutSource | None = None  # the main process's; the other ranks never read a source
 
         def made() -> int:
-            check_sequences_fit(engine, getattr(environment, "max_seq_len", None))  # None: a replay
+            _check_engine(args, engine, environment)
             self._source = make_source(args, rollout_source, environment, engine)
             self.generator = self._source if environment is not None else None
             if isinstance(self._source, ReplaySource):  # a file's over-long rollout: refused now, not at its batch
