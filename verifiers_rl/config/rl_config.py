@@ -205,8 +205,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         default=0,
         metadata={"help": "Continuous generation: keep up to N groups (a prompt x num_generations) in flight, a batch "
                           "made of finished whole groups (the earliest due first), weights loaded while groups are in "
-                          "flight; a group started at version v is due by batch v + max_off_policy_steps, a long one "
-                          "slides to a later batch up to then, and the batch it is due by waits for it. 0 = "
+                          "flight; a group started at version v (after v optimizer steps) is due by batch "
+                          "v / num_iterations + max_off_policy_steps, a long one slides to a later batch up to then, "
+                          "and the batch it is due by waits for it. 0 = "
                           "batch at a time (exactly reproducible). Needs max_off_policy_steps >= 1; at most "
                           "(max_off_policy_steps + 1) x rollouts_per_step / num_generations (no more groups can be "
                           "in flight)."},
