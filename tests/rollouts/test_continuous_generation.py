@@ -276,6 +276,24 @@ def test_a_group_that_keeps_failing_is_dropped_and_counted_or_stops_the_run_by_f
         strict.close()
 
 
+def test_a_batchs_worth_of_dropped_groups_stops_the_run_whatever_the_fraction_and_says_so(parts):
+    # --max_failed_rollouts_fraction 1 tolerates any share of failures, but not a batch's worth of groups dropped (as
+    # batch at a time stops when none of a batch is left): the error names that rule, not the fraction.
+    tokenizer, engine = parts
+    rows = [{"question": f"Say something ({i}).", "info": {"row": 1}} for i in range(12)]  # every sandbox is gone
+    env = BrokenRowEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="broken")
+    generator = continuous(env, engine, total=2)
+    generator.max_rollout_retries = generator.groups.max_rollout_retries = 0
+    generator.max_failed_rollouts_fraction = 1.0
+    try:
+        with pytest.raises(GenerationError, match=r"^Batch 0: \d+ groups failed 1 time\(s\) each \(--max_rollout_retries "
+                                                  r"0\), as many as a batch takes \(2\), which stops the run whatever "
+                                                  r"--max_failed_rollouts_fraction allows\. Last error: .*row 1 is gone"):
+            generator.batch(0)
+    finally:
+        generator.close()
+
+
 @pytest.mark.parametrize("kind", ["batch at a time", "continuous"])
 def test_a_dataset_smaller_than_a_batch_is_warned_of_as_both_generators_repeat_its_prompts(parts, kind, caplog):
     tokenizer, engine = parts

@@ -247,14 +247,20 @@ class ContinuousGenerator(GeneratorThread):
 
     def _check_failures(self, index: int) -> None:
         """(Holding the condition.) Stop with the last error when more groups were dropped on errors since the last
-        batch than ``max_failed_rollouts_fraction`` of the batch allows, or a batch's worth of them."""
+        batch than ``max_failed_rollouts_fraction`` of those generated for it allows, or a batch's worth of them (as
+        batch at a time stops when every group of a batch is dropped, whatever the fraction); the error says which."""
         dropped = int(self._counts.get("groups_dropped_on_error", 0))
         attempted = self.prompts_per_batch + dropped
-        if dropped and (dropped > self.max_failed_rollouts_fraction * attempted or dropped >= self.prompts_per_batch):
-            raise GenerationError(
-                f"Batch {index}: {dropped} groups {dropped_how(self._errors, self.max_rollout_retries)}, "
-                f"more than --max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} "
-                f"groups generated for it. Last error: {self._errors[-1]}") from self._errors[-1]
+        if dropped and dropped > self.max_failed_rollouts_fraction * attempted:
+            why = (f"more than --max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} "
+                   "groups generated for it")
+        elif dropped >= self.prompts_per_batch:
+            why = (f"as many as a batch takes ({self.prompts_per_batch}), which stops the run whatever "
+                   "--max_failed_rollouts_fraction allows")
+        else:
+            return
+        raise GenerationError(f"Batch {index}: {dropped} groups {dropped_how(self._errors, self.max_rollout_retries)}, "
+                              f"{why}. Last error: {self._errors[-1]}") from self._errors[-1]
 
     def wait_for_older_batches(self, version: int) -> None:
         """Nothing to wait for: weights are loaded while groups are in flight."""
