@@ -276,22 +276,47 @@ def test_a_group_that_keeps_failing_is_dropped_and_counted_or_stops_the_run_by_f
         strict.close()
 
 
-def test_a_batchs_worth_of_dropped_groups_stops_the_run_whatever_the_fraction_and_says_so(parts):
-    # --max_failed_rollouts_fraction 1 tolerates any share of failures, but not a batch's worth of groups dropped (as
-    # batch at a time stops when none of a batch is left): the error names that rule, not the fraction.
+class OddRowsBrokenEnv(SingleTurnEnv):
+    """The odd rows' rollouts raise at once (their sandboxes are gone); the even rows' sample and finish."""
+
+    async def generate(self, sampler, prompt, prompt_ids, state):
+        if state["info"]["row"] % 2:
+            raise ConnectionError(f"the sandbox of row {state['info']['row']} is gone")
+        return await super().generate(sampler, prompt, prompt_ids, state)
+
+
+def test_groups_dropped_on_errors_stop_the_run_as_batch_at_a_time_does_whatever_the_fraction(parts):
+    # --max_failed_rollouts_fraction 1 tolerates any share of failures; batch at a time still stops when every group
+    # of a batch is dropped, and so does continuous generation when every group of a batch's positions is: not when
+    # as many groups failed at once as a batch takes while the others were still sampling.
     tokenizer, engine = parts
-    rows = [{"question": f"Say something ({i}).", "info": {"row": 1}} for i in range(12)]  # every sandbox is gone
-    env = BrokenRowEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="broken")
-    generator = continuous(env, engine, total=2)
-    generator.max_rollout_retries = generator.groups.max_rollout_retries = 0
-    generator.max_failed_rollouts_fraction = 1.0
+
+    def generator(rows):
+        env = OddRowsBrokenEnv([{"question": f"Say something ({i}).", "info": {"row": r}} for i, r in enumerate(rows)],
+                               Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="broken")
+        made = continuous(env, engine, total=2)
+        made.max_rollout_retries = made.groups.max_rollout_retries = 0
+        made.max_failed_rollouts_fraction = 1.0
+        return made
+
+    flaky = generator(range(12))  # positions 1, 3, 5, ... fail at once
     try:
-        with pytest.raises(GenerationError, match=r"^Batch 0: \d+ groups failed 1 time\(s\) each \(--max_rollout_retries "
-                                                  r"0\), as many as a batch takes \(2\), which stops the run whatever "
-                                                  r"--max_failed_rollouts_fraction allows\. Last error: .*row 1 is gone"):
-            generator.batch(0)
+        batch = flaky.batch(0)
     finally:
-        generator.close()
+        flaky.close()
+    found = groups(batch.rollouts)  # two whole groups of even rows, the odd ones dropped
+    assert len(found) == 2 and all(position_of(gid)[0] % 2 == 0 for gid in found)
+    assert batch.stats["groups_dropped_on_error"] >= 1
+    broken = generator([1] * 12)  # every position fails
+    try:
+        with pytest.raises(GenerationError, match=r"^Batch 0: \d+ groups failed 1 time\(s\) each \(--max_rollout_"
+                                                  r"retries 0\), among them every group of positions 0-1 \(the 2 a "
+                                                  r"batch draws together\): none of them is left, which stops the run "
+                                                  r"whatever --max_failed_rollouts_fraction allows\. Last error: "
+                                                  r".*row 1 is gone"):
+            broken.batch(0)
+    finally:
+        broken.close()
 
 
 @pytest.mark.parametrize("kind", ["batch at a time", "continuous"])

@@ -94,6 +94,21 @@ def staleness_stats(rollouts: list[Rollout], trained_version: int, bound: int) -
     return stats
 
 
+def stop_reason(dropped: int, size: int, fraction: float, dropped_positions: set[int]) -> str | None:
+    """Why groups dropped on errors stop the run (None: they do not): ``dropped`` since the last batch, more than
+    ``fraction`` of those generated for it (``size`` + ``dropped``), or every group of a batch's positions (the
+    ``size`` that batch at a time draws together) dropped, as batch at a time stops when none of a batch is left."""
+    attempted = size + dropped
+    if dropped and dropped > fraction * attempted:
+        return f"more than --max_failed_rollouts_fraction {fraction:g} of the {attempted} groups generated for it"
+    whole = [b for b, n in Counter(p // size for p in dropped_positions).items() if n == size]
+    if dropped and whole:
+        first = whole[0] * size
+        return (f"among them every group of positions {first}-{first + size - 1} (the {size} a batch draws together): "
+                "none of them is left, which stops the run whatever --max_failed_rollouts_fraction allows")
+    return None
+
+
 class ContinuousGenerator(GeneratorThread):
     """Keeps up to ``groups_in_flight`` groups in flight as asyncio tasks on its own thread and hands out batches of
     ``prompts_per_batch`` finished groups (the rollout-source interface of ``AsyncGenerator``).
@@ -135,6 +150,7 @@ class ContinuousGenerator(GeneratorThread):
         self._handed = 0  # batches handed out
         self._counts: dict[str, float] = {}  # since the last batch: stale drops, failed attempts, groups dropped
         self._errors: list[Exception] = []  # of the groups dropped since the last batch
+        self._dropped_positions: set[int] = set()  # positions whose group was dropped on errors, over the run
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -246,21 +262,14 @@ class ContinuousGenerator(GeneratorThread):
         self._wake_loop()
 
     def _check_failures(self, index: int) -> None:
-        """(Holding the condition.) Stop with the last error when more groups were dropped on errors since the last
-        batch than ``max_failed_rollouts_fraction`` of those generated for it allows, or a batch's worth of them (as
-        batch at a time stops when every group of a batch is dropped, whatever the fraction); the error says which."""
+        """(Holding the condition.) Stop with the last error where the groups dropped on errors say so
+        (``stop_reason``)."""
         dropped = int(self._counts.get("groups_dropped_on_error", 0))
-        attempted = self.prompts_per_batch + dropped
-        if dropped and dropped > self.max_failed_rollouts_fraction * attempted:
-            why = (f"more than --max_failed_rollouts_fraction {self.max_failed_rollouts_fraction:g} of the {attempted} "
-                   "groups generated for it")
-        elif dropped >= self.prompts_per_batch:
-            why = (f"as many as a batch takes ({self.prompts_per_batch}), which stops the run whatever "
-                   "--max_failed_rollouts_fraction allows")
-        else:
-            return
-        raise GenerationError(f"Batch {index}: {dropped} groups {dropped_how(self._errors, self.max_rollout_retries)}, "
-                              f"{why}. Last error: {self._errors[-1]}") from self._errors[-1]
+        why = stop_reason(dropped, self.prompts_per_batch, self.max_failed_rollouts_fraction, self._dropped_positions)
+        if why is not None:
+            how = dropped_how(self._errors, self.max_rollout_retries)
+            raise GenerationError(f"Batch {index}: {dropped} groups {how}, {why}. Last error: {self._errors[-1]}"
+                                  ) from self._errors[-1]
 
     def wait_for_older_batches(self, version: int) -> None:
         """Nothing to wait for: weights are loaded while groups are in flight."""
@@ -385,6 +394,7 @@ class ContinuousGenerator(GeneratorThread):
                 self._counts["groups_dropped_on_error"] = self._counts.get("groups_dropped_on_error", 0.0) + 1
                 self._counts["rollouts_failed"] = self._counts.get("rollouts_failed", 0.0) + failures
                 self._errors.append(error)
+                self._dropped_positions.add(position)
             else:
                 stamp_versions(group, version)
                 self._finished.append(FinishedGroup(group, deadline, failures, started, time.perf_counter()))
