@@ -5,6 +5,7 @@ an argument the loader refuses or has the wrong type for, a mixture entry's curr
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -288,3 +289,13 @@ def test_a_resume_that_does_not_fit_is_one_line(tiny_model_dir, tmp_path, capsys
     assert "Traceback" not in err, err[-3000:]
     assert err.strip().splitlines()[-1] == (f"verifiers-rl train: error: --resume_from_checkpoint "
                                             f"{str(tmp_path / 'nowhere')!r}: no such folder.")
+
+
+def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
+    # A connection refused at once (nothing listens on the port): the start-up check raised a VLLMError traceback.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    message = refusal(["--model", "tiny", *SMALL, "--vllm_server_url", f"http://127.0.0.1:{port}",
+                       "--vllm_server_timeout", "0", "--output_dir", str(tmp_path / "run")], capsys)
+    assert message.startswith(f"No vLLM server at http://127.0.0.1:{port}") and "vllm-serve" in message, message

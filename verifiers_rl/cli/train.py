@@ -46,6 +46,7 @@ from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries,
 from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
 from verifiers_rl.inference.factory import build_engine
+from verifiers_rl.inference.vllm.http import VLLMError
 from verifiers_rl.core.models import load_tokenizer, resolve_model
 from verifiers_rl.training.preemption import TrainingPreempted
 from verifiers_rl.training.trainer import RLTrainer
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     try:
         trainer, live, config = build_trainer(parser, argv, script_args, config)
-    except ValueError as error:  # an environment, a length or a trainer setting refused, naming its flag
+    except (ValueError, VLLMError, MainProcessError) as error:  # a setting refused, naming its flag; no server there
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     try:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly
