@@ -276,3 +276,14 @@ def test_the_launchs_mixed_precision_sets_bf16_left_unset_and_one_the_flags_cont
     with pytest.raises(ValueError, match=r"^accelerate launch asks for mixed_precision bf16 .* this run's flags for no "
                                          r"\(--bf16 False, --fp16 False\).* or pass --bf16 true\.$"):
         RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", bf16=False)
+
+
+@pytest.mark.parametrize("fields, env", [({"fsdp": "full_shard"}, {}), ({"fsdp_config": {"min_num_params": 5}}, {}),
+                                         ({}, {"ACCELERATE_USE_FSDP": "true"})])
+def test_fsdp_is_refused_by_name_pointing_to_zero3(monkeypatch, fields, env):
+    # FSDP wrapped the model under a 2-process launch and trained, untested: the weight sync, checkpoints and the
+    # exactness checks cover DDP and ZeRO-3 only. accelerate launch passes a config's FSDP as ACCELERATE_USE_FSDP.
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=r"FSDP is not supported .* accelerate_configs/zero3.yaml"):
+        RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", **fields)

@@ -16,7 +16,7 @@ from verifiers_rl.config.rl_config import RLConfig
 # A value other than the default for each refused field whose default gives no obvious one (None, strings, dicts).
 SAMPLE_VALUES = {
     "router_aux_loss_coef": 0.01, "num_generations_eval": 4, "pad_to_multiple_of": 8, "generation_batch_size": 32,
-    "steps_per_generation": 4,
+    "steps_per_generation": 4, "fsdp": "full_shard", "fsdp_config": {"min_num_params": 5},
     "cache_implementation": "static", "vllm_mode": "server",
     "vllm_model_impl": "transformers", "vllm_structured_outputs_regex": "a+",
     "vllm_server_base_url": "http://127.0.0.1:8000", "vllm_server_host": "127.0.0.1", "vllm_max_model_length": 512,

@@ -157,6 +157,10 @@ GRPO_FIELDS: dict[str, Field] = {
 }
 
 _NO_DATALOADER = "batches come from the rollout source, not a DataLoader over a dataset"
+# FSDP's sharded parameters, checkpoints and weight gathering are untested here: the exactness checks cover these two.
+_NO_FSDP = ("FSDP is not supported (the weight sync, checkpoints and the exactness checks are built and tested for "
+            "DDP and DeepSpeed ZeRO-3): shard the model with ZeRO-3, accelerate launch --config_file "
+            "accelerate_configs/zero3.yaml (zero3_cpu.yaml on CPU)")
 _NO_HF_EVAL = "evaluation rolls out the held-out split through the engine (--eval_steps, --eval_num_examples)"
 TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
     "label_smoothing_factor": "the loss is the policy-gradient surrogate, not cross-entropy",
@@ -195,6 +199,8 @@ TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
                            "would differ from the sampled policy's, and the importance ratio and PPO clip measure "
                            "the noise (NEFTune is for supervised fine-tuning)",
     "ignore_data_skip": "a resumed run continues the rollout source exactly where the checkpoint stood",
+    "fsdp": _NO_FSDP,
+    "fsdp_config": _NO_FSDP,
 }
 
 

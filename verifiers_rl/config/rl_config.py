@@ -14,7 +14,7 @@ import torch
 from trl import GRPOConfig
 
 from verifiers_rl import compat
-from verifiers_rl.config.grpo_fields import TRL_LOSS_TYPES, apply_trl_names, check_fields
+from verifiers_rl.config.grpo_fields import TRL_LOSS_TYPES, apply_trl_names, check_fields, refused_fields
 from verifiers_rl.core.choices import (
     AT_LEAST_ONE,
     NON_NEGATIVE,
@@ -36,7 +36,7 @@ from verifiers_rl.core.choices import (
     field_ranges,
 )
 from verifiers_rl.core.curriculum import EASY_RANGE, HARD_RANGE, CurriculumSettings
-from verifiers_rl.core.launch import launched_mixed_precision, launched_world_size
+from verifiers_rl.core.launch import launched_fsdp, launched_mixed_precision, launched_world_size
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
 
@@ -545,6 +545,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             check_choice(name, getattr(self, name), choices)
         for name, allowed in config_ranges().items():
             allowed.check(name, getattr(self, name))
+        if launched_fsdp():  # the fields' own refusal (grpo_fields) covers --fsdp; this, an accelerate config's
+            raise ValueError(f"accelerate launch asks for FSDP (distributed_type: FSDP, or --use_fsdp): "
+                             f"{refused_fields()['fsdp']}.")
         if self.fp16 and (self.use_cpu or not torch.cuda.is_available()):
             # Accelerate runs fp16 autocast on GPUs only (on the CPU it silently trains in float32); DeepSpeed raises.
             raise ValueError("--fp16 needs a GPU: on the CPU (--use_cpu, or no GPU visible) Accelerate ignores it and "

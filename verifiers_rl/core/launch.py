@@ -29,6 +29,12 @@ def launched_mixed_precision() -> str:
     return os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
 
 
+def launched_fsdp() -> bool:
+    """Whether ``accelerate launch`` asked for FSDP (a config file's ``distributed_type: FSDP`` or ``--use_fsdp``,
+    passed as ``ACCELERATE_USE_FSDP``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def prepare_process(args) -> None:
     """Before transformers starts this process's device and process group (``args``: an ``RLConfig``):
 
