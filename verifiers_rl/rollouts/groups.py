@@ -111,10 +111,13 @@ class GroupRollouts:
         stats["groups_dropped_on_error"] = stats.get("groups_dropped_on_error", 0.0) + dropped
         if dropped and (not groups or dropped > self.max_failed_rollouts_fraction * len(results)):
             errors = [error for group, _, error in results if group is None]
+            # Name the rule that stopped it: with none left, the fraction (up to 1) is not the reason.
+            why = ("none of the batch is left, which stops the run whatever --max_failed_rollouts_fraction allows"
+                   if not groups else f"more than --max_failed_rollouts_fraction "
+                   f"{self.max_failed_rollouts_fraction:g} of the batch")
             raise GenerationError(
                 f"Batch {index}: {dropped} of {len(results)} groups {dropped_how(errors, self.max_rollout_retries)}, "
-                f"more than --max_failed_rollouts_fraction "
-                f"{self.max_failed_rollouts_fraction:g} of the batch. Last error: {errors[0]}"
+                f"{why}. Last error: {errors[0]}"
             ) from errors[0]
         if dropped:
             logger.warning("Batch %d: dropped %d of %d groups whose rollouts kept failing (%d failed attempts).",
