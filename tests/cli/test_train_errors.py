@@ -5,6 +5,7 @@ an argument the loader refuses or has the wrong type for, a mixture entry's curr
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 
 import pytest
@@ -88,6 +89,40 @@ def test_a_mixture_entrys_curriculum_beside_continuous_generation_is_refused(tin
             "--groups_in_flight", "2"]
     assert refusal(argv, capsys).startswith("--groups_in_flight 2 (continuous generation) does not combine with a "
                                             "curriculum (--env entries' curriculum: thresholds)")
+
+
+@pytest.mark.parametrize("layout, message", [
+    (None, "no such folder, and it is not a Hugging Face Hub id"),
+    ([], "has no model weights: no weight files"),
+    (["checkpoint-3/"], "has no model weights: it holds checkpoints; pass one of them, e.g. --model "),
+    (["config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"], "has no model weights"),
+    (["config.json", "model.safetensors"], "has no tokenizer (tokenizer.json, tokenizer_config.json, "
+                                           "tokenizer.model); train from a folder that has one."),
+])
+def test_a_model_folder_that_holds_no_model_is_one_line(layout, message, tiny_model_dir, tmp_path, capsys):
+    # These came as a FileNotFoundError or OSError traceback, or transformers' five lines about sentencepiece.
+    folder = tmp_path / "model"
+    for name in layout or []:
+        if name.endswith("/"):
+            (folder / name).mkdir(parents=True)
+        else:
+            folder.mkdir(exist_ok=True)
+            shutil.copy(f"{tiny_model_dir}/{name}", folder / name)
+    if layout == []:
+        folder.mkdir()
+    argv = ["--model", str(folder), "--output_dir", str(tmp_path / "out"), *SMALL]
+    line = refusal(argv, capsys)
+    assert line.startswith(f"--model {str(folder)!r}") and message in line, line
+
+
+def test_a_hub_id_that_cannot_be_loaded_is_one_line(monkeypatch, tmp_path, capsys):
+    # Offline (as HF_HUB_OFFLINE=1 makes it) the Hub is not asked; transformers' error came as an OSError traceback.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    argv = ["--model", "no-such-org/no-such-model", "--output_dir", str(tmp_path / "out"), *SMALL]
+    assert refusal(argv, capsys).startswith("--model 'no-such-org/no-such-model' is not a folder here, and loading "
+                                            "it as a Hugging Face Hub id failed: ")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -158,7 +158,8 @@ def test_folders_without_weights_are_clear_errors(run, tmp_path):
     root = tmp_path / "out"
     (root / "checkpoint-4").mkdir(parents=True)
     (root / "checkpoint-10").mkdir()
-    with pytest.raises(eval_cli.ModelFolderError, match=r"holds checkpoints; evaluate one of them, e\.g\. --model .*checkpoint-10"):
+    with pytest.raises(eval_cli.ModelFolderError,
+                       match=r"holds checkpoints; pass one of them, e\.g\. --model .*checkpoint-10"):
         eval_cli.main(["--model", str(root)])
     with pytest.raises(FileNotFoundError, match="no such folder, and it is not a Hugging Face Hub id"):
         eval_cli.main(["--model", str(tmp_path / "missing")])  # models.resolve_model, as examples/train.py says it

@@ -32,11 +32,13 @@ WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "adapter_model.*")
 
 
 class ModelFolderError(ValueError):
-    """A model folder that cannot be evaluated; the message says why and what to pass instead."""
+    """A model folder that cannot be evaluated or trained; the message says why and what to pass instead."""
 
 
-def check_model_folder(path: Path, tokenizer: bool = True) -> None:
-    """Raise ``ModelFolderError`` unless ``path`` holds a config, weights and (with ``tokenizer``) a tokenizer.
+def check_model_folder(path: Path, tokenizer: bool = True,
+                       tokenizer_hint: str = "pass --tokenizer (e.g. the base model)") -> None:
+    """Raise ``ModelFolderError`` unless ``path`` holds a config, weights and (with ``tokenizer``) a tokenizer
+    (``tokenizer_hint``: what the command's user can do without one).
 
     A ``--output_dir`` holds them after training, and so does every ``checkpoint-N`` inside it; under DeepSpeed
     ZeRO-3 a checkpoint holds whole weights only when the DeepSpeed config sets
@@ -53,15 +55,16 @@ def check_model_folder(path: Path, tokenizer: bool = True) -> None:
                     "ds_zero3*.json has it), or consolidate the shards with the zero_to_fp32.py script DeepSpeed saves "
                     "in the folder.")
         elif checkpoints:
-            hint = f"it holds checkpoints; evaluate one of them, e.g. --model {checkpoints[-1]}."
+            hint = f"it holds checkpoints; pass one of them, e.g. --model {checkpoints[-1]}."
         else:
             hint = f"no weight files ({', '.join(WEIGHT_FILES)})."
-        raise ModelFolderError(f"--model {str(path)!r} has no model weights to evaluate: {hint}")
+        raise ModelFolderError(f"--model {str(path)!r} has no model weights: {hint}")
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         raise ModelFolderError(f"--model {str(path)!r} has weights but no config.json.")
     tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     if tokenizer and not any((path / f).is_file() for f in tokenizer_files):
-        raise ModelFolderError(f"--model {str(path)!r} has no tokenizer; pass --tokenizer (e.g. the base model).")
+        raise ModelFolderError(f"--model {str(path)!r} has no tokenizer ({', '.join(tokenizer_files)}); "
+                               f"{tokenizer_hint}.")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,11 +27,13 @@ import json
 import sys
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from trl import TrlParser
 
 from verifiers_rl.training import progress
+from verifiers_rl.cli.eval import check_model_folder
 from verifiers_rl.cli.sections import SectionedParser
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import MainProcessError, leave_process_group
@@ -215,8 +217,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
         config.check_engine_knobs()  # this command builds no engine then
     check_unread_flags(script_args, config, given)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
-    model = resolve_model(script_args.model)
-    tokenizer = load_tokenizer(model)
+    model, tokenizer = checked_model(script_args.model)
     live = {}
     with default_tool_mode(script_args.tool_mode) as tool_mode_readers:
         if not config.rollouts_path:
@@ -248,6 +249,18 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
         if live.get("engine") is not None:
             live["engine"].close()
         raise
+
+
+def checked_model(name: str):
+    """``--model`` resolved (``tiny`` and ``smollm2`` built once) and its tokenizer: a path that is no model folder, or
+    a Hub id that cannot be loaded, is a ValueError naming --model (one line from the command, not a traceback)."""
+    try:
+        model = resolve_model(name)
+        if Path(model).expanduser().is_dir():  # before the slow loads: weights, config and tokenizer are there
+            check_model_folder(Path(model).expanduser(), tokenizer_hint="train from a folder that has one")
+        return model, load_tokenizer(model)
+    except FileNotFoundError as error:
+        raise ValueError(str(error)) from None
 
 
 ENVIRONMENT_FLAGS = ("env", "env_args", "tool_mode", "eval_env", "eval_env_args")

@@ -196,8 +196,11 @@ def load_tokenizer(name_or_path: str):
     except OSError as error:
         if Path(resolved).is_dir():
             raise
-        raise OSError(
-            f"--model {name_or_path!r} is not a folder here, and loading it as a Hugging Face Hub id failed: {error}"
+        # Not found, said in one line (transformers' next lines point at its own documentation).
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FileNotFoundError(
+            f"--model {name_or_path!r} is not a folder here, and loading it as a Hugging Face Hub id failed: "
+            f"{first_line}"
         ) from error
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
