@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -287,3 +288,20 @@ def test_fsdp_is_refused_by_name_pointing_to_zero3(monkeypatch, fields, env):
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=r"FSDP is not supported .* accelerate_configs/zero3.yaml"):
         RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", **fields)
+
+
+@pytest.mark.parametrize("flag, path, message", [
+    ("output_dir", "afile", "--output_dir {tmp}/afile is a file; pass a folder (it is created if missing)."),
+    ("output_dir", "afile/run", "--output_dir {tmp}/afile/run: {tmp}/afile is a file, so nothing can be created"),
+    ("save_rollouts_path", "adir", "--save_rollouts_path {tmp}/adir is a folder; pass a file's path."),
+    ("save_rollouts_path", "afile/seen.jsonl", "--save_rollouts_path {tmp}/afile/seen.jsonl: {tmp}/afile is a file"),
+])
+def test_a_path_the_run_could_not_create_is_refused_naming_its_flag(flag, path, message, tmp_path):
+    # Accepted before, they failed at the trainer's makedirs or the first step's append with an OSError traceback.
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    paths = {"output_dir": str(tmp_path / "out"), flag: str(tmp_path / path)}
+    with pytest.raises(ValueError, match="^" + re.escape(message.format(tmp=tmp_path))):
+        RLConfig(report_to="none", **paths)
+    RLConfig(report_to="none", output_dir=str(tmp_path / "new" / "out"),
+             save_rollouts_path=str(tmp_path / "new" / "seen.jsonl"))  # paths still to be created are fine

@@ -8,6 +8,7 @@ import importlib.util
 import math
 import numbers
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Annotated, Literal, get_args, get_origin, get_type_hints
 
 import torch
@@ -578,6 +579,9 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                                  f"'.[{extra}]').")
         check_server_url(self.vllm_server_url, "vllm_server_url")
         check_reward_weights(self.reward_weights)
+        check_path_kind("output_dir", self.output_dir, folder=True)
+        if self.save_rollouts_path:
+            check_path_kind("save_rollouts_path", self.save_rollouts_path, folder=False)
         if self.vllm_server_url and self.continuous_batching_rows:
             raise ValueError(f"--continuous_batching_rows {self.continuous_batching_rows} sets the embedded engine's "
                              "running batch; a vLLM server (--vllm_server_url) already batches continuously. Leave "
@@ -752,6 +756,19 @@ def check_reward_weights(weights) -> None:
 
 
 @functools.cache
+def check_path_kind(flag: str, path, folder: bool) -> None:
+    """Refuse a path the run could not create: a ``folder`` that is a file, a file that is a folder, or either under a
+    file (a missing path is fine: it is created). Else the first write failed with an OSError traceback."""
+    target = Path(path).expanduser()
+    if target.exists() and target.is_dir() != folder:
+        kind, wanted = ("a file", "a folder (it is created if missing)") if folder else ("a folder", "a file's path")
+        raise ValueError(f"--{flag} {path} is {kind}; pass {wanted}.")
+    blocking = next((parent for parent in target.parents if parent.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ValueError(f"--{flag} {path}: {blocking} is a file, so nothing can be created under it; pass another "
+                         "path.")
+
+
 def config_ranges() -> dict[str, Range]:
     """Every checked number's ``Range``: ``INHERITED_RANGES``, then RLConfig's own fields' (their ``Annotated``
     types)."""
