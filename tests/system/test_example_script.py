@@ -57,8 +57,11 @@ def test_cli_errors_are_clear(tmp_path):
     assert result.returncode == 2 and "--env_args is not valid JSON" in result.stderr
     result = run_script(["--env", "no_such_env", "--model", "tiny"], tmp_path)
     assert result.returncode != 0 and "Unknown environment 'no_such_env'" in result.stderr
+    # A missing replay file: one line, as a usage error (it came as a FileNotFoundError traceback, exit status 1).
     result = run_script(["--rollouts_path", str(tmp_path / "missing.jsonl"), "--model", "tiny"], tmp_path)
-    assert result.returncode != 0 and "missing.jsonl' does not exist" in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (f"verifiers-rl train: error: Rollouts file "
+                                                      f"{str(tmp_path / 'missing.jsonl')!r} does not exist.")
     # A value RLConfig refuses: one line naming the flag, as argparse's own errors, no traceback.
     result = run_script(["--groups_in_flight", "4", "--max_off_policy_steps", "0", "--model", "tiny"], tmp_path)
     last = result.stderr.strip().splitlines()[-1]

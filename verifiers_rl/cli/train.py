@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     try:
         trainer, live, config = build_trainer(parser, argv, script_args, config)
-    except (ValueError, VLLMError, MainProcessError) as error:  # a setting refused, naming its flag; no server there
+    # A setting refused, a file a flag names missing, no vLLM server there: said by name, in one line.
+    except (ValueError, FileNotFoundError, VLLMError, MainProcessError) as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     try:
         trainer.train()  # --resume_from_checkpoint DIR|latest continues a run exactly

@@ -188,7 +188,8 @@ def read_rollouts(path: str | Path) -> list[Rollout]:
     """Read a JSON Lines file of rollouts; blank lines are skipped, anything else malformed is an error."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"Rollouts file {str(path)!r} does not exist.")
+        missing = "is a folder, not a JSON Lines file" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"Rollouts file {str(path)!r} {missing}.")
     rollouts = []
     with path.open() as handle:
         for line_number, line in enumerate(handle, start=1):
