@@ -84,7 +84,8 @@ def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
     result = run_script(["--model", tiny_model_dir, "--env", str(env_file), "--env_args", '{"num_examples": 4}',
                          "--rollouts_per_step", "8", "--num_generations", "4", "--max_seq_len", "64",
                          "--max_completion_length", "8", "--max_steps", "3", "--logging_steps", "1",
-                         "--save_rollouts_path", str(tmp_path / "seen.jsonl"), "--report_to", "none",
+                         # a folder not made yet: made as --output_dir is (the first append failed there before)
+                         "--save_rollouts_path", str(tmp_path / "logs" / "seen.jsonl"), "--report_to", "none",
                          "--print_samples_every", "2", "--num_completions_to_print", "2",
                          "--save_strategy", "no", "--output_dir", str(tmp_path / "out")], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -100,9 +101,9 @@ def test_live_generation_from_an_environment_file(tmp_path, tiny_model_dir):
     # Every trained rollout was saved in the replay format, and replays through the same path.
     from verifiers_rl.core.rollout import read_rollouts
 
-    seen = read_rollouts(tmp_path / "seen.jsonl")
+    seen = read_rollouts(tmp_path / "logs" / "seen.jsonl")
     assert len(seen) == 3 * 8 and {r.policy_version for r in seen} <= {0, 1, 2}
-    replay = run_script(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "seen.jsonl"),
+    replay = run_script(["--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "logs" / "seen.jsonl"),
                          "--rollouts_per_step", "8", "--max_seq_len", "64", "--max_steps", "3", "--report_to", "none",
                          "--save_strategy", "no", "--output_dir", str(tmp_path / "replayed")], tmp_path)
     assert replay.returncode == 0, replay.stderr[-4000:]

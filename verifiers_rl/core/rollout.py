@@ -220,6 +220,7 @@ def append_rollouts(path: str | Path, rollouts: Iterable[Rollout]) -> int:
     not cut short by a signal), and what a checkpoint records as written is on disk.
     """
     data = "".join(rollout.to_json() + "\n" for rollout in rollouts).encode()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # as --output_dir is: a new folder for the file is made
     descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         view = memoryview(data)
