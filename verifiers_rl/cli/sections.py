@@ -284,7 +284,7 @@ def markdown() -> str:
         "equal). Every field is a flag of `verifiers-rl train` (`--name value`) and a key of its `--config` YAML;",
         "`RLConfig(name=value)` in Python. *Command default* is the training command's own default where it differs",
         "from the config's (the CPU quickstart's settings); a live run without `--max_steps` or `--num_train_epochs`",
-        "stops after 60 steps,",
+        "stops after 60 steps (a replay trains `--num_train_epochs` passes over its file: 3 unless set),",
         "and on a machine without a GPU the command sets `use_cpu` itself. A field that tunes another setting (the",
         "vLLM client's without `vllm_server_url`, evaluation's without `eval_strategy`/`eval_steps`, the refill",
         "rounds without `filter_groups`, the probe's without `weight_sync_probe_tokens`, the curriculum's without",

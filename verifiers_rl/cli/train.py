@@ -76,7 +76,7 @@ QUICKSTART = dict(
     report_to="none",
     output_dir="outputs/train",
 )
-# Live runs without --max_steps stop here (a replay runs once over its file instead).
+# Live runs without --max_steps stop here (a replay runs --num_train_epochs times over its file, HF's default 3).
 QUICKSTART_LIVE_STEPS = 60
 
 
