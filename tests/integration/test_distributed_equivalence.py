@@ -139,7 +139,8 @@ def test_bf16_under_the_shipped_zero3_cpu_config_trains_in_bf16_and_a_config_fix
     keeps bf16 weights, the saved model's); a config that fixes bf16 off beside --bf16 is refused when the trainer is
     built, in one line naming the file, not by HF's traceback on every rank inside train()."""
     write_rollouts(tmp_path / "r.jsonl", random_rollouts(2, 4, vocab_size=390, seed=5))
-    args = [str(ROOT / "examples" / "train.py"), "--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "r.jsonl"),
+    args = [str(ROOT / "examples" / "train.py"), "--model", tiny_model_dir,
+            "--rollouts_path", str(tmp_path / "r.jsonl"),
             "--rollouts_per_step", "8", "--max_seq_len", "64", "--max_steps", "1", "--learning_rate", "1e-2",
             "--report_to", "none", "--save_strategy", "no", "--bf16", "true"]
     ok = launch(accelerate("zero3_cpu.yaml"), args + ["--output_dir", str(tmp_path / "out")], tmp_path / "ok.log")

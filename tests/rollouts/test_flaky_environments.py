@@ -83,7 +83,8 @@ def test_more_failures_than_allowed_stop_the_run_with_the_error_and_the_flags(ti
     # Every group gone: the fraction (up to 1) allowed it, so the message names the rule that stopped the run.
     with pytest.raises(GenerationError, match=r"4 of 4 groups .*, none of the batch is left, which stops the run "
                                               r"whatever --max_failed_rollouts_fraction allows\. Last error"):
-        batch(tiny_model_dir, env(tokenizer, broken=(0, 1, 2, 3)), max_rollout_retries=0, max_failed_rollouts_fraction=1)
+        batch(tiny_model_dir, env(tokenizer, broken=(0, 1, 2, 3)), max_rollout_retries=0,
+              max_failed_rollouts_fraction=1)
     with pytest.raises(ValueError, match="max_failed_rollouts_fraction must be <= 1"):
         from verifiers_rl.config.rl_config import RLConfig
 

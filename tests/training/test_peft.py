@@ -187,7 +187,8 @@ def test_a_folder_of_adapters_as_model_trains_from_the_merged_weights_with_them_
     start = dict(trainer.model.named_parameters())
     assert all(torch.equal(start[name], merged[name]) for name in merged)
     base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
-    assert not torch.equal(start["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    query = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(start[query], base[query])
     trainer.train()
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == 0.0 and kl[1] > 0.0, kl  # step 1: the policy is its reference (against the base: kl > 0)
