@@ -755,7 +755,6 @@ def check_reward_weights(weights) -> None:
         raise ValueError(f"reward_weights must be a list of finite numbers, one per reward function, got {weights!r}.")
 
 
-@functools.cache
 def check_path_kind(flag: str, path, folder: bool) -> None:
     """Refuse a path the run could not create: a ``folder`` that is a file, a file that is a folder, or either under a
     file (a missing path is fine: it is created). Else the first write failed with an OSError traceback."""
@@ -769,6 +768,7 @@ def check_path_kind(flag: str, path, folder: bool) -> None:
                          "path.")
 
 
+@functools.cache
 def config_ranges() -> dict[str, Range]:
     """Every checked number's ``Range``: ``INHERITED_RANGES``, then RLConfig's own fields' (their ``Annotated``
     types)."""
