@@ -44,7 +44,7 @@ from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
 from verifiers_rl.inference.factory import build_engine, check_given_engine_rows
 from verifiers_rl.core.engine import check_sequences_fit
-from verifiers_rl.core.launch import restart_count
+from verifiers_rl.core.launch import launched_world_size, restart_count
 from verifiers_rl.core.modeling import unwrap
 from verifiers_rl.training.preemption import PreemptionCallback, PreemptionSignal, TrainingPreempted
 from verifiers_rl.training.checkpoints import RunCheckpoints
@@ -197,7 +197,7 @@ def _check_launch(accelerator, deepspeed: bool) -> None:
     """Refuse a launch that would not train one model as asked: processes Accelerate does not see (each would train
     its own copy), or a DeepSpeed config whose fixed values disagree with the run's flags (HF says so only inside
     ``train()``, as a traceback on every rank)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = launched_world_size()
     if accelerator.num_processes != launched:
         raise RuntimeError(
             f"{launched} processes were launched but Accelerate sees {accelerator.num_processes}: each would "
