@@ -177,9 +177,12 @@ def tool_results_as_user_turns(messages: Messages) -> Messages:
     return out
 
 
-def tool_call_id(turn: int, index: int) -> str:
-    """The id of the ``index``-th tool call of model turn ``turn`` where the model gave none: 9 letters and digits
-    (``call01000``), the form Mistral's template insists on, unique within a rollout and a function of it alone."""
+def tool_call_id(call: dict[str, Any] | str, turn: int, index: int) -> str:
+    """The id of ``call``, the ``index``-th tool call of model turn ``turn`` (as ``parse_tool_calls`` gives it): the
+    model's own ``id``, else 9 letters and digits (``call01000``), the form Mistral's template insists on, unique
+    within a rollout and a function of it alone."""
+    if isinstance(call, dict) and "id" in call:
+        return call["id"]
     return f"call{turn:02d}{index:03d}"
 
 
@@ -283,14 +286,10 @@ class ToolEnv(MultiTurnEnv):
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> Messages:
         """One tool message per call of the model's last turn, in order, each with the ``tool_call_id`` of its call
-        (the model's own ``id``, else ``tool_call_id(turn, index)``), as chat templates and verifiers expect."""
+        (``tool_call_id``), as chat templates and verifiers expect."""
         calls = parse_tool_calls(messages[-1]["content"])
-        return [{**await self.call_tool(call), "tool_call_id": self._call_id(call, state["turn"], index)}
+        return [{**await self.call_tool(call), "tool_call_id": tool_call_id(call, state["turn"], index)}
                 for index, call in enumerate(calls)]
-
-    @staticmethod
-    def _call_id(call: dict[str, Any] | str, turn: int, index: int) -> str:
-        return call["id"] if isinstance(call, dict) and "id" in call else tool_call_id(turn, index)
 
     async def call_tool(self, call: dict[str, Any] | str) -> Message:
         """Run one parsed tool call; any problem becomes the tool message's text, for the model to read."""

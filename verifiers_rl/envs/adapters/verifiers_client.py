@@ -165,7 +165,7 @@ class EngineClient(vf.Client):
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         calls = [c for c in parse_tool_calls(text) if isinstance(c, dict)] if response.tools_offered else []
         tool_calls = [
-            ToolCall(id=c.get("id") or tool_call_id(response.turn, k), name=c["name"],
+            ToolCall(id=tool_call_id(c, response.turn, k), name=c["name"],
                      arguments=json.dumps(c["arguments"]))
             for k, c in enumerate(calls)
         ]
