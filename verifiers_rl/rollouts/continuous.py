@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import threading
 import time
 from collections import Counter
@@ -32,7 +31,8 @@ from verifiers_rl.core.rollout import NOT_SAMPLED, Rollout, group_by_id
 from verifiers_rl.core.sampling import derive_seed
 from verifiers_rl.rollouts.generator import (Batch, GenerationTimeout, GeneratorThread, PositionDraws, _close_loop,
                                              dataset_rows)
-from verifiers_rl.rollouts.groups import GenerationError, GroupRollouts, dropped_how, generation_failed
+from verifiers_rl.rollouts.groups import (GenerationError, GroupRollouts, dropped_how, generation_failed,
+                                          is_refill_group_id)
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as batch at a time
 
@@ -406,9 +406,9 @@ def position_of(group_id: str) -> tuple[int, int] | None:
     """(position, retry) of a continuous group's id (``group_id_of``), or of a batch-at-a-time one (``b<i>-p<p>``,
     retry 0); None for a batch-at-a-time refill group (``b<i>-r<round>-<j>``, dynamic sampling's: a batch-at-a-time
     checkpoint's pending batches may hold one), which stands for no position."""
-    text = str(group_id)
-    if re.fullmatch(r"b\d+-r\d+-\d+", text):
+    if is_refill_group_id(group_id):
         return None
+    text = str(group_id)
     retry = 0
     if "-retry" in text:
         text, retry_text = text.rsplit("-retry", 1)

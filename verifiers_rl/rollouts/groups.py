@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import derive_seed, refill_sample
 from verifiers_rl.envs.environment import RolloutError, RolloutRefused
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as before the split
+
+
+def refill_group_id(index: int, rounds: int, j: int) -> str:
+    """The id of dynamic sampling's ``j``-th refill group of batch ``index``, round ``rounds`` (no position)."""
+    return f"b{index}-r{rounds}-{j}"
+
+
+def is_refill_group_id(group_id: str) -> bool:
+    """Whether ``group_id`` is a refill group's (``refill_group_id``)."""
+    return re.fullmatch(r"b\d+-r\d+-\d+", str(group_id)) is not None
 
 
 class GenerationError(RuntimeError):
@@ -162,8 +173,9 @@ class GroupRollouts:
             rounds += 1
             order = (self._refill_rows(index, rounds) if curriculum is None else
                      curriculum.refill(index, rounds, min(self.prompts_per_batch, len(self.rows))))
-            more = await self.of([(f"b{index}-r{rounds}-{j}", self.rows[row], derive_seed(self.seed, "refill", index, rounds, j))
-                                       for j, row in enumerate(order)], stats, index,
+            more = await self.of([(refill_group_id(index, rounds, j), self.rows[row],
+                                   derive_seed(self.seed, "refill", index, rounds, j)) for j, row in enumerate(order)],
+                                 stats, index,
                                  on_group=None if curriculum is None else curriculum.record_group)
             useful = [group for group in more if has_signal(group)]
             dropped += len(more) - len(useful)
