@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from verifiers_rl.envs import Parser, Rubric, Sample, ToolEnv, extract_boxed_answer, parse_tool_calls
-from verifiers_rl.envs.tools import default_tool_mode, tool_result_text
+from verifiers_rl.envs.tools import default_tool_mode, tool_call_id, tool_result_text
 
 from .scripted import ScriptedSampler
 from .templates import ALTERNATING_TEMPLATE, CALL_ID_TOOL_TEMPLATE, OTHER_CALL_FORMAT_TEMPLATE
@@ -272,6 +272,19 @@ def test_tool_messages_carry_the_id_of_their_call(tool_tokenizer):
     env_text = tok.decode([t for t, m in zip(rollout.completion_ids, rollout.completion_mask) if m == 0])
     assert "<tool_response id=abc123xyz>\n5\n</tool_response>" in env_text
     assert "<tool_response id=call02000>" in env_text
+
+
+def test_generated_tool_call_ids_stay_9_letters_and_digits_past_turn_99_and_call_999():
+    """call<turn:02d><index:03d> grew to 10 characters at model turn 100 or call 1000 of a turn (a ToolEnv of
+    max_turns > 99), which Mistral's template refuses. Past those the id is T + base-36 turn + base-36 index."""
+    ids = {(turn, index): tool_call_id("not valid", turn, index) for turn in (*range(0, 130), 1295, 1296, 36**4 - 1)
+           for index in (*range(0, 40), *range(990, 1040), 36**4 - 1)}
+    assert all(len(i) == 9 and i.isalnum() for i in ids.values())
+    assert len(set(ids.values())) == len(ids)  # unique within a rollout
+    assert (ids[1, 0], ids[99, 999], ids[100, 0], ids[1, 1000]) == ("call01000", "call99999", "T002s0000", "T000100rs")
+    assert tool_call_id({"name": "add", "arguments": {}, "id": "own"}, 500, 0) == "own"
+    with pytest.raises(ValueError, match="no 9-character tool_call_id is left"):
+        tool_call_id("not valid", 36**4, 0)
 
 
 def test_a_slow_plain_tool_does_not_hold_up_the_other_rollouts(tool_tokenizer):

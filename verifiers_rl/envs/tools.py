@@ -179,11 +179,29 @@ def tool_results_as_user_turns(messages: Messages) -> Messages:
 
 def tool_call_id(call: dict[str, Any] | str, turn: int, index: int) -> str:
     """The id of ``call``, the ``index``-th tool call of model turn ``turn`` (as ``parse_tool_calls`` gives it): the
-    model's own ``id``, else 9 letters and digits (``call01000``), the form Mistral's template insists on, unique
-    within a rollout and a function of it alone."""
+    model's own ``id``, else 9 letters and digits, the form Mistral's template insists on, unique within a rollout and
+    a function of it alone: ``call01000`` (turn 1, call 0) for turns below 100 and calls below 1000, else ``T`` and
+    the turn and the index in 4 base-36 digits each (``T002s0000``: turn 100, call 0)."""
     if isinstance(call, dict) and "id" in call:
         return call["id"]
-    return f"call{turn:02d}{index:03d}"
+    if turn < 100 and index < 1000:
+        return f"call{turn:02d}{index:03d}"
+    if max(turn, index) >= _BASE36_LIMIT:  # 1.7 million turns or calls of one turn: no 9-character id is left
+        raise ValueError(f"tool call {index} of model turn {turn}: no 9-character tool_call_id is left past "
+                         f"{_BASE36_LIMIT - 1} turns or calls of a turn; lower max_turns or max_new_tokens.")
+    return f"T{_base36(turn)}{_base36(index)}"
+
+
+_BASE36_LIMIT = 36**4
+
+
+def _base36(number: int) -> str:
+    """``number`` (< 36**4) as 4 base-36 digits (0-9, a-z)."""
+    digits = ""
+    for _ in range(4):
+        number, digit = divmod(number, 36)
+        digits = "0123456789abcdefghijklmnopqrstuvwxyz"[digit] + digits
+    return digits
 
 
 def tool_result_text(result: Any) -> str:
