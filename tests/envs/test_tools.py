@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from verifiers_rl.envs import Parser, Rubric, Sample, ToolEnv, extract_boxed_answer, parse_tool_calls
+from verifiers_rl.envs.loading import load_with_args
 from verifiers_rl.envs.tools import default_tool_mode, tool_call_id, tool_result_text
 
 from .scripted import ScriptedSampler
@@ -285,6 +286,15 @@ def test_generated_tool_call_ids_stay_9_letters_and_digits_past_turn_99_and_call
     assert tool_call_id({"name": "add", "arguments": {}, "id": "own"}, 500, 0) == "own"
     with pytest.raises(ValueError, match="no 9-character tool_call_id is left"):
         tool_call_id("not valid", 36**4, 0)
+
+
+def test_a_bad_tool_mode_in_env_args_is_named_as_the_environments_argument(tool_tokenizer):
+    """A tool_mode given in --env_args was refused as if it came from --tool_mode, a flag the user never gave."""
+    with pytest.raises(ValueError) as refused:
+        load_with_args("calculator", tool_tokenizer, env_args={"tool_mode": "bogus"})
+    message = str(refused.value)
+    assert "calculator: unknown tool_mode 'bogus' given to the environment" in message and "--env_args" in message
+    assert "--tool_mode" not in message
 
 
 def test_a_slow_plain_tool_does_not_hold_up_the_other_rollouts(tool_tokenizer):

@@ -81,7 +81,9 @@ class ToolRenderer:
                  chat_template_kwargs: dict[str, Any] | None = None):
         mode = current_tool_mode(name) if mode is None else mode
         if mode not in TOOL_MODES:
-            raise ValueError(f"{name}: unknown tool_mode {mode!r}; expected one of {', '.join(TOOL_MODES)} (--tool_mode).")
+            # --tool_mode was checked by default_tool_mode: this one was given to the environment itself.
+            raise ValueError(f"{name}: unknown tool_mode {mode!r} given to the environment (its tool_mode argument, "
+                             f"e.g. from --env_args or the loader's code); expected one of {', '.join(TOOL_MODES)}.")
         self.tokenizer = tokenizer
         self.schemas = list(schemas)
         self.requested_mode = mode
