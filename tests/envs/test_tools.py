@@ -297,6 +297,35 @@ def test_a_bad_tool_mode_in_env_args_is_named_as_the_environments_argument(tool_
     assert "--tool_mode" not in message
 
 
+def test_tool_calls_of_the_last_turn_max_turns_allows_mark_the_rollout_truncated(tool_tokenizer):
+    """The calls of the last turn max_turns allows never run, and the rollout was not marked truncated: it was
+    trained (and scored) as a finished episode, and --mask_truncated_completions left it in. It is truncated now; an
+    episode that ends by answering on that turn is not."""
+    tok, ran = tool_tokenizer, []
+
+    def count(n: int) -> int:
+        """Count a call.
+
+        Args:
+            n: Any number.
+        """
+        ran.append(n)
+        return n
+
+    call = '<tool_call>{"name": "count", "arguments": {"n": %d}}</tool_call>'
+    env = ToolEnv([{"question": "go"}], Rubric(), tok, tools=[count], max_turns=2, max_new_tokens=512, max_seq_len=4096)
+
+    def roll(*turns):
+        sampler = ScriptedSampler([tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns])
+        return asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+
+    cut = roll(call % 1, call % 2)
+    assert cut.truncated and ran == [1]  # the second turn's call never ran
+    assert [m["role"] for m in cut.completion] == ["assistant", "tool", "assistant"]
+    answered = roll(call % 3, "\\boxed{3}")
+    assert not answered.truncated and ran == [1, 3]
+
+
 def test_a_slow_plain_tool_does_not_hold_up_the_other_rollouts(tool_tokenizer):
     """A plain (def) tool ran on the event loop: one slow call (a blocking request) stopped every rollout in flight
     until it returned. It runs in a worker thread: while it waits, another rollout's turns go on."""

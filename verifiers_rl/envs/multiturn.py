@@ -17,10 +17,16 @@ from verifiers_rl.envs.turns import TemplateError, bridge_ids  # noqa: F401  (Te
 class MultiTurnEnv(Environment):
     """Alternates model turns and ``env_response`` until ``is_completed``, ``max_turns`` model turns, a reply of the
     environment's that ends the episode (``state["final_env_response"]``), a truncated model turn, or no room left
-    within ``max_seq_len`` (the last two mark the rollout truncated).
+    within ``max_seq_len`` (the last two mark the rollout truncated, and ``max_turns`` does where
+    ``max_turns_truncates``).
 
     Subclasses implement ``env_response`` and usually ``is_completed`` (plain or ``async def``).
     """
+
+    # Whether an episode that max_turns ends unfinished (is_completed said no after the last allowed turn) is marked
+    # truncated, as a turn cut by max_new_tokens is (--mask_truncated_completions then masks it). False, as in
+    # verifiers' MultiTurnEnv, where max_turns is an ordinary end; ToolEnv: True (that turn's tool calls never run).
+    max_turns_truncates: bool = False
 
     def __init__(self, *args: Any, max_turns: int = 10, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -58,7 +64,10 @@ class MultiTurnEnv(Environment):
                 out.truncated = True
                 break
             # is_completed first: it sees every complete turn, the last allowed one too (it may record the outcome).
-            if await maybe_await(self.is_completed(messages, state)) or state["turn"] >= self.max_turns:
+            if await maybe_await(self.is_completed(messages, state)):
+                break
+            if state["turn"] >= self.max_turns:
+                out.truncated = self.max_turns_truncates
                 break
             new = check_messages(await maybe_await(self.env_response(messages, state)), f"{self.name}.env_response")
             if state.get("final_env_response") is not None:  # the environment's reply ended the episode
