@@ -95,3 +95,26 @@ def test_the_output_layer_patch_leaves_trls_fp32_head_in_place(timed_run):
     head = trainer.model.get_output_embeddings()
     assert "forward" in head.__dict__ and head.forward.__name__ == "cast_forward_to_fp32"
     assert head.forward(torch.zeros(1, head.in_features)).dtype == torch.float32
+
+
+def test_a_step_that_trains_no_token_logs_no_token_metric(tiny_model_dir, tmp_path):
+    """A batch whose every completion is masked (all truncated, --mask_truncated_completions) logged is_ratio 0.0,
+    entropy 0.0 and kl 0.0, means over no token: a false 0 in a user's plot. Those keys are now absent from that
+    step's entry (as clip_ratio/low_min already was), and the next step, which trains tokens, has them."""
+    from verifiers_rl.core.rollout import write_rollouts
+    from verifiers_rl.rollouts.synthetic import random_rollouts
+
+    rollouts = random_rollouts(4, 4, vocab_size=390, seed=1)  # 2 batches of 8
+    for rollout in rollouts[:8]:
+        rollout.truncated = True
+    write_rollouts(tmp_path / "r.jsonl", rollouts)
+    args = RLConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no",
+                    rollouts_path=str(tmp_path / "r.jsonl"), rollouts_per_step=8, max_steps=2, max_seq_len=64,
+                    mask_truncated_completions=True, beta=0.1, logging_steps=1,
+                    disable_tqdm=True, print_samples_every=0, gradient_checkpointing=False)
+    trainer = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer.train()
+    first, second = [entry for entry in trainer.state.log_history if "loss_tokens" in entry]
+    token_metrics = {"entropy", "is_ratio", "is_weight", "is_clipped_fraction", "kl", "clip_ratio/region_mean"}
+    assert first["loss_tokens"] == 0 and not token_metrics & set(first), first
+    assert second["loss_tokens"] > 0 and token_metrics <= set(second) and second["entropy"] > 0, second

@@ -90,14 +90,17 @@ class StepMetrics:
             self._max("clip_ratio/high_max", (per_sequence[1] / per_sequence[2].clamp(min=1))[trained])
 
     def end_step(self, rank_batch: RankBatch) -> None:
-        """Log the step's token metrics (every rank takes part in the reductions) and the batch's counts."""
+        """Log the step's token metrics (every rank takes part in the reductions) and the batch's counts. A batch
+        without loss tokens (every completion masked) logs no token metric: a mean over nothing is no 0, and a
+        step's missing key is left out of its log entry (as ``clip_ratio/low_min`` and ``high_max`` are)."""
         names = [name for name in TOKEN_METRICS if name in self.sums]
         if names:
             reduced = self.reduce_sum(torch.stack([self.sums[name] for name in names]))
-            tokens = max(rank_batch.counts.loss_tokens, 1)
-            sequences = max(rank_batch.counts.valid_sequences, 1)
+            tokens, sequences = rank_batch.counts.loss_tokens, rank_batch.counts.valid_sequences  # global N and B_v
             for name, value in zip(names, reduced.tolist()):
-                self.log(name, value / (sequences if self.sequence_level and name in CLIP_METRICS else tokens))
+                count = sequences if self.sequence_level and name in CLIP_METRICS else tokens
+                if count:
+                    self.log(name, value / count)
         self._log_extremes()
         stats = rank_batch.stats
         self.log("reward", stats.reward_mean)
