@@ -51,3 +51,28 @@ def test_a_run_of_no_step_is_refused_by_name(tiny_model_dir, tmp_path):
                     rollouts_path=str(tmp_path / "r.jsonl"), rollouts_per_step=8, num_train_epochs=0, max_seq_len=64)
     with pytest.raises(ValueError, match=r"num_train_epochs=0.* trains no step: set --max_steps N"):
         RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def test_an_engine_given_with_other_sampling_settings_than_the_config_is_refused_naming_both(tiny_model_dir, tmp_path):
+    """An engine given to RLTrainer sampled with its own SamplingConfig while the trainer computed its log-probs at
+    the config's temperature: a contradiction was trained unsaid (every importance ratio off). Refused, both values
+    named; an engine built as the config says is taken."""
+    from tests.live.toy_env import load_environment as load_toy
+    from verifiers_rl.inference import EmbeddedEngine, SamplingConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    def config(**sampling):
+        return RLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", save_strategy="no", max_steps=1,
+                        rollouts_per_step=8, num_generations=4, max_seq_len=64, top_k=5, **sampling)
+
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=4))
+    try:
+        with pytest.raises(ValueError, match=r"^The engine given to RLTrainer \(engine=\) samples otherwise than the "
+                                             r"run's config says: --temperature 1.0 but the engine's 0.7\. "):
+            RLTrainer(tiny_model_dir, config(), processing_class=tokenizer, environment=load_toy(tokenizer),
+                      engine=engine)
+        trainer = RLTrainer(tiny_model_dir, config(temperature=0.7), processing_class=tokenizer,
+                            environment=load_toy(tokenizer), engine=engine)
+        assert trainer.engine is engine
+    finally:
+        engine.close()

@@ -69,6 +69,27 @@ def check_given_engine_rows(config, engine) -> None:
                          f"{rows}), or leave continuous_batching_rows 0.")
 
 
+# The sampling knobs an engine's SamplingConfig and the run's config both set (max_new_tokens is each call's own).
+SAMPLING_KNOBS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def check_given_engine_sampling(config, engine) -> None:
+    """An engine given to ``RLTrainer`` (``engine=``) samples as its own ``SamplingConfig`` says, while the trainer
+    computes its log-probs (and the importance correction) at ``config``'s ``temperature``: a knob on which the two
+    disagree is refused, naming both values (accepted, the run would train what it did not sample)."""
+    built = getattr(engine, "sampling", None)
+    if not isinstance(built, SamplingConfig):  # an engine of the user's own, without our sampling settings
+        return
+    wanted = sampling_settings(config)
+    differ = [name for name in SAMPLING_KNOBS if getattr(built, name) != getattr(wanted, name)]
+    if differ:
+        said = ", ".join(f"--{name} {getattr(wanted, name)} but the engine's {getattr(built, name)}" for name in differ)
+        raise ValueError(f"The engine given to RLTrainer (engine=) samples otherwise than the run's config says: "
+                         f"{said}. Build the engine with the config's (SamplingConfig: "
+                         "verifiers_rl.inference.factory.sampling_settings(config)), or set those flags to the "
+                         "engine's values.")
+
+
 def sampling_settings(config) -> SamplingConfig:
     """The engine's ``SamplingConfig`` from ``config`` (an ``RLConfig``: its ``generation_kwargs`` are already written
     into these fields; TRL's ``top_k`` / ``min_p`` None is off)."""

@@ -42,7 +42,7 @@ from verifiers_rl.training.distributed import (
 )
 from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
-from verifiers_rl.inference.factory import build_engine, check_given_engine_rows
+from verifiers_rl.inference.factory import build_engine, check_given_engine_rows, check_given_engine_sampling
 from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.launch import launched_world_size, restart_count
 from verifiers_rl.core.modeling import unwrap
@@ -216,6 +216,7 @@ def _check_engine(args, engine, environment) -> None:
     config says."""
     check_sequences_fit(engine, getattr(environment, "max_seq_len", None))  # None: a replay
     check_given_engine_rows(args, engine)
+    check_given_engine_sampling(args, engine)
 
 
 def run_steps(args: RLConfig, num_batches: int) -> int:
