@@ -383,3 +383,51 @@ def test_prompt_rows_system_prompt_and_hf_datasets(tokenizer):
     assert (
         SingleTurnEnv([{"prompt": own_system}], Rubric(), tokenizer, system_prompt="S").dataset[0].prompt == own_system
     )
+
+
+def test_plain_hooks_run_one_at_a_time_on_the_event_loop(tokenizer):
+    """The documented choice (docs/environments.md): a plain (def) env_response, is_completed or reward function runs
+    on the event loop's thread, one at a time, unlike a plain tool (a worker thread), so user state shared between
+    rollouts needs no lock. An unlocked read-modify-write with a pause inside, run by 4 concurrent rollouts, loses no
+    update; in worker threads it would."""
+    import threading
+    import time
+
+    shared = {"count": 0, "threads": set()}
+
+    def bump():
+        shared["threads"].add(threading.get_ident())
+        count = shared["count"]
+        time.sleep(0.005)  # another thread, if hooks ran in threads, would read the same count meanwhile
+        shared["count"] = count + 1
+
+    class Counting(MultiTurnEnv):
+        def is_completed(self, messages, state):
+            bump()
+            return False
+
+        def env_response(self, messages, state):
+            bump()
+            return [{"role": "user", "content": "again"}]
+
+    def counted(completion):
+        bump()
+        return 1.0
+
+    eos = tokenizer.eos_token_id
+    env = Counting([{"question": "go"}], Rubric([counted]), tokenizer, max_turns=3)
+
+    class Model:  # every turn "5 <eos>", yielding to the loop as an engine does
+        async def sample(self, prompt_ids, max_new_tokens):
+            await asyncio.sleep(0)
+            return Sample([5, eos], [-1.0, -1.0], "stop")
+
+    async def four():
+        loop_thread = threading.get_ident()
+        rollouts = await asyncio.gather(*(env.rollout(Model(), env.dataset[0], i) for i in range(4)))
+        return loop_thread, rollouts
+
+    loop_thread, rollouts = asyncio.run(four())
+    assert [r.reward for r in rollouts] == [1.0] * 4
+    assert shared["threads"] == {loop_thread}
+    assert shared["count"] == 4 * (3 + 2 + 1)  # per rollout: 3 is_completed, 2 env_response, 1 reward

@@ -1,6 +1,7 @@
 """Environments: datasets of tasks, rollout procedures and rubrics. They know nothing about training; they call a
 ``Sampler`` (an inference engine) and produce ``verifiers_rl.core.rollout.Rollout`` records."""
 
+from verifiers_rl.envs.awaitable import call_off_loop
 from verifiers_rl.envs.environment import Environment, RolloutError, RolloutRefused, Row, Trajectory
 from verifiers_rl.envs.loading import BUILTINS, DEFAULT_ENVIRONMENT, load_environment
 from verifiers_rl.envs.math_check import MathChecker, correct_answer
@@ -32,6 +33,7 @@ __all__ = [
     "ToolEnv",
     "Trajectory",
     "XMLParser",
+    "call_off_loop",
     "correct_answer",
     "derive_seed",
     "extract_boxed_answer",

@@ -20,7 +20,9 @@ class MultiTurnEnv(Environment):
     within ``max_seq_len`` (the last two mark the rollout truncated, and ``max_turns`` does where
     ``max_turns_truncates``).
 
-    Subclasses implement ``env_response`` and usually ``is_completed`` (plain or ``async def``).
+    Subclasses implement ``env_response`` and usually ``is_completed`` (plain or ``async def``). A plain one runs on
+    the event loop, one at a time (no lock needed for shared state), holding up every rollout in flight while it runs:
+    a slow one is ``async def`` and awaits its slow part with ``call_off_loop`` (docs/environments.md).
     """
 
     # Whether an episode that max_turns ends unfinished (is_completed said no after the last allowed turn) is marked

@@ -65,7 +65,9 @@ class Rubric:
 
     A function receives, by parameter name, any of ``prompt``, ``completion``, ``answer``, ``state``, ``info`` and
     ``parser`` (``**kwargs`` receives them all). It must return a finite number; raising or returning anything else
-    is an error: recorded in ``Score.errors``, counted in the ``reward_errors`` metric, contributing 0.
+    is an error: recorded in ``Score.errors``, counted in the ``reward_errors`` metric, contributing 0. A plain one
+    runs on the event loop, one at a time, holding up every rollout in flight while it runs: a slow one (a judge) is
+    ``async def`` and awaits its slow part with ``envs.call_off_loop``.
     """
 
     def __init__(
