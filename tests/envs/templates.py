@@ -44,3 +44,12 @@ CALL_ID_TOOL_TEMPLATE = TOOL_TEMPLATE.replace(
     "{{ '\n<tool_response id=' + message.tool_call_id + '>\n' + message.content",
 )
 assert CALL_ID_TOOL_TEMPLATE != TOOL_TEMPLATE
+
+# Mistral's check: a tool message's tool_call_id must be 9 characters, or the template raises.
+NINE_CHARACTER_ID_TEMPLATE = TOOL_TEMPLATE.replace(
+    "{{ '\n<tool_response>\n' + message.content",
+    "{% if message.tool_call_id is not defined or message.tool_call_id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ '\n<tool_response id=' + message.tool_call_id + '>\n' + message.content",
+)
+assert NINE_CHARACTER_ID_TEMPLATE != TOOL_TEMPLATE

@@ -14,7 +14,8 @@ from verifiers_rl.envs.loading import load_with_args
 from verifiers_rl.envs.tools import default_tool_mode, tool_call_id, tool_result_text
 
 from .scripted import ScriptedSampler
-from .templates import ALTERNATING_TEMPLATE, CALL_ID_TOOL_TEMPLATE, OTHER_CALL_FORMAT_TEMPLATE
+from .templates import (ALTERNATING_TEMPLATE, CALL_ID_TOOL_TEMPLATE, NINE_CHARACTER_ID_TEMPLATE,
+                        OTHER_CALL_FORMAT_TEMPLATE)
 
 
 def add(a: int, b: int) -> int:
@@ -283,9 +284,25 @@ def test_generated_tool_call_ids_stay_9_letters_and_digits_past_turn_99_and_call
     assert all(len(i) == 9 and i.isalnum() for i in ids.values())
     assert len(set(ids.values())) == len(ids)  # unique within a rollout
     assert (ids[1, 0], ids[99, 999], ids[100, 0], ids[1, 1000]) == ("call01000", "call99999", "T002s0000", "T000100rs")
-    assert tool_call_id({"name": "add", "arguments": {}, "id": "own"}, 500, 0) == "own"
+    assert tool_call_id({"name": "add", "arguments": {}, "id": "own123456"}, 500, 0) == "own123456"
     with pytest.raises(ValueError, match="no 9-character tool_call_id is left"):
         tool_call_id("not valid", 36**4, 0)
+
+
+def test_an_id_the_model_writes_in_another_form_does_not_fail_the_rollout(tool_tokenizer):
+    """The model's own id was kept whatever it was: one of another length than 9 (sampled text) failed the rollout in
+    Mistral's template, which refuses it, and the group was retried with the same seeds to the same failure. An id of
+    9 letters and digits is kept; any other is replaced by the generated one."""
+    tok = copy.deepcopy(tool_tokenizer)
+    tok.chat_template = NINE_CHARACTER_ID_TEMPLATE
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}, "id": "abc"}</tool_call>'
+             '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}, "id": "abc123xyz"}</tool_call>'
+             '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}, "id": "call_1-ab"}</tool_call>', "\\boxed{5}"]
+    sampler = ScriptedSampler([tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns])
+    env = ToolEnv([{"question": "2 + 3?"}], Rubric(), tok, tools=[add], max_new_tokens=512, max_seq_len=4096)
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    assert [(m["tool_call_id"], m["content"]) for m in rollout.completion if m["role"] == "tool"] == [
+        ("call01000", "5"), ("abc123xyz", "2"), ("call01002", "3")]
 
 
 def test_a_bad_tool_mode_in_env_args_is_named_as_the_environments_argument(tool_tokenizer):

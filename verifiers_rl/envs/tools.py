@@ -19,6 +19,7 @@ from verifiers_rl.envs.multiturn import MultiTurnEnv
 logger = logging.getLogger(__name__)
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_NINE_LETTERS_AND_DIGITS = re.compile(r"[A-Za-z0-9]{9}")
 TOOL_MODES = ("auto", "template", "text")
 _DEFAULT_TOOL_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("verifiers_rl_tool_mode", default="auto")
 # The readers of the innermost default_tool_mode block (None outside one): "was --tool_mode used at all?"
@@ -181,10 +182,11 @@ def tool_results_as_user_turns(messages: Messages) -> Messages:
 
 def tool_call_id(call: dict[str, Any] | str, turn: int, index: int) -> str:
     """The id of ``call``, the ``index``-th tool call of model turn ``turn`` (as ``parse_tool_calls`` gives it): the
-    model's own ``id``, else 9 letters and digits, the form Mistral's template insists on, unique within a rollout and
-    a function of it alone: ``call01000`` (turn 1, call 0) for turns below 100 and calls below 1000, else ``T`` and
-    the turn and the index in 4 base-36 digits each (``T002s0000``: turn 100, call 0)."""
-    if isinstance(call, dict) and "id" in call:
+    model's own ``id`` where it is 9 letters and digits, else one of that form, the one Mistral's template insists on
+    (a sampled id of another form would fail the rollout there), unique within a rollout and a function of it alone:
+    ``call01000`` (turn 1, call 0) for turns below 100 and calls below 1000, else ``T`` and the turn and the index in
+    4 base-36 digits each (``T002s0000``: turn 100, call 0)."""
+    if isinstance(call, dict) and _NINE_LETTERS_AND_DIGITS.fullmatch(call.get("id", "")):
         return call["id"]
     if turn < 100 and index < 1000:
         return f"call{turn:02d}{index:03d}"
