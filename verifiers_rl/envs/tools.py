@@ -258,10 +258,10 @@ def check_tools(tools: Any) -> None:
 class ToolEnv(MultiTurnEnv):
     """The model may call ``tools`` (functions with type hints and a Google-style docstring, plain or ``async def``; a
     plain one runs in a worker thread, several rollouts' at once); each call's result, or its error as text, comes back
-    as a ``{"role": "tool"}`` message. The rollout is complete
-    when the model answers without a tool call; one whose last turn ``max_turns`` allows calls tools ends there, its
-    calls not run, marked truncated (``max_turns_truncates``). Takes the arguments of ``MultiTurnEnv`` plus ``tools`` and
-    ``tool_mode`` (``auto``, ``template`` or ``text``: see ``ToolRenderer``).
+    as a ``{"role": "tool"}`` message. The rollout is complete when the model answers without a tool call; one whose
+    last turn ``max_turns`` allows calls tools ends there, its calls not run, marked truncated
+    (``max_turns_truncates``). Takes the arguments of ``MultiTurnEnv`` plus ``tools`` and ``tool_mode`` (``auto``,
+    ``template`` or ``text``: see ``ToolRenderer``).
     """
 
     renders_chat_template_kwargs = True  # its ToolRenderer passes them on
