@@ -173,6 +173,18 @@ def test_a_single_turn_environment_refuses_max_turns_by_name(tokenizer):
     assert SingleTurnEnv([{"question": "go"}], Rubric(), tokenizer, max_turns=1).max_turns == 1  # what it is
 
 
+def test_a_multi_turn_environment_without_env_response_is_refused_when_built(tokenizer):
+    # It failed only at the first model turn that ended before max_new_tokens (with a real model perhaps steps into
+    # the run, as a dropped group), with NotImplementedError.
+    class NoReply(MultiTurnEnv):
+        pass
+
+    with pytest.raises(ValueError, match=r"^NoReply: NoReply defines no env_response\(messages, state\), which a "
+                                         r"MultiTurnEnv of max_turns=10 calls after each model turn but its last"):
+        NoReply([{"question": "go"}], Rubric(), tokenizer)
+    assert NoReply([{"question": "go"}], Rubric(), tokenizer, max_turns=1).max_turns == 1  # never called: taken
+
+
 def test_is_completed_sees_the_last_allowed_turn_too(tokenizer):
     # A game that records the outcome when it checks the model's turn, and a reward that reads it: an answer on the
     # last allowed turn scored as if never given when max_turns ended the episode before is_completed ran.

@@ -34,6 +34,11 @@ class MultiTurnEnv(Environment):
         super().__init__(*args, **kwargs)
         check_limit(self.name, "max_turns", max_turns, 1)
         self.max_turns = max_turns
+        # Said now, not at the first model turn that ends before max_new_tokens (perhaps steps into the run).
+        if max_turns > 1 and type(self).env_response is MultiTurnEnv.env_response:
+            raise ValueError(f"{self.name}: {type(self).__name__} defines no env_response(messages, state), which a "
+                             f"MultiTurnEnv of max_turns={max_turns} calls after each model turn but its last: define "
+                             "it (or use a SingleTurnEnv).")
 
     def is_completed(self, messages: Messages, state: dict[str, Any]) -> bool:
         """Whether the conversation is over after the model's last turn (default: only ``max_turns`` ends it). Called
