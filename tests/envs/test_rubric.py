@@ -116,3 +116,20 @@ def test_construction_errors_name_the_problem():
 
     with pytest.raises(ValueError, match="'dup' clashes"):
         Rubric([dup, dup])
+
+
+def test_one_function_or_one_weight_for_a_list_is_refused_by_name():
+    # Rubric(correct) said "'function' object is not iterable", Rubric(["correct"]) iterated the name's letters, and
+    # weights=2.0 said "object of type 'float' has no len()".
+    def correct(completion):
+        return 1.0
+
+    with pytest.raises(TypeError, match=r"^Rubric: funcs must be a list of reward functions, got function .*"
+                                        r"\(for one: Rubric\(\[f\]\)\)"):
+        Rubric(correct)
+    with pytest.raises(TypeError, match=r"^Rubric: funcs must be a list of reward functions, got str 'correct'"):
+        Rubric("correct")
+    with pytest.raises(TypeError, match=r"^Rubric: weights must be a list of numbers, got float 2.0"):
+        Rubric([correct], weights=2.0)
+    rubric = Rubric(f for f in [correct])  # any iterable of functions: taken
+    assert [(f.name, f.weight) for f in rubric.functions] == [("correct", 1.0)]

@@ -6,7 +6,7 @@ import inspect
 import logging
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,14 @@ def _inputs(func: Callable[..., Any], name: str) -> tuple[str, ...]:
     return tuple(p.name for p in named if p.name in REWARD_INPUTS)
 
 
+def _listed(values: Any, argument: str, what: str, one: str) -> list[Any]:
+    """``values`` as a list, refused by name when it is one value (``Rubric(f)`` for ``Rubric([f])``) or a string."""
+    if callable(values) or isinstance(values, (str, bytes, numbers.Number)) or not isinstance(values, Iterable):
+        raise TypeError(f"Rubric: {argument} must be a list of {what}, got {type(values).__name__} {values!r:.60} "
+                        f"(for one: {one}).")
+    return list(values)
+
+
 class Rubric:
     """Weighted reward functions, each a plain function or ``async def``.
 
@@ -76,6 +84,8 @@ class Rubric:
         weights: Sequence[float] | None = None,
         parser: Parser | None = None,
     ):
+        funcs = _listed(funcs, "funcs", "reward functions", "Rubric([f])")
+        weights = None if weights is None else _listed(weights, "weights", "numbers", "weights=[1.0]")
         if weights is not None and len(weights) != len(funcs):
             raise ValueError(f"Rubric: {len(funcs)} reward functions but {len(weights)} weights.")
         self.parser = parser or Parser()
