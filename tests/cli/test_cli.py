@@ -106,6 +106,9 @@ def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
      "--then's command sets --vllm_server_url http://elsewhere:8000, which vllm-serve overrides"),
     (["--weight-transfer", "gloo", "--then", "true", "--vllm-weight-transfer=files"],
      "--then's command sets --vllm-weight-transfer=files, which vllm-serve overrides"),
+    # vLLM takes abbreviations too: --po 8001 would have served on 8001 while we waited for --port 8000.
+    (["--po", "8001"], "--po abbreviates --port: give the whole flag"),
+    (["--max-model=4096"], "--max-model abbreviates --max-model-len: give the whole flag"),
 ])
 def test_vllm_serve_refuses_bad_arguments_by_flag_before_starting_a_server(flags, message, capsys):
     from verifiers_rl.inference.vllm import server

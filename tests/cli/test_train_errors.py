@@ -164,6 +164,13 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     assert len([line for line in lines if "WARNING" not in line]) <= 2, lines
 
 
+@pytest.mark.parametrize("flag, whole", [("--max_step", "--max_steps"), ("--temp", "--temperature")])
+def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, whole, tmp_path, capsys):
+    # argparse took a prefix for the whole flag: --max_step 2 trained 2 steps, and a typo set whichever flag it began.
+    argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, flag, "2"]
+    assert refusal(argv, capsys).startswith(f"unknown flag(s) or value(s): {flag} (did you mean {whole}?)")
+
+
 @pytest.mark.parametrize("text, message", [
     ("model: tiny\nmax_stepz: 2\nnosuch: 1\n", "unknown key(s) max_stepz (did you mean max_steps or save_steps?), "
                                                "nosuch; its keys are the flags' names"),

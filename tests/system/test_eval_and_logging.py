@@ -235,6 +235,9 @@ def test_eval_refuses_environment_arguments_that_are_not_keywords_or_of_the_wron
                                         "temperature > 0), or take one sample per prompt."),
     (["--pass_threshold", "nan"], "--pass_threshold must be a finite number, got nan."),
     (["--output", "."], "--output . is a folder: name the file to write the rollouts to."),
+    # argparse took a prefix for the whole flag: --temp 0.5 sampled at temperature 0.5.
+    (["--temp", "0.5"], "unrecognized arguments: --temp 0.5"),
+    (["--num_ex", "2"], "unrecognized arguments: --num_ex 2"),
 ])
 def test_eval_refuses_a_value_naming_its_flag(flags, message, capsys):
     with pytest.raises(SystemExit):

@@ -71,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,  # else --temp is --temperature: a typo or a prefix would set a flag
     )
     parser.add_argument("--model", default="smollm2",
                         help="A folder (a trained --output_dir or any checkpoint-N in it), 'smollm2', 'tiny', or a "

@@ -102,7 +102,8 @@ class SectionedParser(TrlParser):
     """TRL's parser (dataclasses -> flags, ``--config`` YAML) whose ``--help`` lists the flags by ``SECTIONS``."""
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, formatter_class=_Formatter, **kwargs)
+        # No abbreviations: argparse would take --max_step for --max_steps, and a typo or a prefix would set a flag.
+        super().__init__(*args, formatter_class=_Formatter, allow_abbrev=False, **kwargs)
 
     def add_argument(self, *args, **kwargs):
         from verifiers_rl.config.rl_config import config_ranges
@@ -164,8 +165,8 @@ class SectionedParser(TrlParser):
     def _closest(self, names: list[str], prefix: str = "") -> list[str]:
         """Each of ``names`` (flags, or YAML keys without ``prefix``) with the one or two flags closest to it."""
         known = [prefix + action.dest for action in self._actions if action.option_strings]
-        return [f"{name} (did you mean {' or '.join(close)}?)"
-                if (close := difflib.get_close_matches(name.split("=")[0], known, n=2)) else name for name in names]
+        return [f"{name} (did you mean {' or '.join(close)}?)" if (close := _close_to(name.split("=")[0], known))
+                else name for name in names]
 
     def format_usage(self) -> str:
         # What an error prints above itself: argparse's would list all ~200 flags there.
@@ -180,6 +181,12 @@ class SectionedParser(TrlParser):
             formatter.add_arguments(actions)
             formatter.end_section()
         return formatter.format_help()
+
+
+def _close_to(name: str, known: list[str]) -> list[str]:
+    """The one or two of ``known`` that ``name`` most likely meant: those it begins (an abbreviation), else the
+    closest spellings."""
+    return [flag for flag in known if flag.startswith(name)][:2] or difflib.get_close_matches(name, known, n=2)
 
 
 def _yaml_config(path: str) -> dict:

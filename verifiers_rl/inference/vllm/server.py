@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="verifiers-rl vllm-serve",
         description="Serve a model with vLLM for verifiers_rl (generation + weight sync); Ctrl-C stops it.",
+        allow_abbrev=False,  # else a prefix of one of ours (--max-model) would set it instead of reaching vLLM
     )
     parser.add_argument("--model", required=True,
                         help="local folder (or hub id) of the model; 'smollm2' and 'tiny' as training's --model")
@@ -439,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         if shutil.which(command[0]) is None:  # else a traceback once the servers are up, 30-90 s later
             parser.error(f"--then {command[0]}: no such command (not on PATH, nor an executable file)")
     args, extra = parser.parse_known_args(argv)
+    _refuse_abbreviations(parser, extra)
     try:  # before a server starts: a wrong path is one line now, not vLLM's traceback 20 s later
         args.model = resolve_model(args.model)
     except FileNotFoundError as error:
@@ -513,6 +515,17 @@ def _check_numbers(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.port == 0 and args.num_servers > 1:
         parser.error(f"--port 0 picks a free port for one server; --num-servers {args.num_servers} takes consecutive "
                      "ports from --port: give the first.")
+
+
+def _refuse_abbreviations(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Refuse an argument for vLLM that abbreviates one of ours: vLLM takes abbreviations, and would set its flag of
+    that name behind ours (``--po 8001``: vLLM would serve on 8001 while we wait for --port's server)."""
+    ours = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for token in extra:
+        name = token.split("=", 1)[0]
+        whole = [flag for flag in ours if name.startswith("--") and flag.startswith(name) and flag != name]
+        if whole:
+            parser.error(f"{name} abbreviates {' or '.join(whole)}: give the whole flag (abbreviations are refused).")
 
 
 def _flag_given(command: list[str], names: list[str]) -> str | None:
