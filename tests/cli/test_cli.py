@@ -127,6 +127,9 @@ def test_train_help_shows_the_flags_by_section_in_order():
     lines = result.stdout.splitlines()
     positions = [lines.index(title) for title in titles]
     assert positions == sorted(positions), "sections out of order"
+    # --config is read before argparse parses the rest; --help lists it all the same, among the command's own.
+    command = lines[lines.index("Command:"):positions[0]]
+    assert any(line.strip().startswith("--config FILE.yaml") for line in command), command
     loss = lines[positions[list(sections.SECTIONS).index("Loss and optimizer")]:
                  positions[list(sections.SECTIONS).index("Batching")]]
     assert any(line.strip().startswith("--loss_type") for line in loss)

@@ -177,6 +177,7 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, w
     ("model: tiny\n  max_steps: [2\n", "is not valid YAML: mapping values are not allowed here"),
     ("- model\n- tiny\n", "must hold a YAML mapping of flag names to values, got list."),
     (None, "cannot read the file (No such file or directory)."),
+    ("config: other.yaml\n", "a config file cannot name another (config: other.yaml)"),
 ])
 def test_a_config_file_that_cannot_be_used_is_one_line_naming_it(text, message, tmp_path, capsys):
     path = tmp_path / "run.yaml"
@@ -265,6 +266,14 @@ def test_gradient_accumulation_steps_beside_a_batch_it_disagrees_with_is_one_lin
 
 def test_config_without_its_file_is_one_line(tmp_path, capsys):
     assert refusal(["--output_dir", str(tmp_path), "--config"], capsys) == "--config needs a file: --config FILE.yaml"
+
+
+def test_config_given_twice_is_one_line(tmp_path, capsys):
+    # The second file was an unknown flag before --config was declared (for --help), and then a namespace too many.
+    path = tmp_path / "run.yaml"
+    path.write_text("model: tiny\n")
+    argv = ["--output_dir", str(tmp_path), "--config", str(path), f"--config={path}"]
+    assert refusal(argv, capsys) == "--config given twice: name one file (the command line overrides its values)."
 
 
 @pytest.mark.parametrize("source, line, error", [

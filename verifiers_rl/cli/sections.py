@@ -104,6 +104,10 @@ class SectionedParser(TrlParser):
     def __init__(self, *args, **kwargs):
         # No abbreviations: argparse would take --max_step for --max_steps, and a typo or a prefix would set a flag.
         super().__init__(*args, formatter_class=_Formatter, allow_abbrev=False, **kwargs)
+        # Read by parse_args_and_config before argparse sees the rest; declared so that --help lists it.
+        self.add_argument("--config", metavar="FILE.yaml", default=argparse.SUPPRESS,
+                          help="A YAML mapping of flag names to values (keys as the flags below, without --); "
+                               "flags on the command line override it.")
 
     def add_argument(self, *args, **kwargs):
         from verifiers_rl.config.rl_config import config_ranges
@@ -124,6 +128,8 @@ class SectionedParser(TrlParser):
         is the ``--env`` flag, not TRL's environment variables."""
         args = [part for arg in (sys.argv[1:] if args is None else args)
                 for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
+        if args.count("--config") > 1:
+            raise ValueError("--config given twice: name one file (the command line overrides its values).")
         if "--config" in args:
             at = args.index("--config")
             if at + 1 == len(args):
@@ -136,6 +142,9 @@ class SectionedParser(TrlParser):
     def _config_values(self, path: str, config: dict) -> dict:
         """The ``--config`` file's values as their flags' parses give them; an unknown key or a value its flag does
         not take is a ValueError naming the file and the key."""
+        if "config" in config:
+            raise ValueError(f"--config {path}: a config file cannot name another (config: {config['config']}); "
+                             "put its settings in this one.")
         actions = {action.dest: action for action in self._actions if action.option_strings and action.nargs != 0}
         unknown = [key for key in config if key not in actions]
         if unknown:
