@@ -171,6 +171,28 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, w
     assert refusal(argv, capsys).startswith(f"unknown flag(s) or value(s): {flag} (did you mean {whole}?)")
 
 
+@pytest.mark.parametrize("name, switch, instead", [
+    ("do_train", ["--do_train"], "training always runs"),
+    ("do_eval", ["--do-eval", "false"], "evaluation runs with --eval_strategy steps or epoch, or --eval_steps N"),
+    ("do_predict", ["--config", "do_predict: true"], "nothing predicts on a test set here"),
+])
+def test_a_switch_for_scripts_is_refused_by_the_command_which_reads_none(name, switch, instead, tmp_path, capsys):
+    # TrainingArguments' do_* are for a script of one's own to read: the command accepted them and did nothing.
+    if switch[0] == "--config":
+        (tmp_path / "run.yaml").write_text(switch[1])
+        switch = ["--config", str(tmp_path / "run.yaml")]
+    line = refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *switch], capsys)
+    assert line.startswith(f"--{name} does nothing here: it is a switch for a script of your own to read") \
+        and instead in line, line
+
+
+def test_the_script_switches_keep_their_defaults_when_not_given(tmp_path):
+    from verifiers_rl.cli.train import build_parser
+
+    _, config = build_parser().parse_args_and_config(args=["--output_dir", str(tmp_path), "--eval_steps", "2"])
+    assert (config.do_train, config.do_eval, config.do_predict) == (False, True, False)  # do_eval: HF's, evaluating
+
+
 @pytest.mark.parametrize("text, message", [
     ("model: tiny\nmax_stepz: 2\nnosuch: 1\n", "unknown key(s) max_stepz (did you mean max_steps or save_steps?), "
                                                "nosuch; its keys are the flags' names"),

@@ -23,6 +23,7 @@ would not read (``--env`` beside a replay that evaluates nothing, ``--eval_env``
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import traceback
@@ -134,13 +135,35 @@ def _another(default):
     return default + 1 if isinstance(default, (int, float)) else "\0unset"
 
 
+# TrainingArguments' switches for a script of one's own to read (transformers: "not directly used by Trainer"). This
+# command reads none of them: each is refused by name, with what does that job here.
+SCRIPT_SWITCHES = {
+    "do_train": "training always runs",
+    "do_eval": "evaluation runs with --eval_strategy steps or epoch, or --eval_steps N",
+    "do_predict": "nothing predicts on a test set here (verifiers-rl eval evaluates a saved model)",
+}
+
+
 class _TrainParser(SectionedParser):
     """The command's parser: --gradient_accumulation_steps given without --rollouts_per_step sizes the batch as its
     help says (per_device_train_batch_size x it x processes, RLConfig's default) instead of meeting the command's 16
-    and being refused for disagreeing with a batch size the user never gave."""
+    and being refused for disagreeing with a batch size the user never gave; ``SCRIPT_SWITCHES`` are refused."""
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        if action.dest in SCRIPT_SWITCHES:  # absent from the parse unless given (on the command line or in --config)
+            action.default = argparse.SUPPRESS
+            action.help = f"Refused by this command, which reads no such switch: {SCRIPT_SWITCHES[action.dest]}."
+        return action
 
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
+        for name, instead in SCRIPT_SWITCHES.items():
+            if hasattr(namespace, name):
+                raise ValueError(f"--{name} does nothing here: it is a switch for a script of your own to read "
+                                 f"(transformers' Trainer does not), and this command reads none: {instead}. Leave it "
+                                 "out.")
+            setattr(namespace, name, False)  # the field's default
         batch = getattr(namespace, "rollouts_per_step", None)
         if isinstance(batch, _CommandDefault):  # not given (a flag or a --config value replaces the object)
             namespace.rollouts_per_step = None if namespace.gradient_accumulation_steps != 1 else int(batch)
