@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -220,8 +222,6 @@ def smollm2_dir() -> Path:
     never leaves or sees half a model.
     """
     import importlib.util
-    import sys
-    import time
 
     folder = default_tiny_model_dir().parent / "smollm2-135m-instruct"
     if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
@@ -234,11 +234,19 @@ def smollm2_dir() -> Path:
     source = Path(spec.submodule_search_locations[0])
     if not (source / SMOLLM2_GGUF).is_file():
         raise FileNotFoundError(f"{source / SMOLLM2_GGUF} is missing; reinstall with: {SMOLLM2_PIP}")
+    print("Converting SmolLM2-135M-Instruct from GGUF (about 30 s, once)...", file=sys.stderr, flush=True)
+    with no_bars_when_redirected():
+        _convert_smollm2(source, folder)
+    return folder
+
+
+def _convert_smollm2(source: Path, folder: Path) -> None:
+    """``smollm2_dir``'s conversion of the GGUF in ``source`` into ``folder``, a plain line on stderr per stage."""
+    import time
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print("Converting SmolLM2-135M-Instruct from GGUF (about 30 s, once)...", file=sys.stderr, flush=True)
     start = time.monotonic()
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
     if not tokenizer.chat_template or tokenizer.eos_token != "<|im_end|>":
@@ -263,4 +271,20 @@ def smollm2_dir() -> Path:
     tokenizer.save_pretrained(partial)
     _publish(partial, folder)
     print(f"  done in {time.monotonic() - start:.0f} s.", file=sys.stderr, flush=True)
-    return folder
+
+
+@contextlib.contextmanager
+def no_bars_when_redirected():
+    """No tqdm progress bar is drawn inside unless stderr is a terminal: its carriage-return frames would garble a
+    log. transformers' GGUF reader draws its own bar, which transformers' progress-bar switch does not reach."""
+    if sys.stderr.isatty():
+        yield
+        return
+    from tqdm import std
+
+    drawn = std.tqdm.__init__
+    std.tqdm.__init__ = functools.partialmethod(drawn, disable=True)  # tqdm.auto's bars are subclasses
+    try:
+        yield
+    finally:
+        std.tqdm.__init__ = drawn

@@ -1,0 +1,42 @@
+"""Model loading's output: the first run's SmolLM2 conversion draws no progress bar into a redirected log."""
+
+from __future__ import annotations
+
+import io
+
+from verifiers_rl.core.models import no_bars_when_redirected
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def gguf_bar() -> None:
+    # The bar transformers' GGUF reader draws while converting (its own tqdm.auto, which transformers' switch misses).
+    from transformers import modeling_gguf_pytorch_utils
+
+    for _ in modeling_gguf_pytorch_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+        pass
+
+
+def test_the_conversions_progress_bar_is_not_drawn_into_a_redirected_stderr(monkeypatch):
+    # A real conversion takes 30 s to minutes; its bar is this one, drawn on the stderr of the moment.
+    log = io.StringIO()
+    monkeypatch.setattr("sys.stderr", log)
+    gguf_bar()
+    assert "\r" in log.getvalue()  # what a log file got: carriage-return frames
+    log.seek(0), log.truncate()
+    with no_bars_when_redirected():
+        gguf_bar()
+    assert log.getvalue() == ""
+    gguf_bar()  # and after it, as before
+    assert "\r" in log.getvalue()
+
+
+def test_a_terminal_keeps_the_bar(monkeypatch):
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    with no_bars_when_redirected():
+        gguf_bar()
+    assert "Converting and de-quantizing GGUF tensors" in terminal.getvalue()
