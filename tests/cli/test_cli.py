@@ -23,7 +23,7 @@ from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
 from trl import GRPOConfig
 
-from tests.helpers.launches import RAISING_ENV, ROOT, accelerate
+from tests.helpers.launches import RAISING_ENV, ROOT, accelerate, launch_env
 
 COMMAND = str(Path(sys.executable).parent / "verifiers-rl")  # the console script beside this venv's python
 
@@ -224,3 +224,18 @@ def test_an_environment_failing_mid_run_under_two_processes_ends_each_rank_in_a_
     # A rank returned 1 (a run that failed, not only a signal): after the barrier both return 1, and the launcher
     # stops the other at the first one's exit, so which rank it reports is a race (rank 1 first under load).
     assert re.search(r"rank +: [01] \(local_rank: [01]\)\n +exitcode +: 1 ", result.stderr), result.stderr[-2000:]
+
+
+@pytest.mark.distributed
+def test_a_zero3_launch_from_another_folder_finds_the_repositorys_deepspeed_config(tmp_path, tiny_model_dir):
+    # zero3_cpu.yaml names accelerate_configs/ds_zero3_cpu.json; Accelerate opened it from the working directory, so
+    # `accelerate launch --config_file /abs/zero3_cpu.yaml` from elsewhere stopped on every rank before training.
+    write_rollouts(tmp_path / "r.jsonl", random_rollouts(4, 4, vocab_size=390, seed=3))
+    launch = accelerate("zero3_cpu.yaml") + ["-m", "verifiers_rl.cli.train"]
+    launch[launch.index("--config_file") + 1] = str(ROOT / "accelerate_configs" / "zero3_cpu.yaml")
+    result = subprocess.run(launch + ["--model", tiny_model_dir, "--rollouts_path", "r.jsonl", "--max_steps", "1",
+                                      "--rollouts_per_step", "16", "--output_dir", "out"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=600, env=launch_env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "step 1/1" in result.stdout and (tmp_path / "out" / "model.safetensors").is_file()
+

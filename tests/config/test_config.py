@@ -305,3 +305,22 @@ def test_a_path_the_run_could_not_create_is_refused_naming_its_flag(flag, path, 
         RLConfig(report_to="none", **paths)
     RLConfig(report_to="none", output_dir=str(tmp_path / "new" / "out"),
              save_rollouts_path=str(tmp_path / "new" / "seen.jsonl"))  # paths still to be created are fine
+
+
+def test_a_launchs_deepspeed_config_named_from_the_repository_is_found_from_another_folder(monkeypatch, tmp_path):
+    # accelerate_configs/zero3*.yaml name their JSON relative to the repository; Accelerate opened it from the working
+    # directory, and every rank of a launch from elsewhere stopped ("Expected a string path to an existing ...").
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "accelerate_configs/ds_zero3_cpu.json")
+    config = RLConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert config.deepspeed_plugin.hf_ds_config.config["zero_optimization"]["stage3_prefetch_bucket_size"] == 0
+    assert os.environ["ACCELERATE_DEEPSPEED_CONFIG_FILE"] == "accelerate_configs/ds_zero3_cpu.json"  # left as it was
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", "configs/ds.json")
+    with pytest.raises(ValueError) as refused:
+        RLConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert str(refused.value) == (
+        f"The accelerate config's deepspeed_config_file configs/ds.json does not exist (Accelerate opens it from the "
+        f"working directory, {tmp_path}): launch from the folder it is relative to, or give its absolute path in the "
+        "accelerate config.")
+

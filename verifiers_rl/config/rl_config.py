@@ -37,7 +37,8 @@ from verifiers_rl.core.choices import (
     field_ranges,
 )
 from verifiers_rl.core.curriculum import EASY_RANGE, HARD_RANGE, CurriculumSettings
-from verifiers_rl.core.launch import launched_fsdp, launched_mixed_precision, launched_world_size
+from verifiers_rl.core.launch import (deepspeed_config_found, launched_fsdp, launched_mixed_precision,
+                                      launched_world_size)
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 from verifiers_rl.inference.vllm.weight_transfer import WeightTransfer
 
@@ -473,7 +474,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         self.gradient_accumulation_steps = 1  # also what TrainingArguments writes into a DeepSpeed config
         self.steps_per_generation, self.generation_batch_size = 2, None
         self.num_generations, self.num_generations_eval = 2, 1
-        with compat.deferred_device_setup(self):  # a config is a value: no process group, no device yet
+        # A config is a value: no process group, no device yet; a launch's DeepSpeed config is found from any folder.
+        with compat.deferred_device_setup(self), deepspeed_config_found():
             super().__post_init__()
         for name, value in given.items():
             setattr(self, name, value)

@@ -7,9 +7,11 @@ process index (the HF Trainer does so first thing), and entry points may call it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -33,6 +35,34 @@ def launched_fsdp() -> bool:
     """Whether ``accelerate launch`` asked for FSDP (a config file's ``distributed_type: FSDP`` or ``--use_fsdp``,
     passed as ``ACCELERATE_USE_FSDP``)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+# A source checkout's root, where accelerate_configs/ lies (site-packages in an installed wheel, which has none).
+REPOSITORY = Path(__file__).resolve().parents[2]
+DEEPSPEED_CONFIG_FILE = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+
+
+@contextlib.contextmanager
+def deepspeed_config_found():
+    """While TrainingArguments builds Accelerate's DeepSpeed plugin, which opens the launch's ``deepspeed_config_file``
+    (``ACCELERATE_DEEPSPEED_CONFIG_FILE``) from the working directory: a relative path missing there but present in
+    this repository (how accelerate_configs/*.yaml name accelerate_configs/ds_zero3*.json) stands for that file, so
+    a launch from another folder works; one found nowhere is a ValueError naming it. The environment is left as it
+    was."""
+    name = os.environ.get(DEEPSPEED_CONFIG_FILE, "")
+    if not env_flag("ACCELERATE_USE_DEEPSPEED") or not name.endswith(".json") or Path(name).is_file():
+        yield
+        return
+    shipped = REPOSITORY / name
+    if Path(name).is_absolute() or not shipped.is_file():
+        raise ValueError(f"The accelerate config's deepspeed_config_file {name} does not exist (Accelerate opens it "
+                         f"from the working directory, {os.getcwd()}): launch from the folder it is relative to, or "
+                         "give its absolute path in the accelerate config.")
+    os.environ[DEEPSPEED_CONFIG_FILE] = str(shipped)
+    try:
+        yield
+    finally:
+        os.environ[DEEPSPEED_CONFIG_FILE] = name
 
 
 def prepare_process(args) -> None:
