@@ -239,3 +239,17 @@ def test_a_zero3_launch_from_another_folder_finds_the_repositorys_deepspeed_conf
     assert result.returncode == 0, result.stderr[-4000:]
     assert "step 1/1" in result.stdout and (tmp_path / "out" / "model.safetensors").is_file()
 
+
+@pytest.mark.distributed
+def test_an_error_while_building_under_two_processes_is_a_line_per_rank_naming_it(tmp_path, tiny_model_dir):
+    # Each rank loads the environment and fails alike: two identical lines without a rank (and, from argparse's
+    # errors, the usage line twice) said neither which rank spoke nor that they were two.
+    launch = accelerate("ddp_cpu.yaml") + ["-m", "verifiers_rl.cli.train"]
+    result = run(["--model", tiny_model_dir, "--env", "no_such_env", "--output_dir", str(tmp_path / "out")],
+                 prefix=launch, timeout=600)
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if "verifiers-rl train: error: " in line]
+    assert said and all(re.match(r"\[rank [01]\] verifiers-rl train: error: Unknown environment 'no_such_env'", line)
+                        for line in said), result.stderr[-4000:]  # which rank exits first (and ends the other) races
+    assert "usage:" not in result.stderr
+

@@ -51,6 +51,7 @@ from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
 from verifiers_rl.inference.factory import build_engine
 from verifiers_rl.inference.vllm.http import VLLMError
 from verifiers_rl.core.models import load_tokenizer, resolve_model
+from verifiers_rl.core.launch import launched_rank, launched_world_size
 from verifiers_rl.training.preemption import TrainingPreempted
 from verifiers_rl.training.trainer import RLTrainer
 
@@ -156,6 +157,14 @@ class _TrainParser(SectionedParser):
             action.help = f"Refused by this command, which reads no such switch: {SCRIPT_SWITCHES[action.dest]}."
         return action
 
+    def error(self, message):
+        if launched_world_size() > 1:  # each rank's line, without the usage line above it (twice)
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
+
+    def exit(self, status=0, message=None):
+        super().exit(status, message and rank_prefix() + message)
+
     def parse_known_args(self, args=None, namespace=None):
         namespace, rest = super().parse_known_args(args, namespace)
         for name, instead in SCRIPT_SWITCHES.items():
@@ -200,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         leave_process_group()
         return stopped.exit_code
     except RUN_FAILURES as failed:  # the environment, the engine or the main process failed mid-run: said in a line
-        rank = f"[rank {trainer.accelerator.process_index}] " if trainer.accelerator.num_processes > 1 else ""
         # One write, newline included: print() writes the text and its end apart, and two ranks' lines interleaved.
-        sys.stderr.write(f"{rank}{parser.prog}: error: {failure_line(failed)}\n")
+        sys.stderr.write(f"{rank_prefix()}{parser.prog}: error: {failure_line(failed)}\n")
         sys.stderr.flush()
         leave_process_group()
         return 1
@@ -214,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Saved the model and tokenizer to {config.output_dir}", flush=True)
     leave_process_group()
     return 0
+
+
+def rank_prefix() -> str:
+    """What each rank's error line starts with in a launch of several processes ("[rank N] "; nothing alone)."""
+    return f"[rank {launched_rank()}] " if launched_world_size() > 1 else ""
 
 
 # What ends a run that was set up right: each message says what failed and where (the batch, the group, the flag).

@@ -25,6 +25,11 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def launched_rank() -> int:
+    """This process's global rank in the launch (its ``RANK``; 0 unlaunched)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def launched_mixed_precision() -> str:
     """The mixed precision ``accelerate launch`` asked for (its config file's ``mixed_precision`` or its
     ``--mixed_precision``, passed as ``ACCELERATE_MIXED_PRECISION``): "no", "bf16", "fp16" or "fp8"."""
