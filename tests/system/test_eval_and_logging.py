@@ -175,6 +175,21 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
     assert last.startswith(f"verifiers-rl eval: error: --model {str(tmp_path / 'nothing')!r}: no such folder, and it is not a Hugging Face Hub id")
 
 
+@pytest.mark.parametrize("tokenizer, message", [
+    ("missing", "--tokenizer '{}': no such folder, and it is not a Hugging Face Hub id"),
+    ("empty", "--tokenizer '{}' has no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)."),
+])
+def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_tokenizer(tokenizer, message, tiny_model_dir,
+                                                                         tmp_path, capsys):
+    # It named --model (which was fine), or came as transformers' five lines about sentencepiece.
+    folder = tmp_path / tokenizer
+    if tokenizer == "empty":
+        folder.mkdir()
+    assert eval_cli.cli(["--model", tiny_model_dir, "--tokenizer", str(folder), "-n", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "verifiers-rl eval: error: " + message.format(folder))
+
+
 def test_eval_names_its_own_flags_where_the_held_out_split_is_too_small(tiny_model_dir, capsys):
     status = eval_cli.cli(["--model", tiny_model_dir, "--env", "reverse_text", "--env_args",
                            '{"num_eval_examples": 3}', "-n", "4"])

