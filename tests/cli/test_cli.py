@@ -52,6 +52,10 @@ def test_fields_and_config_answer_help_and_refuse_other_arguments(capsys):
         captured = capsys.readouterr()
         assert captured.out == "" and captured.err.startswith(f"verifiers-rl {command} takes no arguments")
     assert main(["config"]) == 0 and "# Configuration reference" in capsys.readouterr().out
+    # A file that cannot be written was a FileNotFoundError traceback.
+    assert main(["config", "--write", "/no/such/folder/config.md"]) == 2
+    assert capsys.readouterr().err == ("verifiers-rl config: --write /no/such/folder/config.md: cannot write the file "
+                                       "(No such file or directory).\n")
 
 
 def test_vllm_serve_refuses_a_model_path_that_does_not_exist_before_starting_a_server(tmp_path):

@@ -337,8 +337,12 @@ def markdown() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--write"] and len(argv) == 2:
-        with open(argv[1], "w") as handle:
-            handle.write(markdown())
+        try:
+            with open(argv[1], "w") as handle:
+                handle.write(markdown())
+        except OSError as error:  # a user's mistake: one line, not a traceback
+            print(f"verifiers-rl config: --write {argv[1]}: cannot write the file ({error.strerror}).", file=sys.stderr)
+            return 2
         return 0
     if argv in (["-h"], ["--help"]):
         print("verifiers-rl config [--write FILE]: the configuration reference by section (docs/config.md), printed "
