@@ -38,7 +38,7 @@ def shares_letters(completions, answer, kind, **kwargs):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # --max_step: refused
     parser.add_argument("--model", default="smollm2", help="smollm2 (default, offline), tiny, or a folder / hub id")
     parser.add_argument("--max_steps", type=int, default=10)
     parser.add_argument("--output_dir", default="trl_grpo_out")

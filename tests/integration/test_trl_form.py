@@ -242,6 +242,19 @@ def test_the_trl_style_example_script_runs_as_shipped(tiny_model_dir, tmp_path):
     assert len(rewards) == 2 and all(0.0 <= r <= 1.5 for r in rewards)  # exact (<= 1) + 0.5 x shares_letters (<= 1)
 
 
+def test_the_trl_style_example_script_refuses_an_abbreviated_flag(tiny_model_dir, tmp_path):
+    # argparse took --max_step for --max_steps, as the command's parsers did.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[2] / "examples" / "trl_grpo.py"
+    result = subprocess.run([sys.executable, str(script), "--model", tiny_model_dir, "--max_step", "1",
+                             "--output_dir", str(tmp_path / "out")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and result.stderr.strip().endswith("unrecognized arguments: --max_step 1"), \
+        result.stderr[-3000:]
+
+
 def length_reward(completions, log_metric, **kwargs):
     """Logs a metric of its own besides its reward, as TRL's log_metric documents."""
     for completion in completions:
