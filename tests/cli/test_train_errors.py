@@ -249,6 +249,9 @@ def test_a_config_value_its_flag_would_not_take_is_one_line_naming_the_file_and_
     ("eval_env_args: {num_examples: 8}", "eval_env_args", '{"num_examples": 8}'),
     ("env_args: '{\"num_examples\": 8}'", "env_args", '{"num_examples": 8}'),
     ("env: [{env: reverse_text}, {env: arithmetic}]", "env", [{"env": "reverse_text"}, {"env": "arithmetic"}]),
+    ("use_peft: true", "use_peft", True),
+    ("lora_target_modules: [q_proj, v_proj]", "lora_target_modules", ["q_proj", "v_proj"]),
+    ("lora_dropout: 0", "lora_dropout", 0.0),
 ])
 @pytest.mark.parametrize("config_flag", [["--config", "{}"], ["--config={}"]])
 def test_a_config_value_its_flag_takes_is_parsed_as_the_flag_would(text, name, value, config_flag, tmp_path):
@@ -372,3 +375,30 @@ def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
     message = refusal(["--model", "tiny", *SMALL, "--vllm_server_url", f"http://127.0.0.1:{port}",
                        "--vllm_server_timeout", "0", "--output_dir", str(tmp_path / "run")], capsys)
     assert message.startswith(f"No vLLM server at http://127.0.0.1:{port}") and "vllm-serve" in message, message
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_r", "8"], "--lora_r 8: it acts only with --use_peft (LoRA); add --use_peft, or leave it out"),
+    (["--use_peft", "false", "--use_dora", "--lora_alpha", "8"], "--lora_alpha 8, --use_dora: they act only with "
+                                                                   "--use_peft (LoRA)"),
+    (["--use_peft", "--lora_r", "0"], "--lora_r must be >= 1, got 0."),
+    (["--use_peft", "--lora_alpha", "0"], "--lora_alpha must be > 0, got 0."),
+    (["--use_peft", "--lora_dropout", "1"], "--lora_dropout must be < 1, got 1.0."),
+    (["--use_peft", "--lora_dropout", "-0.1"], "--lora_dropout must be >= 0, got -0.1."),
+    (["--use_peft", "--lora_task_type", "SEQ_CLS"], "--lora_task_type SEQ_CLS is not trained here"),
+    (["--use_peft", "--lora_target_modules", "all-linear", "q_proj"], "--lora_target_modules all-linear q_proj: "
+                                                                      "all-linear stands alone"),
+    # peft skipped a name that matched nothing as long as another did: the adapters went elsewhere than asked.
+    (["--use_peft", "--lora_target_modules", "q_proj", "q_prj"], "--lora_target_modules q_prj: no module of the "
+                                                                 "model is named so (its layers LoRA adapts: "
+                                                                 "down_proj, embed_tokens, gate_proj, k_proj"),
+    (["--use_peft", "--lora_target_modules", "self_attn"], "--lora_target_modules self_attn: "
+                                                           "model.layers.0.self_attn is a LlamaAttention, which LoRA "
+                                                           "does not adapt"),
+    (["--use_peft", "--lora_modules_to_save", "nrm"], "--lora_modules_to_save nrm: no module of the model is named "
+                                                      "so"),
+])
+def test_lora_flags_out_of_range_unmatched_or_without_use_peft_are_one_line(flags, message, tiny_model_dir,
+                                                                           tmp_path, capsys):
+    argv = ["--model", tiny_model_dir, "--output_dir", str(tmp_path), *SMALL, *flags]
+    assert refusal(argv, capsys).startswith(message)

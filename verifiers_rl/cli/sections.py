@@ -19,6 +19,8 @@ from trl import TrlParser
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "bf16", "use_cpu", "seed", "gradient_checkpointing", "activation_checkpointing"),
+    "LoRA": ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
+             "lora_task_type", "use_rslora", "use_dora"),
     "Environment and data": ("env", "env_args", "tool_mode", "rollouts_path", "save_rollouts_path", "max_seq_len",
                              "max_completion_length", "overlong", "chat_template_kwargs"),
     "Generation": ("num_generations", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -110,13 +112,11 @@ class SectionedParser(TrlParser):
                                "flags on the command line override it.")
 
     def add_argument(self, *args, **kwargs):
-        from verifiers_rl.config.rl_config import config_ranges
-
         action = super().add_argument(*args, **kwargs)
         action.help = HELP_HERE.get(action.dest, action.help)
         if _negates(action):  # HF gives it the positive flag's text, which reads as the opposite of what it does
             action.help = f"Turn --{action.dest} off."
-        allowed = config_ranges().get(action.dest)
+        allowed = flag_ranges().get(action.dest)
         if allowed is not None and action.help:  # the range validate checks, as docs/config.md lists it
             action.help = f"{action.help} Range: {allowed}."
         self.__dict__.setdefault("added", []).append(action)  # argparse keeps its own list private
@@ -267,12 +267,19 @@ def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[ar
     return [(title, found) for title, found in out if found]
 
 
-def _range_text(name: str, choices: dict[str, tuple]) -> str:
-    from verifiers_rl.config.rl_config import config_ranges  # what validate checks: one source
+def flag_ranges() -> dict:
+    """Every checked number's ``Range`` by flag: RLConfig's (what its validate checks) and the LoRA flags'."""
+    from verifiers_rl.config.lora import LoraArguments
+    from verifiers_rl.config.rl_config import config_ranges
+    from verifiers_rl.core.choices import field_ranges
 
+    return {**config_ranges(), **field_ranges(LoraArguments)}
+
+
+def _range_text(name: str, choices: dict[str, tuple]) -> str:
     if name in choices:
         return ", ".join(f"`{choice}`" for choice in choices[name])
-    allowed = config_ranges().get(name)
+    allowed = flag_ranges().get(name)
     return "" if allowed is None else str(allowed)
 
 

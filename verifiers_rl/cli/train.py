@@ -36,6 +36,7 @@ from trl import TrlParser
 from verifiers_rl.training import progress
 from verifiers_rl.cli.eval import check_model_folder
 from verifiers_rl.cli.sections import SectionedParser
+from verifiers_rl.config.lora import LORA_FLAGS, LoraArguments, check_lora_flags, peft_config_of
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import MainProcessError, leave_process_group
 from verifiers_rl.training.weight_stream import WeightSyncError
@@ -83,7 +84,9 @@ QUICKSTART_LIVE_STEPS = 60
 
 
 @dataclass
-class ScriptArguments:
+class ScriptArguments(LoraArguments):
+    """The command's flags beyond RLConfig: the model (with TRL's LoRA flags), the environments."""
+
     model: str = field(
         default="smollm2",
         metadata={"help": "Hub id or local folder of a causal LM; 'smollm2' (default) is SmolLM2-135M-Instruct from the "
@@ -253,8 +256,10 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     if config.rollouts_path and config.eval_strategy == "no":
         config.check_engine_knobs()  # this command builds no engine then
     check_unread_flags(script_args, config, given)
+    check_lora_flags(script_args, given)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model, tokenizer = checked_model(script_args.model)
+    peft_config = peft_config_of(script_args, model)
     live = {}
     with default_tool_mode(script_args.tool_mode) as tool_mode_readers:
         if not config.rollouts_path:
@@ -281,7 +286,8 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
         config.check_logging_steps("logging_steps" in given)
         if "logging_steps" not in given and config.logging_strategy != "steps":  # QUICKSTART's, not the user's
             config.logging_steps = RLConfig.logging_steps  # which the trainer's own check lets by
-        return RLTrainer(model=model, args=config, processing_class=tokenizer, **live), live, config
+        trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, peft_config=peft_config, **live)
+        return trainer, live, config
     except ValueError:
         if live.get("engine") is not None:
             live["engine"].close()
@@ -302,7 +308,7 @@ def checked_model(name: str):
 
 ENVIRONMENT_FLAGS = ("env", "env_args", "tool_mode", "eval_env", "eval_env_args")
 # The flags whose being set (not only their value) matters here: those the command's defaults differ on included.
-GIVEN_FLAGS = (*ENVIRONMENT_FLAGS, "num_train_epochs", "logging_steps", *LIMIT_FLAGS)
+GIVEN_FLAGS = (*ENVIRONMENT_FLAGS, "num_train_epochs", "logging_steps", *LIMIT_FLAGS, *LORA_FLAGS)
 
 
 def check_unread_flags(script_args: ScriptArguments, config: RLConfig, given: set[str]) -> None:

@@ -1,0 +1,58 @@
+"""LoRA from the command (TRL's flags: --use_peft, --lora_r, ...): the flags build the peft_config RLTrainer takes
+from Python; only the adapters train, checkpoints and the output folder hold them, and a resumed command ends with
+the uninterrupted run's adapters (tests/training/test_peft.py checks the same through Python)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from peft import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from verifiers_rl.cli.train import build_parser, build_trainer, main
+
+LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj",
+        "--lora_modules_to_save", "norm"]
+
+
+def command(tiny_model_dir, output_dir, *flags) -> list[str]:
+    # lora_dropout stays at TRL's 0.05: a resume must restore its random state too.
+    return ["--model", tiny_model_dir, "--output_dir", str(output_dir), "--max_steps", "3", "--rollouts_per_step",
+            "4", "--num_generations", "2", "--print_samples_every", "0", "--learning_rate", "5e-2",
+            "--save_strategy", "steps", "--save_steps", "1", *LORA, *flags]
+
+
+def train(argv: list[str]):
+    """The command's trainer for ``argv``, trained (``main`` without the final save), and its parameters before."""
+    parser = build_parser()
+    script_args, config = parser.parse_args_and_config(args=argv)
+    trainer, live, _ = build_trainer(parser, argv, script_args, config)
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    try:
+        trainer.train()
+    finally:
+        live["engine"].close()
+    return trainer, before
+
+
+def test_use_peft_trains_only_the_adapters_and_a_resumed_command_ends_with_them(tiny_model_dir, tmp_path):
+    trainer, before = train(command(tiny_model_dir, tmp_path / "full"))
+    after = dict(trainer.model.named_parameters())
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    # The base weights bitwise as loaded; lora_A, lora_B and the --lora_modules_to_save copy of the norm moved.
+    assert moved and all("lora_" in name or "modules_to_save" in name for name in moved), sorted(moved)
+    assert {"lora_A", "lora_B", "modules_to_save"} <= {part for name in moved for part in name.split(".")}
+    saved = json.loads((tmp_path / "full" / "checkpoint-1" / "adapter_config.json").read_text())
+    assert (saved["r"], saved["lora_alpha"], sorted(saved["target_modules"]), saved["modules_to_save"]) == (
+        4, 8, ["q_proj", "v_proj"], ["norm"])
+    adapters = load_file(tmp_path / "full" / "checkpoint-1" / "adapter_model.safetensors")
+    assert adapters and all("lora_" in name or name.endswith("norm.weight") for name in adapters), sorted(adapters)
+
+    resumed = tmp_path / "resumed"
+    argv = command(tiny_model_dir, resumed, "--resume_from_checkpoint", str(tmp_path / "full" / "checkpoint-1"))
+    assert main(argv) == 0
+    final = load_file(resumed / "adapter_model.safetensors")  # the output folder: the adapters, not the model
+    expected = get_peft_model_state_dict(trainer.model)
+    assert sorted(final) == sorted(expected)
+    assert all(torch.equal(final[name], expected[name]) for name in expected)

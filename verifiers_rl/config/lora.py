@@ -1,0 +1,145 @@
+"""LoRA from the command line: TRL's ``ModelConfig`` flags (``--use_peft``, ``--lora_r``, ...), checked, and the
+``peft.LoraConfig`` they give, the ``peft_config`` that ``RLTrainer`` takes from Python.
+
+TRL's ``--lora_target_parameters`` and its quantization flags (``--load_in_4bit``, ...) are not flags here: weight
+sync merges adapters of modules only, and RLTrainer loads no quantized model by id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Annotated
+
+from verifiers_rl.core.choices import AT_LEAST_ONE, POSITIVE, Range, field_ranges
+
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output layer
+TASK_TYPE = "CAUSAL_LM"  # the only one a policy that generates is
+
+
+@dataclass
+class LoraArguments:
+    """The LoRA flags of ``verifiers-rl train``: TRL's ``ModelConfig`` names and defaults."""
+
+    use_peft: bool = field(default=False, metadata={
+        "help": "Train LoRA adapters (peft) instead of the whole model; the --lora_* flags shape them. The KL "
+                "reference is the model without adapters, the engine gets the merged weights, and --output_dir and "
+                "checkpoints hold the adapters (resume with the same --lora_* flags)."})
+    lora_r: Annotated[int, AT_LEAST_ONE] = field(default=16, metadata={"help": "LoRA rank r. Needs --use_peft."})
+    lora_alpha: Annotated[int, POSITIVE] = field(default=32, metadata={
+        "help": "LoRA alpha: the adapters' update is scaled by alpha / r (alpha / sqrt(r) with --use_rslora). Needs "
+                "--use_peft."})
+    lora_dropout: Annotated[float, Range(0, high=1, strict_high=True)] = field(default=0.05, metadata={
+        "help": "Dropout on the adapters' input while training (the engine samples without it). Needs --use_peft."})
+    lora_target_modules: list[str] | None = field(default=None, metadata={
+        "help": "Modules that get adapters, by name (q_proj v_proj: every module whose name ends in one of them), or "
+                "all-linear (every linear layer but the output layer); each name must match a module of the model. "
+                "Default: peft's for the model type (Llama: q_proj v_proj). Needs --use_peft."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained whole beside the adapters (and saved with them), by name as --lora_target_modules; "
+                "each must match a module of the model. Needs --use_peft."})
+    lora_task_type: str = field(default=TASK_TYPE, metadata={
+        "help": "peft's task type: CAUSAL_LM, the only one here (the policy generates). Needs --use_peft."})
+    use_rslora: bool = field(default=False, metadata={
+        "help": "Rank-stabilized LoRA: scale by lora_alpha / sqrt(r) instead of lora_alpha / r. Needs --use_peft."})
+    use_dora: bool = field(default=False, metadata={
+        "help": "DoRA: adapt each weight's magnitude and direction apart (the engine gets the merged weights). Needs "
+                "--use_peft."})
+
+
+LORA_FLAGS = tuple(f.name for f in fields(LoraArguments))
+
+
+def check_lora_flags(lora: LoraArguments, given: set[str]) -> None:
+    """Refuse a value out of its range, and a --lora_* flag (``given``: the flags set) without --use_peft: it would
+    shape no adapters. (Not in ``__post_init__``: the command parses again with other defaults to tell what was
+    given.)"""
+    _check_values(lora)
+    unread = [name for name in LORA_FLAGS if name in given and name != "use_peft"]
+    if unread and not lora.use_peft:
+        flags = ", ".join(_flag_text(name, getattr(lora, name)) for name in unread)
+        raise ValueError(f"{flags}: {'they act' if len(unread) > 1 else 'it acts'} only with --use_peft (LoRA); "
+                         "add --use_peft, or leave it out to train the whole model.")
+
+
+def _check_values(lora: LoraArguments) -> None:
+    for name, allowed in field_ranges(LoraArguments).items():
+        allowed.check(f"--{name}", getattr(lora, name))
+    if lora.lora_task_type != TASK_TYPE:
+        raise ValueError(f"--lora_task_type {lora.lora_task_type} is not trained here: the policy generates, so its "
+                         f"adapters are {TASK_TYPE}'s (the default). Leave --lora_task_type out.")
+    for name in ("lora_target_modules", "lora_modules_to_save"):
+        if getattr(lora, name) == []:
+            raise ValueError(f"--{name} needs at least one module name.")
+    targets = lora.lora_target_modules or []
+    if ALL_LINEAR in targets and len(targets) > 1:
+        raise ValueError(f"--lora_target_modules {' '.join(targets)}: {ALL_LINEAR} stands alone (it already names "
+                         "every linear layer).")
+
+
+def _flag_text(name: str, value) -> str:
+    """How the flag reads on the command line: a switch alone, a list as its words."""
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--{name} false"
+    return f"--{name} {' '.join(value) if isinstance(value, list) else value}"
+
+
+def peft_config_of(lora: LoraArguments, model: str):
+    """The ``peft.LoraConfig`` the flags ask for (None without --use_peft), as TRL's ``get_peft_config`` builds it;
+    a module name that matches no module of ``model`` (a folder or Hub id) is a ValueError naming its flag."""
+    if not lora.use_peft:
+        return None
+    from peft import LoraConfig
+
+    targets = lora.lora_target_modules
+    check_module_names(_skeleton(model), lora)
+    return LoraConfig(task_type=TASK_TYPE, r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
+                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
+                      use_rslora=lora.use_rslora, use_dora=lora.use_dora, modules_to_save=lora.lora_modules_to_save)
+
+
+def _skeleton(model: str):
+    """``model``'s modules without its weights (on the meta device): their names and types cost no load."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+
+
+def check_module_names(skeleton, lora: LoraArguments) -> None:
+    """Each name of --lora_target_modules and --lora_modules_to_save matches a module of ``skeleton`` as peft matches
+    a list (the whole name, or its end after a dot); a target must be a layer LoRA adapts. Unset targets: peft's
+    default for the model type must exist."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULT_TARGETS
+
+    modules = dict(skeleton.named_modules())
+    adaptable = {name for name, module in modules.items() if _adaptable(module)}
+    layers = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in adaptable}))
+    if lora.lora_target_modules is None and skeleton.config.model_type not in DEFAULT_TARGETS:
+        raise ValueError(f"--use_peft: peft has no default adapter modules for model type "
+                         f"{skeleton.config.model_type!r}; name them with --lora_target_modules (its layers: "
+                         f"{layers}).")
+    for name in lora.lora_target_modules or ():
+        if name != ALL_LINEAR:
+            _check_name("lora_target_modules", name, modules, adaptable, layers)
+    for name in lora.lora_modules_to_save or ():
+        _check_name("lora_modules_to_save", name, modules, set(modules), layers)
+
+
+def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str) -> None:
+    matched = [key for key in modules if key == name or key.endswith(f".{name}")]
+    if not matched:
+        raise ValueError(f"--{flag} {name}: no module of the model is named so (its layers LoRA adapts: {layers}).")
+    wrong = next((key for key in matched if key not in allowed), None)
+    if wrong is not None:
+        raise ValueError(f"--{flag} {name}: {wrong} is a {type(modules[wrong]).__name__}, which LoRA does not "
+                         f"adapt; name its layers (those LoRA adapts: {layers}).")
+
+
+def _adaptable(module) -> bool:
+    """Whether LoRA can put an adapter on ``module`` (peft's layer types)."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d,
+                               torch.nn.Conv3d, torch.nn.MultiheadAttention, Conv1D))
