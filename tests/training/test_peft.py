@@ -192,3 +192,24 @@ def test_a_folder_of_adapters_as_model_trains_from_the_merged_weights_with_them_
     trainer.train()
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == 0.0 and kl[1] > 0.0, kl  # step 1: the policy is its reference (against the base: kl > 0)
+
+
+def test_adapters_on_an_untied_input_embedding_reach_the_engine(lora_work, tmp_path):
+    """LoRA on embed_tokens (peft's lora.Embedding has no num_embeddings): the post-sync probe raised an
+    AttributeError out of the first weight sync; the engine gets the merged embedding like the linear layers'."""
+    from verifiers_rl.core.models import build_tiny_model
+
+    untied = str(build_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
+    args = RLConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no", max_steps=1,
+                    rollouts_path=str(lora_work / "r.jsonl"), rollouts_per_step=8, max_seq_len=64,
+                    learning_rate=5e-2, gradient_checkpointing=False, disable_tqdm=True)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], lora_dropout=0.0)
+    trainer = RLTrainer(untied, args, processing_class=AutoTokenizer.from_pretrained(untied), peft_config=lora)
+    trainer.train()
+    trainer.engine = EmbeddedEngine(untied)
+    trainer.state.global_step = 1
+    trainer.sync_weights()
+    assert trainer._metrics["train"]["weight_sync_probe_gap"][-1] < 1e-5
+    name = "model.embed_tokens.weight"
+    base = dict(AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32).named_parameters())[name]
+    assert not torch.equal(dict(trainer.engine.model.named_parameters())[name], base)  # the embedding's adapters

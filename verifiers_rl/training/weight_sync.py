@@ -153,7 +153,9 @@ class EngineWeightSync:
             probed = main_process_outcome(lambda: isinstance(self.engine, SupportsPromptLogprobs))
             self.probe_checked = True
             if probed:
-                vocab = self.bare_model().get_input_embeddings().num_embeddings
+                embedding = self.bare_model().get_input_embeddings()
+                # LoRA on the embedding wraps it (peft's lora.Embedding has no num_embeddings)
+                vocab = getattr(embedding, "base_layer", embedding).num_embeddings
                 self.probe_ids = probe_token_ids(self.tokenizer, self.args.weight_sync_probe_tokens, vocab)
             elif self.accelerator.is_main_process:
                 logger.info("The engine %s has no prompt_logprobs: no post-sync probe.", type(self.engine).__name__)
