@@ -119,14 +119,15 @@ def check_module_names(skeleton, lora: LoraArguments) -> None:
         raise ValueError(f"--use_peft: peft has no default adapter modules for model type "
                          f"{skeleton.config.model_type!r}; name them with --lora_target_modules (its layers: "
                          f"{layers}).")
+    tied = _tied_embeddings(skeleton, modules)
     for name in lora.lora_target_modules or ():
         if name != ALL_LINEAR:
-            _check_name("lora_target_modules", name, modules, adaptable, layers)
+            _check_name("lora_target_modules", name, modules, adaptable, layers, tied)
     for name in lora.lora_modules_to_save or ():
-        _check_name("lora_modules_to_save", name, modules, set(modules), layers)
+        _check_name("lora_modules_to_save", name, modules, set(modules), layers, tied)
 
 
-def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str) -> None:
+def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str, tied: list[str]) -> None:
     matched = [key for key in modules if key == name or key.endswith(f".{name}")]
     if not matched:
         raise ValueError(f"--{flag} {name}: no module of the model is named so (its layers LoRA adapts: {layers}).")
@@ -134,6 +135,19 @@ def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: 
     if wrong is not None:
         raise ValueError(f"--{flag} {name}: {wrong} is a {type(modules[wrong]).__name__}, which LoRA does not "
                          f"adapt; name its layers (those LoRA adapts: {layers}).")
+    if any(key in tied for key in matched):
+        raise ValueError(f"--{flag} {name}: the model ties {' and '.join(tied)} (tie_word_embeddings); training "
+                         "one apart unties them, while the engine samples from their one shared matrix (rollouts "
+                         "off-policy, the weight sync probe fails). Leave it out, or train a model whose embeddings "
+                         "are untied.")
+
+
+def _tied_embeddings(skeleton, modules: dict) -> list[str]:
+    """The names of the input and output embeddings when they share their weight, else none."""
+    embeddings = (skeleton.get_input_embeddings(), skeleton.get_output_embeddings())
+    if embeddings[1] is None or embeddings[0].weight is not embeddings[1].weight:
+        return []
+    return [key for key, module in modules.items() if any(module is embedding for embedding in embeddings)]
 
 
 def _adaptable(module) -> bool:
