@@ -16,11 +16,11 @@ LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modul
         "--lora_modules_to_save", "norm"]
 
 
-def command(tiny_model_dir, output_dir, *flags) -> list[str]:
+def command(tiny_model_dir, output_dir, *flags, lora=tuple(LORA)) -> list[str]:
     # lora_dropout stays at TRL's 0.05: a resume must restore its random state too.
     return ["--model", tiny_model_dir, "--output_dir", str(output_dir), "--max_steps", "3", "--rollouts_per_step",
             "4", "--num_generations", "2", "--print_samples_every", "0", "--learning_rate", "5e-2",
-            "--save_strategy", "steps", "--save_steps", "1", *LORA, *flags]
+            "--save_strategy", "steps", "--save_steps", "1", *lora, *flags]
 
 
 def train(argv: list[str]):
@@ -36,7 +36,7 @@ def train(argv: list[str]):
     return trainer, before
 
 
-def test_use_peft_trains_only_the_adapters_and_a_resumed_command_ends_with_them(tiny_model_dir, tmp_path):
+def test_use_peft_trains_only_the_adapters_and_a_resumed_command_ends_with_them(tiny_model_dir, tmp_path, capsys):
     trainer, before = train(command(tiny_model_dir, tmp_path / "full"))
     after = dict(trainer.model.named_parameters())
     moved = {name for name in before if not torch.equal(before[name], after[name])}
@@ -56,3 +56,13 @@ def test_use_peft_trains_only_the_adapters_and_a_resumed_command_ends_with_them(
     expected = get_peft_model_state_dict(trainer.model)
     assert sorted(final) == sorted(expected)
     assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+    # Resumed without its flags: the line says which flags rebuild its adapters (it named only RLTrainer's peft_config).
+    plain = command(tiny_model_dir, tmp_path / "plain", "--resume_from_checkpoint",
+                    str(tmp_path / "full" / "checkpoint-1"), lora=())
+    capsys.readouterr()
+    assert main(plain) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("verifiers-rl train: error: Cannot resume from ") and last.endswith(
+        "on the command: --use_peft --lora_r 4 --lora_alpha 8 --lora_target_modules q_proj v_proj "
+        "--lora_modules_to_save norm), or start a new run."), last

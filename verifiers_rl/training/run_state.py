@@ -335,13 +335,25 @@ def check_adapters(folder: Path, model) -> None:
         return
     if current is None:
         raise CheckpointError(f"Cannot resume from {folder}: it holds adapters ({saved}), this run trains the whole "
-                              "model. Resume it with the same peft_config (RLTrainer(..., peft_config=...)), or start "
-                              "a new run.")
+                              "model. Resume it with the same peft_config (RLTrainer(..., peft_config=...); on the "
+                              f"command: {_as_flags(saved)}), or start a new run.")
     if saved is None:
         raise CheckpointError(f"Cannot resume from {folder}: it holds the whole model, this run trains adapters "
-                              f"(peft_config {current}). Resume it without peft_config, or start a new run.")
+                              f"(peft_config {current}). Resume it without peft_config (on the command: without "
+                              "--use_peft), or start a new run.")
     raise CheckpointError(f"Cannot resume from {folder}: its adapters are {saved}, this run's peft_config "
-                          f"{current}. Resume it with the same peft_config.")
+                          f"{current}. Resume it with the same peft_config (on the command: {_as_flags(saved)}).")
+
+
+def _as_flags(signature: dict[str, Any]) -> str:
+    """The command's LoRA flags (config/lora.py) that build adapters of ``signature`` (``adapter_signature``)."""
+    flags = ["--use_peft", f"--lora_r {signature['r']}", f"--lora_alpha {signature['lora_alpha']}"]
+    for key, flag in (("target_modules", "lora_target_modules"), ("modules_to_save", "lora_modules_to_save")):
+        names = signature[key]
+        if names:
+            flags.append(f"--{flag} {names if isinstance(names, str) else ' '.join(names)}")
+    flags += [f"--{key}" for key in ("use_rslora", "use_dora") if signature[key]]
+    return " ".join(flags)
 
 
 def check_fits(saved: RunState, current: RunState, folder: Path) -> None:
