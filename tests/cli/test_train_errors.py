@@ -397,6 +397,9 @@ def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
                                                            "does not adapt"),
     (["--use_peft", "--lora_modules_to_save", "nrm"], "--lora_modules_to_save nrm: no module of the model is named "
                                                       "so"),
+    # TRL's disable_dropout zeroes every dropout after peft wrapped the model: the adapters' was ignored.
+    (["--use_peft", "--lora_dropout", "0.1", "--disable_dropout"], "--lora_dropout 0.1 is not used with "
+                                                                   "--disable_dropout"),
     # The tiny model ties lm_head to embed_tokens: training either apart made the weight sync probe fail every step.
     (["--use_peft", "--lora_target_modules", "q_proj", "embed_tokens"], "--lora_target_modules embed_tokens: the "
                                                                         "model ties model.embed_tokens and lm_head"),

@@ -256,7 +256,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     if config.rollouts_path and config.eval_strategy == "no":
         config.check_engine_knobs()  # this command builds no engine then
     check_unread_flags(script_args, config, given)
-    check_lora_flags(script_args, given)
+    check_lora_flags(script_args, given, config.disable_dropout)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model, tokenizer = checked_model(script_args.model)
     peft_config = peft_config_of(script_args, model)

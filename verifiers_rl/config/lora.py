@@ -29,7 +29,9 @@ class LoraArguments:
         "help": "LoRA alpha: the adapters' update is scaled by alpha / r (alpha / sqrt(r) with --use_rslora). Needs "
                 "--use_peft."})
     lora_dropout: Annotated[float, Range(0, high=1, strict_high=True)] = field(default=0.05, metadata={
-        "help": "Dropout on the adapters' input while training (the engine samples without it). Needs --use_peft."})
+        "help": "Dropout on the adapters' input while training (the engine samples without it). Above 0 a step's "
+                "update depends on how its batch is split (processes, micro-batches), as any dropout's; 0 keeps "
+                "every layout's update equal. Needs --use_peft."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Modules that get adapters, by name (q_proj v_proj: every module whose name ends in one of them), or "
                 "all-linear (every linear layer but the output layer); each name must match a module of the model. "
@@ -49,11 +51,14 @@ class LoraArguments:
 LORA_FLAGS = tuple(f.name for f in fields(LoraArguments))
 
 
-def check_lora_flags(lora: LoraArguments, given: set[str]) -> None:
-    """Refuse a value out of its range, and a --lora_* flag (``given``: the flags set) without --use_peft: it would
-    shape no adapters. (Not in ``__post_init__``: the command parses again with other defaults to tell what was
-    given.)"""
+def check_lora_flags(lora: LoraArguments, given: set[str], disable_dropout: bool = False) -> None:
+    """Refuse a value out of its range, a --lora_* flag (``given``: the flags set) without --use_peft (it would shape
+    no adapters), and --lora_dropout beside --disable_dropout (which zeroes it). (Not in ``__post_init__``: the
+    command parses again with other defaults to tell what was given.)"""
     _check_values(lora)
+    if disable_dropout and lora.use_peft and "lora_dropout" in given and lora.lora_dropout > 0:
+        raise ValueError(f"--lora_dropout {lora.lora_dropout} is not used with --disable_dropout: TRL's "
+                         "disable_dropout sets every dropout of the model to 0, the adapters' too. Leave one out.")
     unread = [name for name in LORA_FLAGS if name in given and name != "use_peft"]
     if unread and not lora.use_peft:
         flags = ", ".join(_flag_text(name, getattr(lora, name)) for name in unread)
