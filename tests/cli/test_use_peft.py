@@ -5,12 +5,15 @@ the uninterrupted run's adapters (tests/training/test_peft.py checks the same th
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from verifiers_rl.cli.train import build_parser, build_trainer, main
+
+from tests.cli.test_train_errors import refusal
 
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj",
         "--lora_modules_to_save", "norm"]
@@ -66,3 +69,25 @@ def test_use_peft_trains_only_the_adapters_and_a_resumed_command_ends_with_them(
     assert last.startswith("verifiers-rl train: error: Cannot resume from ") and last.endswith(
         "on the command: --use_peft --lora_r 4 --lora_alpha 8 --lora_target_modules q_proj v_proj "
         "--lora_modules_to_save norm), or start a new run."), last
+
+
+def test_a_model_with_its_own_code_is_read_with_trust_remote_code(tiny_model_dir, tmp_path, capsys):
+    """The adapters' module names are checked on the model the trainer loads: with --trust_remote_code, its own
+    code (the check read the config without it and failed on every such model). Its type is none peft knows, so
+    peft has no default modules for it: refused naming --lora_target_modules."""
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "configuration_x.py").write_text("from transformers import LlamaConfig\n\n\n"
+                                               "class XConfig(LlamaConfig):\n    model_type = 'xllama'\n")
+    (folder / "modeling_x.py").write_text("from transformers import LlamaForCausalLM\n\n"
+                                          "from .configuration_x import XConfig\n\n\n"
+                                          "class XForCausalLM(LlamaForCausalLM):\n    config_class = XConfig\n")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="xllama", auto_map={"AutoConfig": "configuration_x.XConfig",
+                                                 "AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    argv = ["--model", str(folder), "--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--use_peft",
+            "--trust_remote_code"]
+    assert refusal(argv, capsys) == ("--use_peft: peft has no default adapter modules for model type 'xllama'; name "
+                                     "them with --lora_target_modules (its layers: down_proj, embed_tokens, gate_proj, "
+                                     "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj).")

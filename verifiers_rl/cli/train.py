@@ -49,7 +49,7 @@ from verifiers_rl.envs.limits import LIMIT_FLAGS
 from verifiers_rl.envs.mixture import MixtureError, load_mixture, parse_entries, steering_keys
 from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
-from verifiers_rl.inference.factory import build_engine
+from verifiers_rl.inference.factory import build_engine, model_load_kwargs
 from verifiers_rl.inference.vllm.http import VLLMError
 from verifiers_rl.core.models import load_tokenizer, resolve_model
 from verifiers_rl.core.launch import launched_rank, launched_world_size
@@ -259,7 +259,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     check_lora_flags(script_args, given, config.disable_dropout)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model, tokenizer = checked_model(script_args.model)
-    peft_config = peft_config_of(script_args, model)
+    peft_config = peft_config_of(script_args, model, model_load_kwargs(config))
     live = {}
     with default_tool_mode(script_args.tool_mode) as tool_mode_readers:
         if not config.rollouts_path:

@@ -88,27 +88,34 @@ def _flag_text(name: str, value) -> str:
     return f"--{name} {' '.join(value) if isinstance(value, list) else value}"
 
 
-def peft_config_of(lora: LoraArguments, model: str):
+def peft_config_of(lora: LoraArguments, model: str, load_kwargs: dict | None = None):
     """The ``peft.LoraConfig`` the flags ask for (None without --use_peft), as TRL's ``get_peft_config`` builds it;
-    a module name that matches no module of ``model`` (a folder or Hub id) is a ValueError naming its flag."""
+    a module name that matches no module of ``model`` (a folder or Hub id, read with ``load_kwargs``: the trainer's
+    ``inference.factory.model_load_kwargs``) is a ValueError naming its flag."""
     if not lora.use_peft:
         return None
     from peft import LoraConfig
 
     targets = lora.lora_target_modules
-    check_module_names(_skeleton(model), lora)
+    check_module_names(_skeleton(model, load_kwargs or {}), lora)
     return LoraConfig(task_type=TASK_TYPE, r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
                       target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
                       use_rslora=lora.use_rslora, use_dora=lora.use_dora, modules_to_save=lora.lora_modules_to_save)
 
 
-def _skeleton(model: str):
-    """``model``'s modules without its weights (on the meta device): their names and types cost no load."""
+def _skeleton(model: str, load_kwargs: dict):
+    """``model``'s modules without its weights (on the meta device): their names and types cost no load. The
+    revision, code (trust_remote_code) and so on are those the trainer loads."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config_kwargs = {key: value for key, value in load_kwargs.items() if key not in CONFIG_UNREAD}
+    config = AutoConfig.from_pretrained(model, **config_kwargs)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=load_kwargs.get("trust_remote_code", False))
+
+
+CONFIG_UNREAD = ("variant", "use_safetensors")  # weight-file choices: AutoConfig would keep them as attributes
 
 
 def check_module_names(skeleton, lora: LoraArguments) -> None:
