@@ -400,6 +400,10 @@ def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
     # TRL's disable_dropout zeroes every dropout after peft wrapped the model: the adapters' was ignored.
     (["--use_peft", "--lora_dropout", "0.1", "--disable_dropout"], "--lora_dropout 0.1 is not used with "
                                                                    "--disable_dropout"),
+    (["--use_peft", "--lora_target_parameters", "mlp.down_proj.weight"], "--lora_target_parameters needs "
+                                                                         "--lora_dropout 0"),
+    (["--use_peft", "--lora_dropout", "0", "--lora_target_parameters", "mlp.down_proj.wieght"],
+     "--lora_target_parameters mlp.down_proj.wieght: no parameter of the model is named so"),
     # The tiny model ties lm_head to embed_tokens: training either apart made the weight sync probe fail every step.
     (["--use_peft", "--lora_target_modules", "q_proj", "embed_tokens"], "--lora_target_modules embed_tokens: the "
                                                                         "model ties model.embed_tokens and lm_head"),

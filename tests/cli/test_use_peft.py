@@ -91,3 +91,19 @@ def test_a_model_with_its_own_code_is_read_with_trust_remote_code(tiny_model_dir
     assert refusal(argv, capsys) == ("--use_peft: peft has no default adapter modules for model type 'xllama'; name "
                                      "them with --lora_target_modules (its layers: down_proj, embed_tokens, gate_proj, "
                                      "k_proj, lm_head, o_proj, q_proj, up_proj, v_proj).")
+
+
+def test_lora_target_parameters_trains_adapters_of_parameters_the_engine_gets_merged(tiny_model_dir, tmp_path):
+    # TRL's --lora_target_parameters (peft's target_parameters: experts' stacked weights; here a dense one).
+    argv = command(tiny_model_dir, tmp_path / "params", "--max_steps", "2",
+                   "--weight_sync_probe_every", "1",
+                   lora=["--use_peft", "--lora_dropout", "0", "--lora_target_parameters", "mlp.down_proj.weight"])
+    trainer, before = train(argv)
+    after = dict(trainer.model.named_parameters())
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and all("lora_" in name for name in moved), sorted(moved)
+    # Beside peft's default modules (q_proj v_proj: --lora_target_modules unset), as TRL's flag gives them.
+    assert {name.split(".")[-4] for name in moved} == {"down_proj", "q_proj", "v_proj"}, sorted(moved)
+    # The second sync holds the trained adapters: the engine samples base + merged (it would differ otherwise).
+    gaps = [entry["weight_sync_probe_gap"] for entry in trainer.state.log_history if "weight_sync_probe_gap" in entry]
+    assert len(gaps) == 2 and max(gaps) < 1e-5, gaps

@@ -19,8 +19,8 @@ from trl import TrlParser
 
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "bf16", "use_cpu", "seed", "gradient_checkpointing", "activation_checkpointing"),
-    "LoRA": ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_modules_to_save",
-             "lora_task_type", "use_rslora", "use_dora"),
+    "LoRA": ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+             "lora_modules_to_save", "lora_task_type", "use_rslora", "use_dora"),
     "Environment and data": ("env", "env_args", "tool_mode", "rollouts_path", "save_rollouts_path", "max_seq_len",
                              "max_completion_length", "overlong", "chat_template_kwargs"),
     "Generation": ("num_generations", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",

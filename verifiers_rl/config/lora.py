@@ -1,8 +1,7 @@
 """LoRA from the command line: TRL's ``ModelConfig`` flags (``--use_peft``, ``--lora_r``, ...), checked, and the
 ``peft.LoraConfig`` they give, the ``peft_config`` that ``RLTrainer`` takes from Python.
 
-TRL's ``--lora_target_parameters`` and its quantization flags (``--load_in_4bit``, ...) are not flags here: weight
-sync merges adapters of modules only, and RLTrainer loads no quantized model by id.
+TRL's quantization flags (``--load_in_4bit``, ...) are not flags here: RLTrainer loads no quantized model by id.
 """
 
 from __future__ import annotations
@@ -36,6 +35,11 @@ class LoraArguments:
         "help": "Modules that get adapters, by name (q_proj v_proj: every module whose name ends in one of them), or "
                 "all-linear (every linear layer but the output layer); each name must match a module of the model. "
                 "Default: peft's for the model type (Llama: q_proj v_proj). Needs --use_peft."})
+    lora_target_parameters: list[str] | None = field(default=None, metadata={
+        "help": "Parameters that get adapters, by name (mlp.down_proj.weight: every parameter whose name ends in "
+                "one of them): weights held by no linear module of their own (a mixture of experts' stacked "
+                "experts), beside --lora_target_modules (whose default still applies, as in TRL); each must match a "
+                "parameter of the model, and --lora_dropout must be 0. Needs --use_peft."})
     lora_modules_to_save: list[str] | None = field(default=None, metadata={
         "help": "Modules trained whole beside the adapters (and saved with them), by name as --lora_target_modules; "
                 "each must match a module of the model. Needs --use_peft."})
@@ -72,9 +76,12 @@ def _check_values(lora: LoraArguments) -> None:
     if lora.lora_task_type != TASK_TYPE:
         raise ValueError(f"--lora_task_type {lora.lora_task_type} is not trained here: the policy generates, so its "
                          f"adapters are {TASK_TYPE}'s (the default). Leave --lora_task_type out.")
-    for name in ("lora_target_modules", "lora_modules_to_save"):
+    for name in ("lora_target_modules", "lora_target_parameters", "lora_modules_to_save"):
         if getattr(lora, name) == []:
             raise ValueError(f"--{name} needs at least one module name.")
+    if lora.lora_target_parameters and lora.lora_dropout > 0:
+        raise ValueError("--lora_target_parameters needs --lora_dropout 0: peft's adapters of parameters take no "
+                         f"dropout (--lora_dropout is {lora.lora_dropout}, TRL's default 0.05 unless given).")
     targets = lora.lora_target_modules or []
     if ALL_LINEAR in targets and len(targets) > 1:
         raise ValueError(f"--lora_target_modules {' '.join(targets)}: {ALL_LINEAR} stands alone (it already names "
@@ -100,7 +107,8 @@ def peft_config_of(lora: LoraArguments, model: str, load_kwargs: dict | None = N
     check_module_names(_skeleton(model, load_kwargs or {}), lora)
     return LoraConfig(task_type=TASK_TYPE, r=lora.lora_r, lora_alpha=lora.lora_alpha, lora_dropout=lora.lora_dropout,
                       target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
-                      use_rslora=lora.use_rslora, use_dora=lora.use_dora, modules_to_save=lora.lora_modules_to_save)
+                      use_rslora=lora.use_rslora, use_dora=lora.use_dora, modules_to_save=lora.lora_modules_to_save,
+                      target_parameters=lora.lora_target_parameters)
 
 
 def _skeleton(model: str, load_kwargs: dict):
@@ -127,7 +135,8 @@ def check_module_names(skeleton, lora: LoraArguments) -> None:
     modules = dict(skeleton.named_modules())
     adaptable = {name for name, module in modules.items() if _adaptable(module)}
     layers = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in adaptable}))
-    if lora.lora_target_modules is None and skeleton.config.model_type not in DEFAULT_TARGETS:
+    unset = lora.lora_target_modules is None and lora.lora_target_parameters is None
+    if unset and skeleton.config.model_type not in DEFAULT_TARGETS:
         raise ValueError(f"--use_peft: peft has no default adapter modules for model type "
                          f"{skeleton.config.model_type!r}; name them with --lora_target_modules (its layers: "
                          f"{layers}).")
@@ -137,6 +146,13 @@ def check_module_names(skeleton, lora: LoraArguments) -> None:
             _check_name("lora_target_modules", name, modules, adaptable, layers, tied)
     for name in lora.lora_modules_to_save or ():
         _check_name("lora_modules_to_save", name, modules, set(modules), layers, tied)
+    parameters = dict(skeleton.named_parameters(remove_duplicate=False))
+    for name in lora.lora_target_parameters or ():
+        matched = [key for key in parameters if key == name or key.endswith(f".{name}")]
+        if not matched:
+            raise ValueError(f"--lora_target_parameters {name}: no parameter of the model is named so (e.g. "
+                             f"{next(iter(parameters))}).")
+        _check_name("lora_target_parameters", matched[0].rsplit(".", 1)[0], modules, set(modules), layers, tied)
 
 
 def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str, tied: list[str]) -> None:

@@ -309,7 +309,8 @@ def check_optimizer_saved(folder: Path) -> None:
 
 
 # The adapter settings that decide which tensors a checkpoint's adapters hold and what they compute.
-_ADAPTER_KEYS = ("peft_type", "r", "lora_alpha", "target_modules", "modules_to_save", "bias", "use_dora", "use_rslora")
+_ADAPTER_KEYS = ("peft_type", "r", "lora_alpha", "target_modules", "target_parameters", "modules_to_save", "bias",
+                 "use_dora", "use_rslora")
 
 
 def adapter_signature(config) -> dict[str, Any]:
@@ -348,7 +349,8 @@ def check_adapters(folder: Path, model) -> None:
 def _as_flags(signature: dict[str, Any]) -> str:
     """The command's LoRA flags (config/lora.py) that build adapters of ``signature`` (``adapter_signature``)."""
     flags = ["--use_peft", f"--lora_r {signature['r']}", f"--lora_alpha {signature['lora_alpha']}"]
-    for key, flag in (("target_modules", "lora_target_modules"), ("modules_to_save", "lora_modules_to_save")):
+    for key, flag in (("target_modules", "lora_target_modules"), ("target_parameters", "lora_target_parameters"),
+                      ("modules_to_save", "lora_modules_to_save")):
         names = signature[key]
         if names:
             flags.append(f"--{flag} {names if isinstance(names, str) else ' '.join(names)}")
