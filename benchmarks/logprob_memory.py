@@ -48,7 +48,8 @@ def _maxrss_kib() -> int:
 def _inputs(torch, n, vocab, hidden_size, seed):
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, hidden_size, generator=generator).requires_grad_()
-    weight = (torch.randn(vocab, hidden_size, generator=generator) * 0.05).requires_grad_()
+    # Scaled in place: a temporary V x H copy would raise the baseline peak, and the weight gradient would reuse it.
+    weight = torch.randn(vocab, hidden_size, generator=generator).mul_(0.05).requires_grad_()
     targets = torch.randint(0, vocab, (n,), generator=generator)
     return hidden, weight, targets
 

@@ -1,0 +1,26 @@
+"""The benchmarks' own arithmetic: each script in ``benchmarks/`` is loaded from its file (they are scripts, not a
+package) and its pure functions, or its smallest real measurement, checked against what its table claims."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """The script ``benchmarks/<name>.py`` as a module (its ``main()`` is not run)."""
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_logprob_memory_counts_the_weight_gradient_in_the_peak_increase():
+    """The V x H weight gradient is allocated in every forward + backward, so the peak RSS increase over the inputs
+    is at least its size; a baseline peak raised by a temporary copy of the weight made the gradient fit in freed
+    memory (a chunked row showed less than the gradient alone, a negative 'excluding weight grad')."""
+    bench = load_benchmark("logprob_memory")
+    row = bench.run_child(16, 16, bench.VOCAB, bench.HIDDEN, check=False, repeats=1)
+    assert row["increase_kib"] * 1024 >= row["weight_grad_bytes"], row
