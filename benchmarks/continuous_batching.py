@@ -54,6 +54,8 @@ from verifiers_rl.inference.embedded.running_batch import DecodeRequest  # noqa:
 WORDS = ["abc", "hello", "tree", "pqrstu", "river", "mountain", "xyz", "stone"]
 SIDES = ("batch", "continuous")
 NO_TOKEN = -1  # an eos id no token has: every row decodes to its own length
+DEFAULTS = dict(requests=64, max_rows=16, median_tokens=32, repeats=3)
+QUICK = dict(requests=16, max_rows=4, median_tokens=8, repeats=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,19 +63,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--model", default=None,
                         help="'smollm2' (SmolLM2-135M-Instruct, the default), 'tiny' (the default with --quick) or a folder")
     parser.add_argument("--workloads", nargs="+", choices=["longtail", "uniform"], default=["longtail", "uniform"])
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=None, help="(64; --quick 16)")
     parser.add_argument("--samples", type=int, default=4, help="requests per prompt (a group), consecutive")
-    parser.add_argument("--max_rows", type=int, default=16, help="rows decoding at once, on both sides")
-    parser.add_argument("--median_tokens", type=int, default=32)
+    parser.add_argument("--max_rows", type=int, default=None,
+                        help="rows decoding at once, on both sides (16; --quick 4)")
+    parser.add_argument("--median_tokens", type=int, default=None, help="(32; --quick 8)")
     parser.add_argument("--tail_fraction", type=float, default=0.1)
     parser.add_argument("--tail_factor", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each side (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed repeats of each side (after one warm-up; 3, --quick 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: the tiny model, 16 requests, max_rows 4, median 8 tokens, 1 repeat")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.max_rows, args.median_tokens, args.repeats = 16, 4, 8, 1
+    for name, value in (QUICK if args.quick else DEFAULTS).items():  # flags given keep their values
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     args.model = args.model or ("tiny" if args.quick else "smollm2")
     if args.requests < 1 or args.max_rows < 1 or args.median_tokens < 2 or args.repeats < 1 or args.samples < 1:
         parser.error("--requests, --max_rows, --samples and --repeats must be >= 1, --median_tokens >= 2")

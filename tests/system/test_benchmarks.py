@@ -24,3 +24,14 @@ def test_logprob_memory_counts_the_weight_gradient_in_the_peak_increase():
     bench = load_benchmark("logprob_memory")
     row = bench.run_child(16, 16, bench.VOCAB, bench.HIDDEN, check=False, repeats=1)
     assert row["increase_kib"] * 1024 >= row["weight_grad_bytes"], row
+
+
+def test_continuous_batching_quick_keeps_the_sizes_given():
+    """--quick only fills in the sizes not given: it overwrote --requests, --max_rows, --median_tokens and --repeats
+    (``--quick --requests 4`` ran 16 requests)."""
+    bench = load_benchmark("continuous_batching")
+    args = bench.parse_args(["--quick", "--requests", "4", "--max_rows", "2", "--median_tokens", "3", "--repeats", "2"])
+    assert (args.requests, args.max_rows, args.median_tokens, args.repeats, args.model) == (4, 2, 3, 2, "tiny")
+    quick, full = bench.parse_args(["--quick"]), bench.parse_args([])
+    assert (quick.requests, quick.max_rows, quick.median_tokens, quick.repeats) == (16, 4, 8, 1)
+    assert (full.requests, full.max_rows, full.median_tokens, full.repeats, full.model) == (64, 16, 32, 3, "smollm2")
