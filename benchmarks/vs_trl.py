@@ -272,7 +272,7 @@ def quantile(values: list[int], q: float) -> float:
     return float(ordered[min(int(q * len(ordered)), len(ordered) - 1)]) if ordered else float("nan")
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["equal16", "equal128"],
                         help="equal16 / equal128: SmolLM2, 4 x 4, 16 / 128 new tokens, learning rate 0 (equal work); "
@@ -288,22 +288,32 @@ def parse_args():
     parser.add_argument("--micro_batching", choices=["padded", "packed", "auto"], default=None,
                         help="our trainer's micro-batches (TRL always pads): padded rows, packed rows of at most "
                         "4 x max_seq_len tokens, or auto (the cheaper per batch by the cost model)")
-    parser.add_argument("--steps", type=int, default=8, help="timed optimizer steps per trainer")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each trainer's run")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per trainer (8; --quick 4)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps at the start of each trainer's run (2; --quick 1)")
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="torch intra-op thread counts (torch.set_num_threads); every trainer runs at each")
     parser.add_argument("--trainers", nargs="+", default=["trl", "k0", "k1"], choices=list(NAMES))
-    parser.add_argument("--quick", action="store_true", help="4 timed steps after 1 warm-up, one thread setting")
-    return parser.parse_args()
+    parser.add_argument("--quick", action="store_true",
+                        help="4 timed steps after 1 warm-up, one thread setting (unless the flags say otherwise)")
+    return parser.parse_args(argv)
+
+
+def workload_args(base: argparse.Namespace, workload: str) -> argparse.Namespace:
+    """The command's flags, each one not given taken from the workload (and ``--quick``'s sizes)."""
+    args = argparse.Namespace(**vars(base))
+    threads = args.threads
+    quick = dict(steps=4, warmup=1) if args.quick else dict(steps=8, warmup=2)
+    for key, value in {**WORKLOADS[workload], **quick}.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.quick and threads is None:  # the workload's first thread count only
+        args.threads = args.threads[:1]
+    return args
 
 
 def run_workload(base, workload: str) -> None:
-    args = argparse.Namespace(**vars(base))
-    for key, value in WORKLOADS[workload].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if args.quick:
-        args.steps, args.warmup, args.threads = 4, 1, args.threads[:1]
+    args = workload_args(base, workload)
     started = time.perf_counter()
     log(f"[{workload}] load average at start: {load()}")
     work = tempfile.mkdtemp(prefix="bench_vs_trl_")

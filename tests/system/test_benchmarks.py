@@ -4,16 +4,22 @@ package) and its pure functions, or its smallest real measurement, checked again
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_benchmark(name: str):
-    """The script ``benchmarks/<name>.py`` as a module (its ``main()`` is not run)."""
+    """The script ``benchmarks/<name>.py`` as a module (its ``main()`` is not run), importing the scripts beside it
+    (``timing.py``, ...) as it does when run, from its own folder."""
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
     return module
 
 
@@ -35,3 +41,16 @@ def test_continuous_batching_quick_keeps_the_sizes_given():
     quick, full = bench.parse_args(["--quick"]), bench.parse_args([])
     assert (quick.requests, quick.max_rows, quick.median_tokens, quick.repeats) == (16, 4, 8, 1)
     assert (full.requests, full.max_rows, full.median_tokens, full.repeats, full.model) == (64, 16, 32, 3, "smollm2")
+
+
+def test_vs_trl_quick_keeps_the_steps_and_threads_given():
+    """--quick only fills in what is not given: it overwrote --steps, --warmup and --threads (``--quick --steps 2``
+    timed 4 steps)."""
+    bench = load_benchmark("vs_trl")
+    given = bench.workload_args(bench.parse_args(["--quick", "--steps", "2", "--warmup", "0", "--threads", "1", "2"]),
+                                "tiny")
+    assert (given.steps, given.warmup, given.threads, given.hidden) == (2, 0, [1, 2], 256)
+    quick = bench.workload_args(bench.parse_args(["--quick"]), "tiny")
+    assert (quick.steps, quick.warmup, quick.threads) == (4, 1, [1])
+    full = bench.workload_args(bench.parse_args([]), "tiny")
+    assert (full.steps, full.warmup, full.threads) == (8, 2, [1, 2])
