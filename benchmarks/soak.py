@@ -147,13 +147,24 @@ def report(mode: str, rows: list[Row], warmup: int) -> bool:
     return all(ok for _, ok in checks)
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["both", "live", "replay"], default="both")
     parser.add_argument("--steps", type=int, default=None, help="default: 300 live, 1000 replay")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the first window's step time")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # Checked before the run: the verdicts need a step after the warm-up (report() would fail once the run is done).
+    if args.warmup < 0 or args.threads < 1:
+        parser.error("--warmup must be >= 0 and --threads >= 1")
+    if args.steps is not None and args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the first window's step time "
+                     "starts after the warm-up (a shorter run: lower --warmup too)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
 
     import torch
 

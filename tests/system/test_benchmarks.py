@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -15,6 +17,7 @@ def load_benchmark(name: str):
     (``timing.py``, ...) as it does when run, from its own folder."""
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     sys.path.insert(0, str(BENCHMARKS))
     try:
         spec.loader.exec_module(module)
@@ -54,3 +57,15 @@ def test_vs_trl_quick_keeps_the_steps_and_threads_given():
     assert (quick.steps, quick.warmup, quick.threads) == (4, 1, [1])
     full = bench.workload_args(bench.parse_args([]), "tiny")
     assert (full.steps, full.warmup, full.threads) == (8, 2, [1, 2])
+
+
+def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
+    """``--steps 5`` (warm-up 10) ran its 5 steps and then failed in the report with an IndexError traceback; it is
+    refused at once, naming both flags, and a short run with a shorter warm-up is accepted."""
+    bench = load_benchmark("soak")
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(["--mode", "live", "--steps", "5"])
+    assert refused.value.code == 2
+    assert "--steps (5) must exceed --warmup (10)" in capsys.readouterr().err
+    assert (bench.parse_args(["--steps", "5", "--warmup", "1"]).steps, bench.parse_args([]).steps) == (5, None)
+
