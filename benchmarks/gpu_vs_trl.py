@@ -84,10 +84,11 @@ NAMES = {"trl": "TRL GRPOTrainer (HF generate)", "k0_shared": "RLTrainer k=0, pr
          "k0_unshared": "RLTrainer k=0, prompt sharing off", "k1_shared": "RLTrainer k=1, prompt sharing on"}
 
 
-def parse_args():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="0.5b")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda (a GPU is needed); cpu only checks the script, with --shape tiny")
     parser.add_argument("--trainers", nargs="+", choices=list(TRAINERS), default=list(TRAINERS))
     parser.add_argument("--num_generations", type=int, default=8, help="samples of the step's one prompt")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each trainer's run")
@@ -96,7 +97,12 @@ def parse_args():
     parser.add_argument("--budget_s", type=float, default=170.0, help="skip a trainer when the time so far plus the "
                         "longest trainer's so far would pass this (0: never skip)")
     parser.add_argument("--json", default=None, help="also write the numbers here (rewritten after each trainer)")
-    return parser.parse_args()
+    args = parser.parse_args(argv)
+    # Without a GPU the default used to fall back to the 0.5B model on the CPU: hours, and no GPU number.
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA GPU here: this benchmark measures one GPU (the CPU check of the script: --shape tiny "
+                     "--device cpu)")
+    return args
 
 
 def sync(device: str) -> None:

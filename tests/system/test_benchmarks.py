@@ -69,3 +69,19 @@ def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     assert "--steps (5) must exceed --warmup (10)" in capsys.readouterr().err
     assert (bench.parse_args(["--steps", "5", "--warmup", "1"]).steps, bench.parse_args([]).steps) == (5, None)
 
+
+def test_gpu_vs_trl_without_a_gpu_says_so_in_one_line(capsys):
+    """Without CUDA the default fell back to the 0.5B model on the CPU (hours, no GPU number): it is refused naming
+    the CPU check's flags, which stay accepted."""
+    import torch
+
+    bench = load_benchmark("gpu_vs_trl")
+    assert bench.parse_args(["--shape", "tiny", "--device", "cpu"]).device == "cpu"
+    if torch.cuda.is_available():
+        assert bench.parse_args([]).device == "cuda"
+        return
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args([])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "no CUDA GPU here" in error and "--shape tiny --device cpu" in error
