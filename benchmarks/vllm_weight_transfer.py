@@ -97,14 +97,23 @@ def bench_model(label: str, folder: str, repeats: int) -> list[str]:
     return rows
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="timed loads per mode (5; --quick 3)")
     parser.add_argument("--quick", action="store_true", help="the tiny model only, 3 loads per mode")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.repeats is None:  # a --repeats given keeps its value, also with --quick
+        args.repeats = 3 if args.quick else 5
+    if args.repeats < 1:  # checked before a server starts: the table's medians need a timed load
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     from verifiers_rl.core.models import build_tiny_model, smollm2_dir
 
-    repeats = 3 if args.quick else args.repeats
+    repeats = args.repeats
     rows = ["| model | transfer | median per load | vs files |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         models = [("tiny llama", str(build_tiny_model(os.path.join(tmp, "tiny"), tie_word_embeddings=False)))]

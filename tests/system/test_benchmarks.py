@@ -85,3 +85,13 @@ def test_gpu_vs_trl_without_a_gpu_says_so_in_one_line(capsys):
     assert refused.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert "no CUDA GPU here" in error and "--shape tiny --device cpu" in error
+
+
+def test_vllm_weight_transfer_quick_keeps_the_repeats_given(capsys):
+    """--quick overwrote --repeats (``--quick --repeats 1`` timed 3 loads per mode), and ``--repeats 0`` started the
+    server, then failed on an empty median: a given --repeats keeps its value, below 1 is refused before any server."""
+    bench = load_benchmark("vllm_weight_transfer")
+    assert [bench.parse_args(argv).repeats for argv in (["--quick", "--repeats", "1"], ["--quick"], [])] == [1, 3, 5]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--repeats", "0"])
+    assert "--repeats must be >= 1" in capsys.readouterr().err
