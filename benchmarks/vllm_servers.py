@@ -70,10 +70,18 @@ def run(model_dir: Path, servers: int, steps: int, out: Path) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8)
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per configuration (at least 2: the "
+                        "medians leave step 1 out)")
+    args = parser.parse_args(argv)
+    if args.steps < 2:  # checked before any server starts: the medians are over steps 2..N
+        parser.error(f"--steps must be >= 2 (got {args.steps}): step 1 includes the warm-up and is left out")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     from verifiers_rl.core.models import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -95,3 +95,13 @@ def test_vllm_weight_transfer_quick_keeps_the_repeats_given(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--repeats", "0"])
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_vllm_servers_refuses_fewer_than_two_steps_before_starting_servers(capsys):
+    """The medians leave step 1 (the warm-up) out: ``--steps 1`` started both configurations' servers and trained,
+    then failed on an empty median; it is refused at once."""
+    bench = load_benchmark("vllm_servers")
+    assert bench.parse_args(["--steps", "2"]).steps == 2
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--steps", "1"])
+    assert "--steps must be >= 2 (got 1)" in capsys.readouterr().err
