@@ -95,16 +95,26 @@ def build_model(args):
     return LlamaForCausalLM(config)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["smollm2-shaped", "smollm2"], default="smollm2-shaped")
-    parser.add_argument("--layers", type=int, default=2, help="layers of the SmolLM2-shaped model")
+    parser.add_argument("--layers", type=int, default=None, help="layers of the SmolLM2-shaped model (2)")
     parser.add_argument("--rows", type=int, default=8, help="sequences per padded micro-batch")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.model == "smollm2" and args.layers is not None:  # the real model has its own 30 layers
+        parser.error("--layers shapes the smollm2-shaped model only; --model smollm2 runs the real model's layers")
+    args.layers = 2 if args.layers is None else args.layers
+    if min(args.layers, args.rows, args.threads) < 1 or (args.repeats is not None and args.repeats < 1):
+        parser.error("--layers, --rows, --threads and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     workloads = WORKLOADS[:2] if args.quick else WORKLOADS
     torch.set_num_threads(args.threads)

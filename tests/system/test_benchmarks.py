@@ -105,3 +105,15 @@ def test_vllm_servers_refuses_fewer_than_two_steps_before_starting_servers(capsy
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "1"])
     assert "--steps must be >= 2 (got 1)" in capsys.readouterr().err
+
+
+def test_prefix_sharing_refuses_layers_beside_the_real_model(capsys):
+    """``--model smollm2 --layers 4`` ran the real model's layers, the flag ignored; it is refused by name, and
+    ``--repeats 0`` (silently the default before) too."""
+    bench = load_benchmark("prefix_sharing")
+    assert (bench.parse_args([]).layers, bench.parse_args(["--layers", "4"]).layers) == (2, 4)
+    for argv, message in ((["--model", "smollm2", "--layers", "4"], "--layers shapes the smollm2-shaped model only"),
+                          (["--repeats", "0"], "--repeats must be >= 1")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
