@@ -115,7 +115,7 @@ def ratio(x: float) -> str:
     return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     parser.add_argument("--max_new_tokens", type=int, default=32)
@@ -124,7 +124,18 @@ def main() -> None:
     parser.add_argument("--group_size", type=int, default=4, help="rollouts per group")
     parser.add_argument("--repeats", type=int, default=3, help="timed batches per side")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # Checked before the v1 worker starts: --repeats 0 or --groups 0 ran the warm-up, then failed on an empty median.
+    if min(args.max_new_tokens, args.groups, args.group_size, args.repeats) < 1:
+        parser.error("--max_new_tokens, --groups, --group_size and --repeats must be >= 1")
+    if args.max_seq_len <= args.max_new_tokens:
+        parser.error(f"--max_seq_len ({args.max_seq_len}) must exceed --max_new_tokens ({args.max_new_tokens}): the "
+                     "prompt needs room")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

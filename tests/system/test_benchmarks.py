@@ -117,3 +117,15 @@ def test_prefix_sharing_refuses_layers_beside_the_real_model(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def test_v1_episodes_refuses_sizes_below_one_before_starting_the_worker(capsys):
+    """``--repeats 0`` ran the warm-up batch through both v1 harnesses, then failed on an empty median (a traceback
+    after minutes); every size below 1 is refused at once, by name."""
+    bench = load_benchmark("v1_episodes")
+    assert bench.parse_args(["--groups", "1", "--group_size", "1", "--repeats", "1"]).repeats == 1
+    for flag in ("--repeats", "--groups", "--group_size", "--max_new_tokens"):
+        with pytest.raises(SystemExit):
+            bench.parse_args([flag, "0"])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert flag in error and "must be >= 1" in error
