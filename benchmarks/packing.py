@@ -188,17 +188,24 @@ def uniform(args) -> None:
           f"the cost model charges {MICRO_BATCH_OVERHEAD_TOKENS}.")
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller batch, fewer repetitions (smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", choices=["longtail", "uniform"], default="longtail",
                         help="uniform: the long-tail benchmark's uniform multi-turn step (see above)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.workload == "uniform" and args.quick:
+        parser.error("--quick shrinks the longtail workload; --workload uniform has one size")
+    if args.repeats is not None and args.repeats < 1:  # 0 silently meant the default, below it no timing at all
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.workload == "uniform":
-        if args.quick:
-            parser.error("--quick shrinks the longtail workload; --workload uniform has one size")
         return uniform(args)
 
     torch.set_num_threads(2)

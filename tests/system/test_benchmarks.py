@@ -129,3 +129,14 @@ def test_v1_episodes_refuses_sizes_below_one_before_starting_the_worker(capsys):
             bench.parse_args([flag, "0"])
         error = capsys.readouterr().err.strip().splitlines()[-1]
         assert flag in error and "must be >= 1" in error
+
+
+def test_packing_refuses_repeats_below_one(capsys):
+    """``--repeats 0`` silently timed the default number of repetitions, a negative one built the model and then
+    failed on an empty median: both are refused by name."""
+    bench = load_benchmark("packing")
+    assert bench.parse_args(["--repeats", "1"]).repeats == 1
+    for value in ("0", "-1"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--repeats", value])
+        assert "--repeats must be >= 1" in capsys.readouterr().err
