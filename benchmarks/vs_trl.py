@@ -70,6 +70,7 @@ Timings depend on what else runs on the machine: every progress line (stderr) ca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -341,11 +342,12 @@ def run_workload(base, workload: str) -> None:
             log(f"[{workload}] [threads={threads}] [{name}] {args.warmup} warm-up + {args.steps} timed steps "
                 f"(load {load()}) ...")
             out = os.path.join(work, f"{name}_t{threads}")
-            if name == "trl":
-                recorder = run_trl(args, model_dir, tokenizer, rows, out)
-            else:
-                share = "off" if name.endswith("unshared") else "auto"
-                recorder = run_ours(args, model_dir, tokenizer, environment(), int(name[1]), out, share)
+            with contextlib.redirect_stdout(sys.stderr):  # our trainer's step lines; the tables go to stdout
+                if name == "trl":
+                    recorder = run_trl(args, model_dir, tokenizer, rows, out)
+                else:
+                    share = "off" if name.endswith("unshared") else "auto"
+                    recorder = run_ours(args, model_dir, tokenizer, environment(), int(name[1]), out, share)
             recorders[threads, name] = recorder
             timed = recorder.intervals()[args.warmup :]
             log(f"[{workload}] [threads={threads}] [{name}] {sum(timed):.1f} s for {len(timed)} steps "
