@@ -130,7 +130,7 @@ def run_child(tokens: int, chunk: int, vocab: int, hidden: int, check: bool, rep
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N = 1024 tokens, fewer chunk sizes (smoke test)")
     parser.add_argument("--tokens", type=int, default=None, help="N, tokens whose log-probs are computed")
@@ -143,7 +143,16 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--child-check", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-repeats", type=int, default=1, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    # 0 silently meant the default here (and a zero-sized problem in a child): refused by name instead.
+    given = [value for value in (args.tokens, args.repeats, args.vocab, args.hidden) if value is not None]
+    if min(given) < 1:
+        parser.error("--tokens, --vocab, --hidden and --repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.child:
         args.tokens = args.tokens or 4096
         child(args)

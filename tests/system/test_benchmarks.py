@@ -140,3 +140,13 @@ def test_packing_refuses_repeats_below_one(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--repeats", value])
         assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_logprob_memory_refuses_sizes_below_one(capsys):
+    """``--repeats 0`` and ``--tokens 0`` silently ran the defaults: refused by name."""
+    bench = load_benchmark("logprob_memory")
+    assert bench.parse_args(["--tokens", "16", "--repeats", "1"]).tokens == 16
+    for flag in ("--tokens", "--repeats", "--vocab"):
+        with pytest.raises(SystemExit):
+            bench.parse_args([flag, "0"])
+        assert "--tokens, --vocab, --hidden and --repeats must be >= 1" in capsys.readouterr().err
