@@ -150,3 +150,20 @@ def test_logprob_memory_refuses_sizes_below_one(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args([flag, "0"])
         assert "--tokens, --vocab, --hidden and --repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_packing_fraction_of_shared_rows_stays_within_the_computed_tokens():
+    """With prompts shared (``--workload uniform``) a group's prompt is forwarded once, so real / computed read
+    131.6%: the column is the share of computed tokens that are not padding, at most 1, and 1 when packed."""
+    from verifiers_rl.training.batching import BatchingConfig, plan_batch
+
+    bench = load_benchmark("packing")
+    rollouts = bench.uniform_rollouts(400)
+    fractions = {}
+    for mode, budget in (("padded", {"rows_per_micro_batch": 32}), ("packed", {"max_tokens_per_microbatch": 684})):
+        config = BatchingConfig(world_size=1, max_seq_len=171, overlong="truncate", mode=mode,
+                                share_prompt_training="auto", **budget)
+        (rank_batch,) = plan_batch(rollouts, config)
+        assert rank_batch.stats.real_tokens > rank_batch.stats.computed_tokens  # the prompts forwarded once
+        fractions[mode] = bench.forwarded_real_fraction(rank_batch.stats)
+    assert 0.9 < fractions["padded"] < 1 and fractions["packed"] == 1
