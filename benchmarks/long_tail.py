@@ -46,7 +46,8 @@ every TRL step's completion lengths are its rows' (TRL); a row trained on two si
 The continuous side trains finished groups (a long one slides to a later batch, up to its deadline), so it may train
 other rows than ``batch`` in a given step: its warm-up steps train short groups that finish first and the long groups
 started then land in the timed steps, so its timed tokens/s leans its way (its ``tokens trained`` shows it).
-``whole run tokens/s`` counts every trained token from the first step's start (both sides' start-up inside;
+``whole run tokens/s`` counts every trained token from the first step's start (both sides' start-up inside, the
+process's one-off costs not: one untimed step of the first side runs before any side;
 continuous then leaves its unfinished groups untrained): compare the two; more ``--steps`` shrink the gap.
 
 Columns: ``s/step``: wall time between optimizer steps (``on_step_end`` to ``on_step_end``, generation, training and
@@ -416,6 +417,19 @@ def run_case(args, model_dir, tokenizer, turns: int, lengths: str, sides: list[s
             "sides": {side: summarise(args, runs[side]) for side in sides}}
 
 
+def warm_up(args, model_dir, tokenizer, case: tuple[int, str], side: str, server_url: str | None) -> None:
+    """One untimed step of the first case's first side before any side runs: the process's one-off costs (the first
+    forwards, thread pools, allocations) fell in that side's first step (2.4 s against 0.17 s for the next side in a
+    --quick run), which tilted the whole-run ratios of the first case towards the side run second."""
+    turns, lengths = case
+    env = build_env(tokenizer, args.rows, args.median_tokens, args.tail_fraction, args.tail_factor, lengths, turns)
+    once = argparse.Namespace(**{**vars(args), "steps": 1, "warmup": 0})
+    log(f"warm-up: one untimed step of [{side}] (load {load()}) ...")
+    with contextlib.redirect_stdout(sys.stderr):
+        run_ours(once, model_dir, tokenizer, env, "batch" if side == "trl" else side,
+                 tempfile.mkdtemp(prefix="bench_long_tail_warm_"), server_url)
+
+
 def print_case(result: dict) -> None:
     asked = result["asked"]
     print(f"\n**{result['workload']}, {result['lengths']}, {ENGINES[result['engine']]}** (tokens per episode: median "
@@ -579,6 +593,7 @@ def main(argv=None) -> None:
     cases = [(1 if w == "single" else args.turns, lengths) for w in args.workloads for lengths in args.lengths]
     results = []
     with serve(args, model_dir, tokenizer, cases) as server_url:
+        warm_up(args, model_dir, tokenizer, cases[0], sides[0], server_url)
         for turns, lengths in cases:
             case_sides = [s for s in sides if s != "trl" or turns == 1]
             if turns > 1 and "trl" in sides:
