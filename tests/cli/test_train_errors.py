@@ -171,6 +171,16 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, w
     assert refusal(argv, capsys).startswith(f"unknown flag(s) or value(s): {flag} (did you mean {whole}?)")
 
 
+@pytest.mark.parametrize("argv, bf16", [(["--bf16"], True), (["--bf16", "false"], False), (["--bf16", "true"], True),
+                                        ([], None)])
+def test_bf16_is_a_switch_as_fp16_is(argv, bf16):
+    # HF gives a bool | None field no value of its own (bare --bf16 said "expected one argument"); unset, the launch's
+    # mixed precision decides (None).
+    from verifiers_rl.cli.train import build_parser
+
+    assert build_parser().parse_known_args(["--model", "tiny", *argv])[0].bf16 is bf16
+
+
 @pytest.mark.parametrize("name, switch, instead", [
     ("do_train", ["--do_train"], "training always runs"),
     ("do_eval", ["--do-eval", "false"], "evaluation runs with --eval_strategy steps or epoch, or --eval_steps N"),

@@ -112,6 +112,9 @@ class SectionedParser(TrlParser):
                                "flags on the command line override it.")
 
     def add_argument(self, *args, **kwargs):
+        if getattr(kwargs.get("type"), "__name__", "") == "string_to_bool" and "nargs" not in kwargs:
+            # HF gives a bool | None switch (--bf16) no value of its own: bare --bf16 said "expected one argument".
+            kwargs.update(nargs="?", const=True)
         action = super().add_argument(*args, **kwargs)
         action.help = HELP_HERE.get(action.dest, action.help)
         if _negates(action):  # HF gives it the positive flag's text, which reads as the opposite of what it does
