@@ -275,7 +275,7 @@ def main() -> None:
               f"{shape['prompt']}-token prompt x {args.num_generations} samples x {shape['new']} new tokens per step, "
               f"{args.steps} timed steps after {args.warmup} warm-up. {env}.")
     table_header(header)
-    rows, longest = [], 0.0
+    rows, failed, longest = [], [], 0.0
     for name in args.trainers:
         elapsed = time.perf_counter() - STARTED
         if args.budget_s and longest and elapsed + longest > args.budget_s:
@@ -298,6 +298,7 @@ def main() -> None:
                 if k not in ("trainer", "name", "step_times")))
             table_row(row, next((r for r in rows if r["trainer"] == "trl"), None))
         except Exception:  # one failing trainer must not cost the others' numbers
+            failed.append(name)
             log(f"[{name}] FAILED after {time.perf_counter() - begun:.0f} s:")
             traceback.print_exc(file=sys.stderr)
             sys.stderr.flush()
@@ -311,6 +312,9 @@ def main() -> None:
             with open(args.json, "w") as f:
                 json.dump(dict(header=header, params=counts, rows=rows), f, indent=1)
     print(f"\nTotal {time.perf_counter() - STARTED:.0f} s; {len(rows)} of {len(args.trainers)} trainers finished.")
+    if failed:  # scripts/gpu_checks.sh reads the exit status: a failed trainer is a failed check, a skipped one not
+        print(f"Failed: {', '.join(failed)} (tracebacks on stderr).")
+        sys.exit(1)
 
 if __name__ == "__main__":
     main()
