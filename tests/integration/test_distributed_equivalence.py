@@ -161,4 +161,5 @@ def test_bf16_under_the_shipped_zero3_cpu_config_trains_in_bf16_and_a_config_fix
     log = (tmp_path / "bad.log").read_text()
     assert bad.returncode != 0 and "[rank0]: Traceback" not in log, log[-6000:]
     line = f"verifiers-rl train: error: {tmp_path / 'ds_off.json'} disagrees with this run's flags (ds bf16.enabled"
-    assert sum(text.startswith(line) for text in log.splitlines()) == 2, log[-6000:]  # one line from each rank
+    said = {rank for rank in (0, 1) for text in log.splitlines() if text.startswith(f"[rank {rank}] {line}")}
+    assert said == {0, 1}, log[-6000:]  # one line from each rank, named
