@@ -5,8 +5,9 @@ V = 49,152 (SmolLM2's vocabulary), H = 576 (SmolLM2-135M's hidden size), N = 4,0
 then ``logps.sum().backward()`` into both ``hidden`` and ``weight``. ``chunk_size=None`` materialises all
 N x V logits through autograd (the reference); a chunk size keeps logits for that many tokens at a time and
 recomputes them in the backward, all but the last chunk's (kept from the forward). Each configuration runs in a
-fresh subprocess (this script with the hidden ``--child`` flag), which records the peak resident set (``ru_maxrss``)
-after allocating the inputs and again after forward + backward; the table gives the increase, the part of it that
+fresh subprocess (this script with the hidden ``--child`` flag), which records the resident set after allocating the
+inputs, its peak reset to it (Linux: VmRSS / VmHWM; ``ru_maxrss`` elsewhere), and the peak after forward + backward;
+the table gives the increase, the part of it that
 is the unavoidable V x H fp32 gradient of ``weight``, the ratio to the unchunked increase, and the forward + backward
 wall time (best of 2 runs, the first being the measured one; 1 with ``--quick``).
 
@@ -43,6 +44,31 @@ def _maxrss_kib() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+
+
+def _status_kib(key: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` (KiB) from /proc/self/status; None where there is none (not Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(f"{key}:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_peak_kib() -> int:
+    """The resident size now, with the peak (VmHWM) reset to it (Linux's clear_refs 5), so the peak read after a
+    run is that run's: the peak so far (imports, the warm-up) may lie above what is resident, and memory freed since
+    is reused by the run unseen. Elsewhere the peak so far, as before."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return _maxrss_kib()
+    return _status_kib("VmRSS") or _maxrss_kib()
+
+
+def _peak_kib() -> int:
+    return _status_kib("VmHWM") or _maxrss_kib()
 
 
 def _inputs(torch, n, vocab, hidden_size, seed):
@@ -86,12 +112,12 @@ def child(args) -> None:
     del small
 
     hidden, weight, targets = _inputs(torch, args.tokens, args.vocab, args.hidden, seed=0)
-    baseline = _maxrss_kib()
+    baseline = _reset_peak_kib()
     start = time.perf_counter()
     logps, _entropy = target_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=chunk)
     logps.sum().backward()
     seconds = time.perf_counter() - start
-    after = _maxrss_kib()
+    after = _peak_kib()
     del logps, _entropy
     for _ in range(args.child_repeats - 1):  # further timed runs; the peak is already recorded
         hidden.grad = None

@@ -29,9 +29,14 @@ def load_benchmark(name: str):
 def test_logprob_memory_counts_the_weight_gradient_in_the_peak_increase():
     """The V x H weight gradient is allocated in every forward + backward, so the peak RSS increase over the inputs
     is at least its size; a baseline peak raised by a temporary copy of the weight made the gradient fit in freed
-    memory (a chunked row showed less than the gradient alone, a negative 'excluding weight grad')."""
+    memory (a chunked row showed less than the gradient alone, a negative 'excluding weight grad'). The child starts
+    from a large parent here (a test worker is one): its peak so far is the parent's, which ru_maxrss alone read as
+    the baseline (an increase of 0)."""
     bench = load_benchmark("logprob_memory")
+    ballast = bytearray(512 * 2**20)
+    ballast[::4096] = b"\1" * len(range(0, len(ballast), 4096))  # resident, as a busy worker's memory is
     row = bench.run_child(16, 16, bench.VOCAB, bench.HIDDEN, check=False, repeats=1)
+    del ballast
     assert row["increase_kib"] * 1024 >= row["weight_grad_bytes"], row
 
 
