@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import sys
 import types
@@ -270,6 +271,7 @@ def sectioned_actions(actions: list[argparse.Action]) -> list[tuple[str, list[ar
     return [(title, found) for title, found in out if found]
 
 
+@functools.cache  # read by add_argument for each of ~250 flags
 def flag_ranges() -> dict:
     """Every checked number's ``Range`` by flag: RLConfig's (what its validate checks) and the LoRA flags'."""
     from verifiers_rl.config.lora import LoraArguments
