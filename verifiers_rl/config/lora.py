@@ -95,6 +95,17 @@ def _flag_text(name: str, value) -> str:
     return f"--{name} {' '.join(value) if isinstance(value, list) else value}"
 
 
+def command_flags(signature: dict) -> str:
+    """The flags of this command that build adapters of ``signature`` (peft's LoraConfig keys, as
+    ``training.run_state.adapter_signature`` gives them)."""
+    values = {"use_peft": True, "lora_r": signature["r"], "lora_alpha": signature["lora_alpha"],
+              "lora_target_modules": signature["target_modules"],
+              "lora_target_parameters": signature["target_parameters"],
+              "lora_modules_to_save": signature["modules_to_save"], "use_rslora": signature["use_rslora"],
+              "use_dora": signature["use_dora"]}
+    return " ".join(_flag_text(name, value) for name, value in values.items() if value)
+
+
 def peft_config_of(lora: LoraArguments, model: str, load_kwargs: dict | None = None):
     """The ``peft.LoraConfig`` the flags ask for (None without --use_peft), as TRL's ``get_peft_config`` builds it;
     a module name that matches no module of ``model`` (a folder or Hub id, read with ``load_kwargs``: the trainer's

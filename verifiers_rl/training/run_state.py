@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from verifiers_rl.config.lora import command_flags
 from verifiers_rl.core.errors import CheckpointError, OutputDirInUseError  # noqa: F401  (raised, exported)
 from verifiers_rl.core.models import ADAPTER_CONFIG
 from verifiers_rl.core.rollout import Rollout, read_rollouts, write_rollouts
@@ -337,25 +338,13 @@ def check_adapters(folder: Path, model) -> None:
     if current is None:
         raise CheckpointError(f"Cannot resume from {folder}: it holds adapters ({saved}), this run trains the whole "
                               "model. Resume it with the same peft_config (RLTrainer(..., peft_config=...); on the "
-                              f"command: {_as_flags(saved)}), or start a new run.")
+                              f"command: {command_flags(saved)}), or start a new run.")
     if saved is None:
         raise CheckpointError(f"Cannot resume from {folder}: it holds the whole model, this run trains adapters "
                               f"(peft_config {current}). Resume it without peft_config (on the command: without "
                               "--use_peft), or start a new run.")
     raise CheckpointError(f"Cannot resume from {folder}: its adapters are {saved}, this run's peft_config "
-                          f"{current}. Resume it with the same peft_config (on the command: {_as_flags(saved)}).")
-
-
-def _as_flags(signature: dict[str, Any]) -> str:
-    """The command's LoRA flags (config/lora.py) that build adapters of ``signature`` (``adapter_signature``)."""
-    flags = ["--use_peft", f"--lora_r {signature['r']}", f"--lora_alpha {signature['lora_alpha']}"]
-    for key, flag in (("target_modules", "lora_target_modules"), ("target_parameters", "lora_target_parameters"),
-                      ("modules_to_save", "lora_modules_to_save")):
-        names = signature[key]
-        if names:
-            flags.append(f"--{flag} {names if isinstance(names, str) else ' '.join(names)}")
-    flags += [f"--{key}" for key in ("use_rslora", "use_dora") if signature[key]]
-    return " ".join(flags)
+                          f"{current}. Resume it with the same peft_config (on the command: {command_flags(saved)}).")
 
 
 def check_fits(saved: RunState, current: RunState, folder: Path) -> None:
