@@ -1,5 +1,5 @@
-"""A verifiers 0.4 environment trained by examples/train.py as a user runs it: the template environment with the
-tiny model and with SmolLM2 (no other flags), a live run at the default k = 1 resumed exactly (same batches, same
+"""A verifiers 0.4 environment trained by examples/train.py as a user runs it: the template environment with
+SmolLM2, the default model (no other flags), a live run at the default k = 1 resumed exactly (same batches, same
 parameters), a replay of its saved rollouts, and `verifiers-rl eval` with pass@k."""
 
 import json
@@ -27,24 +27,15 @@ def steps_and_samples(lines: list[str]) -> tuple[list[str], list[str]]:
     return steps, [line for line in lines[header + 1:] if line.startswith("  [")]
 
 
-def test_the_template_environment_trains_with_the_tiny_model_and_no_other_flags(tmp_path, tiny_model_dir):
-    # One step: each batch is 16 episodes of v1's default `null` harness, a subprocess each (the slow part).
-    lines = run(["--model", tiny_model_dir, "--env", TEMPLATE, "--max_steps", "1", "--print_samples_every", "1"],
-                tmp_path)
-    steps, samples = steps_and_samples(lines)
-    assert steps == ["step 1/1"] and samples
-    assert all("Reverse the text: " in line for line in samples), samples  # the taskset's prompts were trained
-    assert any(line.startswith("done: 1 steps in ") for line in lines)
-    assert (tmp_path / "outputs" / "train" / "model.safetensors").is_file()
-
-
 def test_the_template_environment_trains_smollm2_with_no_other_flags(tmp_path, smollm2_model_dir):
     # SmolLM2 is the default model: v1's renderer builds its prompts from SmolLM2's own tokenizer, and its stop
     # tokens are the engine's.
+    # One step: each batch is 16 episodes of v1's default `null` harness, a subprocess each (the slow part).
     lines = run(["--env", TEMPLATE, "--max_steps", "1", "--print_samples_every", "1"], tmp_path,
                 cache=Path(smollm2_model_dir).parent)
     steps, samples = steps_and_samples(lines)
     assert steps == ["step 1/1"] and samples and all("Reverse the text: " in line for line in samples), lines[-20:]
+    assert any(line.startswith("done: 1 steps in ") for line in lines)
     assert (tmp_path / "outputs" / "train" / "model.safetensors").is_file()
 
 

@@ -69,39 +69,31 @@ def _guessing_games(untied, tmp_path, *flags: str) -> list[str]:
 
 
 @pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
-def test_the_three_turn_guessing_game_trains_through_the_vllm_server(untied, tmp_path):
+def test_the_three_turn_guessing_game_streams_through_the_vllm_server_with_each_turns_tokens_versioned(untied,
+                                                                                                      tmp_path):
     # tests/v1/test_v1_multiturn.py's game on the other engine: temperature 1, the default
     # --max_failed_rollouts_fraction (one refused episode would stop the run), whole games saved, the game's rewards.
+    # Continuous generation (k = 1): games are in flight while weights load; a game's turns carry the versions the
+    # server labelled them with (a game may span a load), the game's own turns -1. (Batch-at-a-time through the
+    # server is the template environment's test above.)
     from tests.v1.test_v1_multiturn import WEIGHTS, game_of, game_rules, secret_of
 
     untied.dirty = True  # the run leaves its trained weights in the server
-    command = _guessing_games(untied, tmp_path, "--max_off_policy_steps", "0", "--vllm_weight_transfer", "files")
+    command = _guessing_games(untied, tmp_path, "--max_off_policy_steps", "1", "--groups_in_flight", "3")
     result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     steps = [line.split(" | ")[0] for line in result.stdout.splitlines() if line.startswith("step ")]
     assert steps == ["step 1/2", "step 2/2"], result.stdout[-3000:]
     state = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("ENGINE_STATE "))[13:])
     assert state["engine"] == "VLLMEngine"
-    tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
-    rollouts = read_rollouts(tmp_path / "games.jsonl")
-    assert len(rollouts) == 16
-    for rollout in rollouts:
-        replies, turns = game_of(rollout, tokenizer)
-        game = int(rollout.prompt[-1]["content"].split(":")[0].removeprefix("Game "))
-        answers, scores = game_rules(replies, secret_of(game))
-        assert len(replies) == 3 or scores["solved"] == 1.0  # the whole game: three guesses unless one was right
-        assert [turn.split("user\n")[-1].split("assistant")[0].strip() for turn in turns] == answers
-        assert rollout.reward == pytest.approx(sum(WEIGHTS[k] * v for k, v in scores.items()))
-
-
-@pytest.mark.skipif(not v1_python().exists(), reason="no verifiers 0.4 venv: run scripts/install_verifiers_v1.sh")
-def test_the_guessing_game_streams_through_the_vllm_server_with_each_turns_tokens_versioned(untied, tmp_path):
-    # Continuous generation (k = 1): games are in flight while weights load; a game's turns carry the versions the
-    # server labelled them with (a game may span a load), the game's own turns -1.
-    untied.dirty = True
-    command = _guessing_games(untied, tmp_path, "--max_off_policy_steps", "1", "--groups_in_flight", "3")
-    result = subprocess.run(command, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     games = read_rollouts(tmp_path / "games.jsonl")
     assert len(games) == 16 and any(0 in game.completion_mask for game in games)  # the game's turns, masked
     assert_tokens_versioned(games, per_step=8)
+    tokenizer = AutoTokenizer.from_pretrained(untied.model_dir)
+    for game in games:
+        replies, turns = game_of(game, tokenizer)
+        number = int(game.prompt[-1]["content"].split(":")[0].removeprefix("Game "))
+        answers, scores = game_rules(replies, secret_of(number))
+        assert len(replies) == 3 or scores["solved"] == 1.0  # the whole game: three guesses unless one was right
+        assert [turn.split("user\n")[-1].split("assistant")[0].strip() for turn in turns] == answers
+        assert game.reward == pytest.approx(sum(WEIGHTS[k] * v for k, v in scores.items()))
