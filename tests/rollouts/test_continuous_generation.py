@@ -280,11 +280,13 @@ def test_a_group_that_keeps_failing_is_dropped_and_counted_or_stops_the_run_by_f
 
 
 class OddRowsBrokenEnv(SingleTurnEnv):
-    """The odd rows' rollouts raise at once (their sandboxes are gone); the even rows' sample and finish."""
+    """The odd rows' rollouts raise at once (their sandboxes are gone); the even rows' take a while, then sample and
+    finish."""
 
     async def generate(self, sampler, prompt, prompt_ids, state):
         if state["info"]["row"] % 2:
             raise ConnectionError(f"the sandbox of row {state['info']['row']} is gone")
+        await asyncio.sleep(0.5)  # the failures all come while the good groups are in flight
         return await super().generate(sampler, prompt, prompt_ids, state)
 
 
@@ -294,22 +296,25 @@ def test_groups_dropped_on_errors_stop_the_run_as_batch_at_a_time_does_whatever_
     # as many groups failed at once as a batch takes while the others were still sampling.
     tokenizer, engine = parts
 
-    def generator(rows):
+    def generator(rows, fraction=1.0):
         env = OddRowsBrokenEnv([{"question": f"Say something ({i}).", "info": {"row": r}} for i, r in enumerate(rows)],
                                Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="broken")
-        made = continuous(env, engine, total=2)
+        made = continuous(env, engine, total=2, in_flight=8)
         made.max_rollout_retries = made.groups.max_rollout_retries = 0
-        made.max_failed_rollouts_fraction = 1.0
+        made.max_failed_rollouts_fraction = fraction
         return made
 
-    flaky = generator(range(12))  # positions 1, 3, 5, ... fail at once
-    try:
-        batch = flaky.batch(0)
-    finally:
-        flaky.close()
-    found = groups(batch.rollouts)  # two whole groups of even rows, the odd ones dropped
-    assert len(found) == 2 and all(position_of(gid)[0] % 2 == 0 for gid in found)
-    assert batch.stats["groups_dropped_on_error"] >= 1
+    # Half of each batch's positions fail at once, and 0.5 allows half, as batch at a time does: 3 failed (positions
+    # 1, 3, 5) while the good ones of two batches sampled, more than 0.5 of (2 + 3), which stopped it at batch 0.
+    for fraction in (1.0, 0.5):
+        flaky = generator(range(12), fraction)  # positions 1, 3, 5, ... fail at once
+        try:
+            batch = flaky.batch(0)
+        finally:
+            flaky.close()
+        found = groups(batch.rollouts)  # two whole groups of even rows, the odd ones dropped
+        assert len(found) == 2 and all(position_of(gid)[0] % 2 == 0 for gid in found)
+        assert batch.stats["groups_dropped_on_error"] >= 1
     broken = generator([1] * 12)  # every position fails
     try:
         with pytest.raises(GenerationError, match=r"^Batch 0: \d+ groups failed 1 time\(s\) each \(--max_rollout_"

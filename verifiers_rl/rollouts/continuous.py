@@ -94,18 +94,20 @@ def staleness_stats(rollouts: list[Rollout], trained_version: int, bound: int) -
     return stats
 
 
-def stop_reason(dropped: int, size: int, fraction: float, dropped_positions: set[int]) -> str | None:
-    """Why groups dropped on errors stop the run (None: they do not): ``dropped`` since the last batch, more than
-    ``fraction`` of those generated for it (``size`` + ``dropped``), or every group of a batch's positions (the
-    ``size`` that batch at a time draws together) dropped, as batch at a time stops when none of a batch is left."""
-    attempted = size + dropped
-    if dropped and dropped > fraction * attempted:
-        return f"more than --max_failed_rollouts_fraction {fraction:g} of the {attempted} groups generated for it"
-    whole = [b for b, n in Counter(p // size for p in dropped_positions).items() if n == size]
-    if dropped and whole:
-        first = whole[0] * size
-        return (f"among them every group of positions {first}-{first + size - 1} (the {size} a batch draws together): "
-                "none of them is left, which stops the run whatever --max_failed_rollouts_fraction allows")
+def stop_reason(size: int, fraction: float, dropped_positions: set[int]) -> str | None:
+    """Why groups dropped on errors stop the run (None: they do not), judged as batch at a time judges a batch, on the
+    ``size`` positions it would draw together (position p in block p // size): every group of a block dropped, or more
+    than ``fraction`` x ``size`` of them. Not on the drops since the last batch: with many groups in flight, those
+    that fail at once outnumber a batch while the good ones are still sampling."""
+    for block, dropped in sorted(Counter(p // size for p in dropped_positions).items()):
+        first = block * size
+        where = f"positions {first}-{first + size - 1} (the {size} a batch draws together)"
+        if dropped == size:
+            return (f"among them every group of {where}: none of them is left, which stops the run whatever "
+                    "--max_failed_rollouts_fraction allows")
+        if dropped > fraction * size:
+            return f"among them {dropped} of the {size} groups of {where}, more than --max_failed_rollouts_fraction " \
+                   f"{fraction:g} of them"
     return None
 
 
@@ -265,7 +267,7 @@ class ContinuousGenerator(GeneratorThread):
         """(Holding the condition.) Stop with the last error where the groups dropped on errors say so
         (``stop_reason``)."""
         dropped = int(self._counts.get("groups_dropped_on_error", 0))
-        why = stop_reason(dropped, self.prompts_per_batch, self.max_failed_rollouts_fraction, self._dropped_positions)
+        why = stop_reason(self.prompts_per_batch, self.max_failed_rollouts_fraction, self._dropped_positions)
         if why is not None:
             how = dropped_how(self._errors, self.max_rollout_retries)
             raise GenerationError(f"Batch {index}: {dropped} groups {how}, {why}. Last error: {self._errors[-1]}"
