@@ -50,6 +50,7 @@ from verifiers_rl.core.models import load_tokenizer, resolve_model  # noqa: E402
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.inference.embedded.running_batch import DecodeRequest  # noqa: E402
+from timing import at_least  # noqa: E402  (benchmarks/timing.py)
 
 WORDS = ["abc", "hello", "tree", "pqrstu", "river", "mountain", "xyz", "stone"]
 SIDES = ("batch", "continuous")
@@ -80,10 +81,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.model = args.model or ("tiny" if args.quick else "smollm2")
-    if args.requests < 1 or args.max_rows < 1 or args.median_tokens < 2 or args.repeats < 1 or args.samples < 1:
-        parser.error("--requests, --max_rows, --samples and --repeats must be >= 1, --median_tokens >= 2")
-    if not 0 <= args.tail_fraction <= 1 or args.tail_factor < 1:
-        parser.error("--tail_fraction must be in [0, 1] and --tail_factor >= 1")
+    at_least(parser, args, 1, "requests", "max_rows", "samples", "repeats", "threads", "tail_factor")
+    at_least(parser, args, 2, "median_tokens")
+    if not 0 <= args.tail_fraction <= 1:
+        parser.error(f"--tail_fraction must be in [0, 1] (got {args.tail_fraction})")
     return args
 
 

@@ -35,6 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
+from timing import at_least  # noqa: E402  (benchmarks/timing.py)
+
 VOCAB = 49_152
 HIDDEN = 576
 RELATIVE_TOLERANCE = 1e-4
@@ -171,9 +173,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--child-repeats", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     # 0 silently meant the default here (and a zero-sized problem in a child): refused by name instead.
-    given = [value for value in (args.tokens, args.repeats, args.vocab, args.hidden) if value is not None]
-    if min(given) < 1:
-        parser.error("--tokens, --vocab, --hidden and --repeats must be >= 1")
+    at_least(parser, args, 1, "tokens", "vocab", "hidden", "repeats")
     return args
 
 

@@ -135,7 +135,7 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
 import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
-from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import StepRecorder, at_least, load, log  # noqa: E402  (benchmarks/timing.py)
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}
@@ -544,14 +544,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.groups_in_flight = 2 * args.prompts
     if args.continuous_rows is None and args.engine == "embedded":
         args.continuous_rows = args.prompts * args.num_generations
-    if args.groups_in_flight < 1 or (args.continuous_rows or 1) < 1:
-        parser.error("--groups_in_flight and --continuous_rows must be >= 1 (0 is batch-at-a-time: the batch side)")
-    if min(args.rows, args.prompts, args.num_generations, args.steps, args.turns, args.threads) < 1:
-        parser.error("--rows, --prompts, --num_generations, --steps, --turns and --threads must be >= 1")
-    if args.median_tokens < 2 or args.warmup < 0 or args.k < 1:
-        parser.error("--median_tokens must be >= 2, --warmup >= 0, --k >= 1 (continuous generation needs k >= 1)")
-    if not 0 <= args.tail_fraction <= 1 or args.tail_factor < 1:
-        parser.error("--tail_fraction must be in [0, 1] and --tail_factor >= 1")
+    at_least(parser, args, 1, "groups_in_flight", "continuous_rows", why="0 is batch-at-a-time: the batch side")
+    at_least(parser, args, 1, "rows", "prompts", "num_generations", "steps", "turns", "threads", "tail_factor")
+    at_least(parser, args, 2, "median_tokens")
+    at_least(parser, args, 0, "warmup")
+    at_least(parser, args, 1, "k", why="continuous generation needs k >= 1")
+    if not 0 <= args.tail_fraction <= 1:
+        parser.error(f"--tail_fraction must be in [0, 1] (got {args.tail_fraction})")
     if args.rows < args.prompts:
         parser.error("--rows must be >= --prompts (one step's prompts)")
     return args

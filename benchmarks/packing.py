@@ -52,6 +52,7 @@ from verifiers_rl.core.models import build_tiny_model  # noqa: E402
 from verifiers_rl.training.forward import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
 from verifiers_rl.core.rollout import Rollout  # noqa: E402
 from verifiers_rl.rollouts.synthetic import random_rollouts  # noqa: E402
+from timing import at_least  # noqa: E402  (benchmarks/timing.py)
 
 MAX_SEQ_LEN = 1100
 FIRST_TOKEN_ID = 4
@@ -204,8 +205,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workload == "uniform" and args.quick:
         parser.error("--quick shrinks the longtail workload; --workload uniform has one size")
-    if args.repeats is not None and args.repeats < 1:  # 0 silently meant the default, below it no timing at all
-        parser.error("--repeats must be >= 1")
+    at_least(parser, args, 1, "repeats")  # 0 silently meant the default, below it no timing at all
     return args
 
 

@@ -44,7 +44,7 @@ import torch  # noqa: E402
 from verifiers_rl.training.batching import BatchingConfig, plan_batch  # noqa: E402
 from verifiers_rl.training.forward import attends_run_by_run, attention_cells, attention_cost, micro_batch_logprobs  # noqa: E402
 from verifiers_rl.core.rollout import Rollout  # noqa: E402
-from timing import load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, load, log  # noqa: E402  (benchmarks/timing.py)
 
 # (name, prompt length P, mean completion length C, completions per prompt G, groups)
 WORKLOADS = [
@@ -108,8 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model == "smollm2" and args.layers is not None:  # the real model has its own 30 layers
         parser.error("--layers shapes the smollm2-shaped model only; --model smollm2 runs the real model's layers")
     args.layers = 2 if args.layers is None else args.layers
-    if min(args.layers, args.rows, args.threads) < 1 or (args.repeats is not None and args.repeats < 1):
-        parser.error("--layers, --rows, --threads and --repeats must be >= 1")
+    at_least(parser, args, 1, "layers", "rows", "threads", "repeats")
     return args
 
 

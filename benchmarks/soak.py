@@ -32,7 +32,7 @@ if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
 import psutil  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from benchmarks.timing import load, log  # noqa: E402
+from benchmarks.timing import at_least, load, log  # noqa: E402
 
 
 class Probe(TrainerCallback):
@@ -155,8 +155,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
     # Checked before the run: the verdicts need a step after the warm-up (report() would fail once the run is done).
-    if args.warmup < 0 or args.threads < 1:
-        parser.error("--warmup must be >= 0 and --threads >= 1")
+    at_least(parser, args, 0, "warmup")
+    at_least(parser, args, 1, "threads")
     if args.steps is not None and args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the first window's step time "
                      "starts after the warm-up (a shorter run: lower --warmup too)")

@@ -1,12 +1,12 @@
-"""Shared by the benchmarks: progress lines with the load average, and per-step wall/CPU times of a trainer."""
+"""Shared by the benchmarks: progress lines with the load average, per-step wall/CPU times of a trainer, and the
+checks of their size flags."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
-
-from transformers import TrainerCallback
 
 
 def log(message: str) -> None:
@@ -17,31 +17,57 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-class StepRecorder(TrainerCallback):
-    """Instants of every ``on_step_end`` and the reward each trainer logs."""
+def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *names: str,
+             why: str = "") -> None:
+    """Refuse by ``parser.error`` the first of ``names`` (attributes of ``args``, each its flag without ``--``; a list
+    for ``nargs="+"``) below ``minimum``, naming the flag and its value; a flag not given (None) passes. Called before
+    any model or server starts: a size below it ran for minutes, then failed on an empty median, or meant a default."""
+    for name in names:
+        value = getattr(args, name)
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and item < minimum:
+                parser.error(f"--{name} must be >= {minimum} (got {item})" + (f": {why}" if why else ""))
 
-    def __init__(self):
-        self.begin = None
-        self.ends: list[float] = []
-        self.rewards: list[float] = []
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.begin = time.perf_counter()
-        self.cpu: list[float] = [time.process_time()]
+def __getattr__(name: str):
+    # StepRecorder subclasses transformers' TrainerCallback: built on first use, so the helpers above load neither
+    # transformers nor torch (a process that only starts children, as logprob_memory.py's, need not pay for them).
+    if name != "StepRecorder":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()["StepRecorder"] = recorder = _step_recorder()
+    return recorder
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self.ends.append(time.perf_counter())
-        self.cpu.append(time.process_time())
 
-    def cores(self, skip: int) -> float:
-        """CPU seconds of this process per wall second over the steps after ``skip``."""
-        wall = [self.begin] + self.ends
-        return (self.cpu[-1] - self.cpu[skip]) / (wall[-1] - wall[skip])
+def _step_recorder() -> type:
+    from transformers import TrainerCallback
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "reward" in logs:
-            self.rewards.append(float(logs["reward"]))
+    class StepRecorder(TrainerCallback):
+        """Instants of every ``on_step_end`` and the reward each trainer logs."""
 
-    def intervals(self) -> list[float]:
-        points = [self.begin] + self.ends
-        return [b - a for a, b in zip(points, points[1:])]
+        def __init__(self):
+            self.begin = None
+            self.ends: list[float] = []
+            self.rewards: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.begin = time.perf_counter()
+            self.cpu: list[float] = [time.process_time()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+            self.cpu.append(time.process_time())
+
+        def cores(self, skip: int) -> float:
+            """CPU seconds of this process per wall second over the steps after ``skip``."""
+            wall = [self.begin] + self.ends
+            return (self.cpu[-1] - self.cpu[skip]) / (wall[-1] - wall[skip])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                self.rewards.append(float(logs["reward"]))
+
+        def intervals(self) -> list[float]:
+            points = [self.begin] + self.ends
+            return [b - a for a, b in zip(points, points[1:])]
+
+    return StepRecorder

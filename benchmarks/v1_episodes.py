@@ -55,7 +55,7 @@ import torch  # noqa: E402
 from verifiers_rl.envs import Rubric, SingleTurnEnv, derive_seed, load_environment  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.core.models import load_tokenizer, resolve_model  # noqa: E402
-from timing import load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, load, log  # noqa: E402  (benchmarks/timing.py)
 
 V1_ENV = os.path.join(ROOT, "tests", "v1", "envs", "reverse_v1.py")
 SIDES = ("ours", "v1 inprocess", "v1 null")
@@ -126,8 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     # Checked before the v1 worker starts: --repeats 0 or --groups 0 ran the warm-up, then failed on an empty median.
-    if min(args.max_new_tokens, args.groups, args.group_size, args.repeats) < 1:
-        parser.error("--max_new_tokens, --groups, --group_size and --repeats must be >= 1")
+    at_least(parser, args, 1, "max_new_tokens", "groups", "group_size", "repeats")
     if args.max_seq_len <= args.max_new_tokens:
         parser.error(f"--max_seq_len ({args.max_seq_len}) must exceed --max_new_tokens ({args.max_new_tokens}): the "
                      "prompt needs room")

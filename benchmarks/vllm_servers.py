@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, str(ROOT))
 
+from timing import at_least  # noqa: E402  (benchmarks/timing.py)
+
 RUNNER = ROOT / "tests" / "vllm_backend" / "train_run.py"  # the training command, plus its ENGINE_STATE line
 
 
@@ -75,8 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per configuration (at least 2: the "
                         "medians leave step 1 out)")
     args = parser.parse_args(argv)
-    if args.steps < 2:  # checked before any server starts: the medians are over steps 2..N
-        parser.error(f"--steps must be >= 2 (got {args.steps}): step 1 includes the warm-up and is left out")
+    # Checked before any server starts: the medians are over steps 2..N.
+    at_least(parser, args, 2, "steps", why="step 1 includes the warm-up and is left out")
     return args
 
 

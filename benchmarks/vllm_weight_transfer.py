@@ -31,6 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
+from timing import at_least  # noqa: E402  (benchmarks/timing.py)
+
 MODES = [("files", "files", 256.0), ("gloo 256 MiB", "gloo", 256.0), ("gloo 16 MiB", "gloo", 16.0)]
 PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
 
@@ -104,8 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.repeats is None:  # a --repeats given keeps its value, also with --quick
         args.repeats = 3 if args.quick else 5
-    if args.repeats < 1:  # checked before a server starts: the table's medians need a timed load
-        parser.error("--repeats must be >= 1")
+    at_least(parser, args, 1, "repeats")  # checked before a server starts: the table's medians need a timed load
     return args
 
 

@@ -154,7 +154,33 @@ def test_logprob_memory_refuses_sizes_below_one(capsys):
     for flag in ("--tokens", "--repeats", "--vocab"):
         with pytest.raises(SystemExit):
             bench.parse_args([flag, "0"])
-        assert "--tokens, --vocab, --hidden and --repeats must be >= 1" in capsys.readouterr().err
+        assert f"{flag} must be >= 1 (got 0)" in capsys.readouterr().err
+
+
+# One refusal per script of timing.at_least, the size check they share: the flag, the bound and the value given.
+SIZE_REFUSALS = [
+    ("continuous_batching", ["--threads", "0"], "--threads must be >= 1 (got 0)"),
+    ("logprob_memory", ["--hidden", "-1"], "--hidden must be >= 1 (got -1)"),
+    ("long_tail", ["--continuous_rows", "0"], "--continuous_rows must be >= 1 (got 0): 0 is batch-at-a-time"),
+    ("packing", ["--repeats", "-2"], "--repeats must be >= 1 (got -2)"),
+    ("prefix_sharing", ["--rows", "0"], "--rows must be >= 1 (got 0)"),
+    ("v1_episodes", ["--group_size", "0"], "--group_size must be >= 1 (got 0)"),
+    ("vllm_weight_transfer", ["--quick", "--repeats", "0"], "--repeats must be >= 1 (got 0)"),
+    ("vllm_servers", ["--steps", "1"], "--steps must be >= 2 (got 1): step 1 includes the warm-up"),
+    ("soak", ["--warmup", "-1"], "--warmup must be >= 0 (got -1)"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", SIZE_REFUSALS, ids=[case[0] for case in SIZE_REFUSALS])
+def test_each_script_refuses_a_size_below_its_bound_by_name_and_value(name, argv, message, capsys):
+    """Each script had its own one-line check, naming every size flag at once whichever was wrong (long_tail.py's
+    let ``--continuous_rows 0`` through, continuous_batching.py never checked ``--threads``); timing.at_least names the
+    flag given and its value, in one error line."""
+    bench = load_benchmark(name)
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(argv)
+    assert refused.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_packing_fraction_of_shared_rows_stays_within_the_computed_tokens():
