@@ -27,6 +27,10 @@ with ``--continuous_batching_rows``) see ``long_tail.py``.
     PYTHONPATH=. .venv/bin/python benchmarks/continuous_batching.py           # SmolLM2-135M, 64 requests, 3 repeats
     PYTHONPATH=. .venv/bin/python benchmarks/continuous_batching.py --quick   # a smoke test (tiny model), under a minute
 
+The benchmark sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads, as ``long_tail.py`` does and as the README asks of
+a continuous run on the CPU, unless the environment already names a policy (``OMP_WAIT_POLICY=ACTIVE`` measures
+OpenMP's default); the header line names it.
+
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
 """
 
@@ -44,13 +48,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
+from timing import at_least, passive_openmp  # noqa: E402  (benchmarks/timing.py)
+
+passive_openmp()  # before torch loads OpenMP: the engine runs under the policy a continuous trainer runs it with
+
 import torch  # noqa: E402
 
 from verifiers_rl.core.models import load_tokenizer, resolve_model  # noqa: E402
 from verifiers_rl.envs import RolloutSampling, derive_seed, sampling_for_rollout  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.inference.embedded.running_batch import DecodeRequest  # noqa: E402
-from timing import at_least  # noqa: E402  (benchmarks/timing.py)
 
 WORDS = ["abc", "hello", "tree", "pqrstu", "river", "mountain", "xyz", "stone"]
 SIDES = ("batch", "continuous")
@@ -192,7 +199,8 @@ def main(argv=None) -> None:
     print(f"\nEmbedded engine, generation alone: {args.model} ({folder}), {args.requests} requests in groups of "
           f"{args.samples}, max_rows {args.max_rows}, temperature 1, seeded, eos suppressed (every request decodes "
           f"its fixed length: the same completion tokens per request on both sides, checked), {args.threads} torch "
-          f"threads, {args.repeats} repeat(s) after a warm-up, sides alternating.")
+          f"threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, {args.repeats} repeat(s) after a warm-up, sides "
+          "alternating.")
     for workload in args.workloads:
         lengths = lengths_of(args, workload)
         print(f"\n{workload}: lengths median {statistics.median(lengths):.0f}, mean {statistics.mean(lengths):.1f}, "

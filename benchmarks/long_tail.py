@@ -115,10 +115,9 @@ for path in (ROOT, HERE):  # run from anywhere without PYTHONPATH; timing.py and
         sys.path.insert(0, path)
 
 os.environ.setdefault("ACCELERATE_USE_CPU", "true")
-# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so the decode thread and training, each
-# with its own OpenMP team, do not take the cores from each other (both sides run under it; OMP_WAIT_POLICY=ACTIVE
-# in the environment keeps OpenMP's default).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from timing import passive_openmp  # noqa: E402  (benchmarks/timing.py)
+
+passive_openmp()  # before torch loads OpenMP; both sides run under it
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402

@@ -17,6 +17,14 @@ def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def passive_openmp() -> str:
+    """``OMP_WAIT_POLICY=PASSIVE`` unless the environment names a policy (``ACTIVE`` measures OpenMP's default); the
+    policy in force, for the header line. Call it before torch loads OpenMP: idle OpenMP threads then sleep instead of
+    spinning, so a decode thread and training, each with its own OpenMP team, do not take the cores from each other,
+    as the README asks of a continuous run on the CPU."""
+    return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *names: str,
              why: str = "") -> None:
     """Refuse by ``parser.error`` the first of ``names`` (attributes of ``args``, each its flag without ``--``; a list

@@ -4,6 +4,8 @@ package) and its pure functions, or its smallest real measurement, checked again
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -181,6 +183,39 @@ def test_each_script_refuses_a_size_below_its_bound_by_name_and_value(name, argv
         bench.parse_args(argv)
     assert refused.value.code == 2
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+# Run in a fresh interpreter: what matters is OMP_WAIT_POLICY at the moment torch (and its OpenMP) first loads; the
+# script is run up to that moment only (torch's import takes seconds).
+POLICY_AT_TORCH_IMPORT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+
+
+class Watch:  # a real import hook, not a mock: it prints the policy when torch is first looked up, and stops there
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            print(os.environ.get("OMP_WAIT_POLICY"), flush=True)
+            os._exit(0)
+
+
+sys.meta_path.insert(0, Watch())
+from test_benchmarks import load_benchmark
+
+load_benchmark("continuous_batching")
+"""
+
+
+def test_continuous_batching_sets_omp_wait_policy_passive_before_torch_loads():
+    """long_tail.py set OMP_WAIT_POLICY=PASSIVE before torch loaded; continuous_batching.py, measuring the same engine,
+    ran under OpenMP's default (spinning idle threads). Now both call timing.passive_openmp, which keeps a policy the
+    environment names."""
+    code = POLICY_AT_TORCH_IMPORT.format(tests=str(Path(__file__).parent))
+    env = {key: value for key, value in os.environ.items() if key != "OMP_WAIT_POLICY"}
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        run_env = env if given is None else {**env, "OMP_WAIT_POLICY": given}
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=120)
+        assert (out.returncode, out.stdout.strip()) == (0, expected), out.stderr[-2000:]
 
 
 def test_packing_fraction_of_shared_rows_stays_within_the_computed_tokens():
