@@ -18,7 +18,8 @@ key/value heads) with ``--layers`` layers (default 2) and a 400-token vocabulary
 every mode: only loss tokens reach it); ``--model smollm2`` runs the real SmolLM2-135M-Instruct instead (slow).
 
 The last line fits wall time = a x tokens + b x cells over every row and prints b / a, the measured cost of an
-attention cell in token units, beside the modelled ``attention_cost`` that ``auto`` decides with.
+attention cell in token units, beside the modelled ``attention_cost`` that ``auto`` decides with; where a or b
+comes out at or below 0 (noisy times under load) it says the fit is unreliable instead.
 
 Run (about 3 minutes on 2 idle cores; ``--quick``: two workloads, one repetition, about 30 s):
 
@@ -95,6 +96,22 @@ def build_model(args):
     return LlamaForCausalLM(config)
 
 
+def fit_line(rows: list[dict], cost: float) -> str:
+    """Wall time = a x tokens + b x cells fitted over every row, and b / a (an attention cell's cost in token units)
+    beside the modelled ``attention_cost``; a cost at or below 0, which load makes of noisy times, is no measurement:
+    the line says the fit is unreliable instead of giving b / a as a fact."""
+    design = torch.tensor([[float(r["tokens"]), float(r["cells"])] for r in rows], dtype=torch.float64)
+    seconds = torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)[:, None]
+    per_token, per_cell = torch.linalg.lstsq(design, seconds).solution[:, 0].tolist()
+    line = f"fit: seconds = {per_token:.3e} x tokens {'-' if per_cell < 0 else '+'} {abs(per_cell):.3e} x cells -> "
+    if min(per_token, per_cell) <= 0:
+        return line + ("UNRELIABLE: a cost at or below 0 per " + ("token" if per_token <= 0 else "cell") + " is "
+                       f"no measurement (times too noisy under load: rerun on idle cores); auto models {cost:.2e} "
+                       "(policy.attention_cost).")
+    return line + (f"an attention cell costs {per_cell / per_token:.2e} tokens measured; auto models {cost:.2e} "
+                   "(policy.attention_cost).")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["smollm2-shaped", "smollm2"], default="smollm2-shaped")
@@ -164,10 +181,7 @@ def main(argv=None) -> None:
         print(f"| {r['name']} | {r['P']} | {r['C']} | {r['G']} x {r['groups']} | {r['mode']} | {r['tokens']} | "
               f"{r['tokens'] / r['unique']:.2f} | {r['cells'] / 1e6:.2f} | {r['modelled']:.0f} | {r['seconds']:.3f} | "
               f"{r['seconds'] / off['seconds']:.2f} | {shapes} |")
-    fit = torch.linalg.lstsq(torch.tensor([[float(r["tokens"]), float(r["cells"])] for r in rows], dtype=torch.float64),
-                             torch.tensor([r["seconds"] for r in rows], dtype=torch.float64)[:, None]).solution[:, 0]
-    print(f"\nfit: seconds = {fit[0]:.3e} x tokens + {fit[1]:.3e} x cells -> an attention cell costs "
-          f"{fit[1] / fit[0]:.2e} tokens measured; auto models {cost:.2e} (policy.attention_cost).")
+    print(f"\n{fit_line(rows, cost)}")
     chosen = [r for r in rows if r["mode"] == "auto"]
     best = sum(1 for r in chosen if r["seconds"] <= 1.1 * min(x["seconds"] for x in rows if x["name"] == r["name"]))
     print(f"auto within 10% of the fastest mode on {best} of {len(chosen)} workloads.")

@@ -218,6 +218,21 @@ def test_continuous_batching_sets_omp_wait_policy_passive_before_torch_loads():
         assert (out.returncode, out.stdout.strip()) == (0, expected), out.stderr[-2000:]
 
 
+def test_prefix_sharing_fit_flags_a_negative_cost_instead_of_printing_it_as_measured():
+    """Under load the least-squares fit of wall time on tokens and attention cells can give a cell (or a token) a
+    negative cost; the line printed b / a, a negative 'attention cell costs' in token units, as a measurement."""
+    bench = load_benchmark("prefix_sharing")
+    shapes = [(1000, 2e6), (2000, 1e6), (1500, 5e6), (3000, 4e6)]
+    clean = [dict(tokens=t, cells=c, seconds=1e-4 * t + 2e-8 * c) for t, c in shapes]
+    line = bench.fit_line(clean, 3e-4)
+    assert "an attention cell costs 2.00e-04 tokens measured; auto models 3.00e-04" in line
+    assert "UNRELIABLE" not in line
+    noisy = [dict(tokens=t, cells=c, seconds=1e-4 * t - 2e-8 * c) for t, c in shapes]  # faster with more cells, all > 0
+    line = bench.fit_line(noisy, 3e-4)
+    assert "x tokens - 2.000e-08 x cells -> UNRELIABLE: a cost at or below 0 per cell" in line
+    assert "attention cell costs" not in line
+
+
 def test_packing_fraction_of_shared_rows_stays_within_the_computed_tokens():
     """With prompts shared (``--workload uniform``) a group's prompt is forwarded once, so real / computed read
     131.6%: the column is the share of computed tokens that are not padding, at most 1, and 1 when packed."""
