@@ -4,7 +4,7 @@
   step, a checkpoint every 100 steps with the newest 2 kept, the rollouts appended to a file);
 - ``replay``: 1,000 steps replaying a rollouts file (a checkpoint every 250 steps with the newest 2 kept).
 
-Targets, from the first 10% of a run to its end: resident memory (RSS) grows < 50 MB; threads, open files and
+Targets, from the first 10% of a run to its end: resident memory (RSS) grows < 50 MiB; threads, open files and
 child processes the same; the median step time (the interval between optimizer steps) of the last 10% of steps
 within 10% of the median of the first 10% (after ``--warmup`` steps).
 

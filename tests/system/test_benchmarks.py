@@ -77,6 +77,16 @@ def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     assert (bench.parse_args(["--steps", "5", "--warmup", "1"]).steps, bench.parse_args([]).steps) == (5, None)
 
 
+def test_soak_states_its_memory_target_in_the_unit_it_measures(capsys):
+    """The verdict measures RSS in MiB (bytes / 2**20) against 50; the docstring (the --help text) said 50 MB."""
+    bench = load_benchmark("soak")
+    rows = [bench.Row(step, 500.0 + step / 10, 9, 9, 0, 0.05) for step in range(1, 21)]
+    assert bench.report("live", rows, warmup=1)
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if "RSS growth" in line)
+    assert "+1.8 MiB (target < 50)" in verdict
+    assert "grows < 50 MiB" in " ".join(bench.__doc__.split())
+
+
 def test_gpu_vs_trl_without_a_gpu_says_so_in_one_line(capsys):
     """Without CUDA the default fell back to the 0.5B model on the CPU (hours, no GPU number): it is refused naming
     the CPU check's flags, which stay accepted."""
