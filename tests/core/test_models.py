@@ -40,3 +40,24 @@ def test_a_terminal_keeps_the_bar(monkeypatch):
     with no_bars_when_redirected():
         gguf_bar()
     assert "Converting and de-quantizing GGUF tensors" in terminal.getvalue()
+
+
+def test_a_stderr_without_isatty_is_not_a_terminal(monkeypatch):
+    """The check was ``sys.stderr.isatty()``: a stderr replaced by a writer without ``isatty`` (a logging capture)
+    failed the model load with an AttributeError; it is a redirected stream, as training's show_bar already took it."""
+
+    class Writer:  # file-like enough for tqdm, no isatty
+        def __init__(self):
+            self.text = ""
+
+        def write(self, text):
+            self.text += text
+
+        def flush(self):
+            pass
+
+    writer = Writer()
+    monkeypatch.setattr("sys.stderr", writer)
+    with no_bars_when_redirected():
+        gguf_bar()
+    assert writer.text == ""

@@ -275,11 +275,18 @@ def _convert_smollm2(source: Path, folder: Path) -> None:
     print(f"  done in {time.monotonic() - start:.0f} s.", file=sys.stderr, flush=True)
 
 
+def is_terminal(stream=None) -> bool:
+    """Whether ``stream`` (stderr by default) is a terminal, where progress bars are drawn: redrawn with carriage
+    returns, they would garble a log. A stream without ``isatty`` (a capture, or no stderr at all: None) is not one."""
+    stream = sys.stderr if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
 @contextlib.contextmanager
 def no_bars_when_redirected():
     """No tqdm progress bar is drawn inside unless stderr is a terminal: its carriage-return frames would garble a
     log. transformers' GGUF reader draws its own bar, which transformers' progress-bar switch does not reach."""
-    if sys.stderr.isatty():
+    if is_terminal():
         yield
         return
     from tqdm import std

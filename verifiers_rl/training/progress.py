@@ -14,6 +14,8 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.utils.logging import tqdm  # honours transformers' progress-bar switches
 
+from verifiers_rl.core.models import is_terminal
+
 # (log key, label, format); a key missing from the logs (e.g. is_ratio when replaying without sampler log-probs)
 # is left out of the line. wait + train + sync (+ log/save/eval, shown when it took time) add up to step: the wall
 # time between two optimizer steps (step_metrics.py).
@@ -201,10 +203,9 @@ class RolloutProgress:
 
 
 def show_bar(disable_tqdm: bool, stream=None) -> bool:
-    """A progress bar only on a terminal: redrawn with carriage returns, it would garble a log file (and interleave
-    with the step lines) when stderr is redirected."""
-    stream = sys.stderr if stream is None else stream
-    return not disable_tqdm and bool(getattr(stream, "isatty", lambda: False)())
+    """A progress bar only on a terminal (``core.models.is_terminal``): redrawn with carriage returns, it would garble
+    a log file (and interleave with the step lines) when stderr is redirected."""
+    return not disable_tqdm and is_terminal(stream)
 
 
 def plain_output_when_redirected() -> None:
