@@ -178,12 +178,17 @@ def test_eval_cli_reports_bad_input_in_one_line(tmp_path):
 @pytest.mark.parametrize("tokenizer, message", [
     ("missing", "--tokenizer '{}': no such folder, and it is not a Hugging Face Hub id"),
     ("empty", "--tokenizer '{}' has no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)."),
+    ("~/empty", "--tokenizer '{}' has no tokenizer (tokenizer.json, tokenizer_config.json, tokenizer.model)."),
 ])
 def test_a_tokenizer_that_cannot_be_loaded_is_one_line_naming_tokenizer(tokenizer, message, tiny_model_dir,
-                                                                         tmp_path, capsys):
+                                                                         tmp_path, capsys, monkeypatch):
     # It named --model (which was fine), or came as transformers' five lines about sentencepiece.
     folder = tmp_path / tokenizer
-    if tokenizer == "empty":
+    if tokenizer.startswith("~"):  # the folder under a home directory, named as the user types it
+        monkeypatch.setenv("HOME", str(tmp_path))
+        (tmp_path / "empty").mkdir()
+        folder = tokenizer
+    elif tokenizer == "empty":
         folder.mkdir()
     assert eval_cli.cli(["--model", tiny_model_dir, "--tokenizer", str(folder), "-n", "1"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(

@@ -246,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     from verifiers_rl.training.progress import RolloutProgress, plain_output_when_redirected
 
     plain_output_when_redirected()
-    if args.tokenizer is not None and Path(args.tokenizer).expanduser().is_dir() \
-            and not has_tokenizer(Path(args.tokenizer).expanduser()):  # else transformers' five lines, no flag named
+    tokenizer_dir = None if args.tokenizer is None else Path(args.tokenizer).expanduser()
+    if tokenizer_dir is not None and tokenizer_dir.is_dir() and not has_tokenizer(tokenizer_dir):
+        # else transformers' five lines, no flag named
         raise ModelFolderError(f"--tokenizer {args.tokenizer!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}).")
     tokenizer = load_tokenizer(args.tokenizer or model, "--tokenizer" if args.tokenizer else "--model")
     # As training prepares it; an environment's own limits stand (its rollouts are scored, never trained).
