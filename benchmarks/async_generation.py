@@ -36,7 +36,7 @@ Run (about 1 minute on 2 idle cores, far longer on a busy machine; ``--quick``: 
 setting, about 30 s):
 
     PYTHONPATH=. .venv/bin/python benchmarks/async_generation.py
-    PYTHONPATH=. .venv/bin/python benchmarks/async_generation.py --quick
+    PYTHONPATH=. .venv/bin/python benchmarks/async_generation.py --quick   # its sizes fill in the flags not given
     PYTHONPATH=. .venv/bin/python benchmarks/async_generation.py --threads 1 --rounds 2 --variants k0 k1 k1_no_probe
 
 Timings depend on what else runs on the machine: every progress line (stderr) carries ``os.getloadavg()``.
@@ -69,7 +69,10 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import StepRecorder, at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
+
+DEFAULTS = dict(steps=8, warmup=2, phase_batches=3, threads=[1, 2])
+QUICK = dict(steps=4, warmup=1, phase_batches=2, threads=[1])
 
 
 class ListSource:
@@ -180,7 +183,7 @@ def run_live(args, model_dir: str, tokenizer, variant: str, out: str) -> tuple[l
     return timer.intervals()[args.warmup :], timer.cores(args.warmup)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -189,18 +192,31 @@ def main() -> None:
     parser.add_argument("--micro_batch", type=int, default=0, help="rows per micro-batch (default: the whole batch)")
     parser.add_argument("--max_completion_length", type=int, default=48)
     parser.add_argument("--max_seq_len", type=int, default=160)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each run")
-    parser.add_argument("--phase_batches", type=int, default=3, help="batches timed for gen only")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch intra-op thread counts to try")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per run (8; --quick 4)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps at the start of each run (2; --quick 1)")
+    parser.add_argument("--phase_batches", type=int, default=None, help="batches timed for gen only (3; --quick 2)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="torch intra-op thread counts to try (1 2; --quick 1)")
     parser.add_argument("--variants", nargs="+", default=["k0", "k1"], choices=list(VARIANTS))
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the variants this many times, alternating (steps pooled; helps on a busy machine)")
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    if args.quick:
-        args.steps, args.warmup, args.phase_batches, args.threads = 4, 1, 2, args.threads[:1]
+    parser.add_argument("--quick", action="store_true",
+                        help="4 timed steps after 1 warm-up, 2 gen-only batches, 1 thread (the flags given stand)")
+    args = parser.parse_args(argv)
+    fill_in(args, QUICK if args.quick else DEFAULTS)
+    # Checked before the model is built: --steps 0 trained its runs, then failed dividing by no time.
+    at_least(parser, args, 1, "hidden", "layers", "rollouts", "max_completion_length", "max_seq_len", "steps",
+             "phase_batches", "threads", "rounds")
+    at_least(parser, args, 2, "num_generations")
+    at_least(parser, args, 0, "warmup", "micro_batch")
+    if args.rollouts % args.num_generations:
+        parser.error(f"--rollouts ({args.rollouts}) must be a multiple of --num_generations ({args.num_generations})")
+    return args
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     started = time.perf_counter()

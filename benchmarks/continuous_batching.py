@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
-from timing import at_least, passive_openmp  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, fill_in, passive_openmp  # noqa: E402  (benchmarks/timing.py)
 
 passive_openmp()  # before torch loads OpenMP: the engine runs under the policy a continuous trainer runs it with
 
@@ -84,9 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="a smoke test: the tiny model, 16 requests, max_rows 4, median 8 tokens, 1 repeat")
     args = parser.parse_args(argv)
-    for name, value in (QUICK if args.quick else DEFAULTS).items():  # flags given keep their values
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_in(args, QUICK if args.quick else DEFAULTS)
     args.model = args.model or ("tiny" if args.quick else "smollm2")
     at_least(parser, args, 1, "requests", "max_rows", "samples", "repeats", "threads", "tail_factor")
     at_least(parser, args, 2, "median_tokens")

@@ -134,7 +134,7 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
 import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
-from timing import StepRecorder, at_least, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import StepRecorder, at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}
@@ -535,9 +535,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         for flag, (given, reason) in refused.items():
             if given:
                 parser.error(f"{flag} does not combine with --engine vllm: {reason}")
-    for name, value in (QUICK if args.quick else DEFAULTS).items():  # flags given keep their values
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    fill_in(args, QUICK if args.quick else DEFAULTS)
     args.turns = 3 if args.turns is None else args.turns
     if args.groups_in_flight is None:
         args.groups_in_flight = 2 * args.prompts

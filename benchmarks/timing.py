@@ -25,6 +25,14 @@ def passive_openmp() -> str:
     return os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def fill_in(args: argparse.Namespace, sizes: dict) -> None:
+    """Each of ``sizes`` (a script's defaults, or its ``--quick`` sizes) that its flag did not give: ``--quick`` only
+    fills in, so ``--quick --steps 2`` times 2 steps."""
+    for name, value in sizes.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum: int, *names: str,
              why: str = "") -> None:
     """Refuse by ``parser.error`` the first of ``names`` (attributes of ``args``, each its flag without ``--``; a list

@@ -101,7 +101,7 @@ from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model, smollm2_dir  # noqa: E402
 from verifiers_rl.training.prefix import unique_tokens  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from timing import StepRecorder, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import StepRecorder, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
 
 
 WORKLOADS = {
@@ -305,9 +305,7 @@ def workload_args(base: argparse.Namespace, workload: str) -> argparse.Namespace
     args = argparse.Namespace(**vars(base))
     threads = args.threads
     quick = dict(steps=4, warmup=1) if args.quick else dict(steps=8, warmup=2)
-    for key, value in {**WORKLOADS[workload], **quick}.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    fill_in(args, {**WORKLOADS[workload], **quick})
     if args.quick and threads is None:  # the workload's first thread count only
         args.threads = args.threads[:1]
     return args

@@ -66,6 +66,23 @@ def test_vs_trl_quick_keeps_the_steps_and_threads_given():
     assert (full.steps, full.warmup, full.threads) == (8, 2, [1, 2])
 
 
+def test_async_generation_quick_keeps_the_sizes_given_and_refuses_no_timed_step(capsys):
+    """--quick overwrote --steps, --warmup, --phase_batches and --threads (``--quick --steps 2`` timed 4 steps), and
+    ``--steps 0`` trained every run, then failed with a ZeroDivisionError traceback: the flags given stand, and a size
+    below its bound is refused by name before the model is built."""
+    bench = load_benchmark("async_generation")
+    given = bench.parse_args(["--quick", "--steps", "2", "--warmup", "0", "--phase_batches", "5", "--threads", "2"])
+    assert (given.steps, given.warmup, given.phase_batches, given.threads) == (2, 0, 5, [2])
+    quick, full = bench.parse_args(["--quick"]), bench.parse_args([])
+    assert (quick.steps, quick.warmup, quick.phase_batches, quick.threads) == (4, 1, 2, [1])
+    assert (full.steps, full.warmup, full.phase_batches, full.threads) == (8, 2, 3, [1, 2])
+    for argv, message in ((["--steps", "0"], "--steps must be >= 1 (got 0)"),
+                          (["--rollouts", "30"], "--rollouts (30) must be a multiple of --num_generations (8)")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
 def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     """``--steps 5`` (warm-up 10) ran its 5 steps and then failed in the report with an IndexError traceback; it is
     refused at once, naming both flags, and a short run with a shorter warm-up is accepted."""
