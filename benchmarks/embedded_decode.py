@@ -40,6 +40,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.core.models import smollm2_dir  # noqa: E402
+from timing import at_least, load, log  # noqa: E402  (benchmarks/timing.py)
 
 VARIANTS = {
     "forward": dict(llama_decode=False, cpu_matmuls="linear"),
@@ -57,7 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, default=3, help="timed batches per variant (after one warm-up)")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt (4 prompts)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Checked before SmolLM2 loads: --batches 0 decoded the warm-up batches, then failed on an empty median.
+    at_least(parser, args, 1, "max_new_tokens", "batches", "samples", "threads")
+    return args
 
 
 def run_batch(engine: EmbeddedEngine, prompts: list[list[int]], samples: int, batch: int, n: int):
@@ -96,9 +100,8 @@ def main(argv=None) -> None:
                 # A weight load before each batch, as in training (untimed; its own weights: the tokens stay equal).
                 engine.load_weights(list(engine.model.named_parameters()), version=batch)
                 seconds, ids = run_batch(engine, prompts, args.samples, batch, n)
-                print(f"[{n} tokens] [{name}] batch {batch}{' (warm-up)' if batch == 0 else ''}: {seconds:.2f} s, "
-                      f"{sum(map(len, ids))} tokens; load {'/'.join(f'{x:.2f}' for x in os.getloadavg())}",
-                      file=sys.stderr, flush=True)
+                log(f"[{n} tokens] [{name}] batch {batch}{' (warm-up)' if batch == 0 else ''}: {seconds:.2f} s, "
+                    f"{sum(map(len, ids))} tokens; load {load()}")
                 if batch:
                     times.append(seconds)
                     tokens.append(ids)

@@ -98,6 +98,11 @@ def parse_args(argv=None):
                         "longest trainer's so far would pass this (0: never skip)")
     parser.add_argument("--json", default=None, help="also write the numbers here (rewritten after each trainer)")
     args = parser.parse_args(argv)
+    from timing import at_least
+
+    at_least(parser, args, 1, "steps")
+    at_least(parser, args, 2, "num_generations")
+    at_least(parser, args, 0, "warmup", "budget_s")
     # Without a GPU the default used to fall back to the 0.5B model on the CPU: hours, and no GPU number.
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: this benchmark measures one GPU (the CPU check of the script: --shape tiny "

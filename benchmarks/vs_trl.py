@@ -101,7 +101,7 @@ from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model, smollm2_dir  # noqa: E402
 from verifiers_rl.training.prefix import unique_tokens  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from timing import StepRecorder, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import StepRecorder, at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
 
 
 WORKLOADS = {
@@ -297,7 +297,13 @@ def parse_args(argv=None):
     parser.add_argument("--trainers", nargs="+", default=["trl", "k0", "k1"], choices=list(NAMES))
     parser.add_argument("--quick", action="store_true",
                         help="4 timed steps after 1 warm-up, one thread setting (unless the flags say otherwise)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Checked before any model is built: --steps 0 ran every trainer, then failed on the mean of no step.
+    at_least(parser, args, 1, "hidden", "layers", "prompts", "max_completion_length", "max_seq_len", "steps",
+             "threads")
+    at_least(parser, args, 2, "num_generations")
+    at_least(parser, args, 0, "warmup")
+    return args
 
 
 def workload_args(base: argparse.Namespace, workload: str) -> argparse.Namespace:

@@ -197,14 +197,20 @@ SIZE_REFUSALS = [
     ("vllm_weight_transfer", ["--quick", "--repeats", "0"], "--repeats must be >= 1 (got 0)"),
     ("vllm_servers", ["--steps", "1"], "--steps must be >= 2 (got 1): step 1 includes the warm-up"),
     ("soak", ["--warmup", "-1"], "--warmup must be >= 0 (got -1)"),
+    ("vs_trl", ["--threads", "1", "0"], "--threads must be >= 1 (got 0)"),
+    ("embedded_decode", ["--batches", "0"], "--batches must be >= 1 (got 0)"),
+    ("weight_sync", ["--quick", "--repetitions", "0"], "--repetitions must be >= 1 (got 0)"),
+    ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu", "--num_generations", "1"],
+     "--num_generations must be >= 2 (got 1)"),
 ]
 
 
 @pytest.mark.parametrize("name, argv, message", SIZE_REFUSALS, ids=[case[0] for case in SIZE_REFUSALS])
 def test_each_script_refuses_a_size_below_its_bound_by_name_and_value(name, argv, message, capsys):
     """Each script had its own one-line check, naming every size flag at once whichever was wrong (long_tail.py's
-    let ``--continuous_rows 0`` through, continuous_batching.py never checked ``--threads``); timing.at_least names the
-    flag given and its value, in one error line."""
+    let ``--continuous_rows 0`` through, continuous_batching.py never checked ``--threads``), or none at all (vs_trl,
+    embedded_decode, weight_sync and gpu_vs_trl ran, then failed on an empty median or in a trainer's config);
+    timing.at_least names the flag given and its value, in one error line."""
     bench = load_benchmark(name)
     with pytest.raises(SystemExit) as refused:
         bench.parse_args(argv)
