@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
-from timing import at_least, fill_in, passive_openmp  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, fill_in, load, log, passive_openmp  # noqa: E402  (benchmarks/timing.py)
 
 passive_openmp()  # before torch loads OpenMP: the engine runs under the policy a continuous trainer runs it with
 
@@ -180,9 +180,8 @@ def main(argv=None) -> None:
                     seconds, ids, steps = run_continuous_side(engine, prompts, lengths, seeds, args.max_rows)
                 tokens[side] = ids
                 results.setdefault((workload, side), []).append((seconds, sum(map(len, ids)), steps))
-                print(f"[{workload}] [{side}] repeat {repeat}: {seconds:.2f} s, {sum(map(len, ids))} tokens, "
-                      f"{len(steps)} decode steps; load {'/'.join(f'{x:.2f}' for x in os.getloadavg())}",
-                      file=sys.stderr, flush=True)
+                log(f"[{workload}] [{side}] repeat {repeat}: {seconds:.2f} s, {sum(map(len, ids))} tokens, "
+                    f"{len(steps)} decode steps; load {load()}")
             counts = {side: [len(t) for t in ids] for side, ids in tokens.items()}
             if counts["batch"] != counts["continuous"] or counts["batch"] != lengths:
                 bad = [i for i, (a, b) in enumerate(zip(counts["batch"], counts["continuous"])) if a != b]

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
-from timing import at_least  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, log  # noqa: E402  (benchmarks/timing.py)
 
 MODES = [("files", "files", 256.0), ("gloo 256 MiB", "gloo", 256.0), ("gloo 16 MiB", "gloo", 16.0)]
 PROBE = [11, 40, 7, 93, 150, 22, 301, 64, 5, 17, 250, 3, 99]
@@ -85,7 +85,7 @@ def bench_model(label: str, folder: str, repeats: int) -> list[str]:
                 started = time.perf_counter()
                 load(mode, 2 + repeat)
                 times[mode].append(time.perf_counter() - started)
-            print(f"  {label}: round {repeat + 1}/{repeats} done", file=sys.stderr, flush=True)
+            log(f"  {label}: round {repeat + 1}/{repeats} done")
         for engine in clients.values():
             engine.close()
     base = statistics.median(times["files"])
@@ -121,7 +121,7 @@ def main(argv=None) -> None:
         if not args.quick:
             models.append(("smollm2-135M", str(smollm2_dir())))
         for label, folder in models:
-            print(f"[vllm_weight_transfer] {label}: starting a server ...", file=sys.stderr, flush=True)
+            log(f"[vllm_weight_transfer] {label}: starting a server ...")
             rows += bench_model(label, folder, repeats)
     print("\n".join(rows))
 

@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
-from timing import at_least  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, log  # noqa: E402  (benchmarks/timing.py)
 
 MIB = 1 << 20
 BUCKETS_MB = [0, 4, 16, 64, 256, "all"]
@@ -136,7 +136,7 @@ def worker(args) -> None:
                 rows.append(dict(model=name, params=num_params, mode=kind, bucket=size, gathers=buckets[(kind, size)],
                                  seconds=median, fastest=min(times[(kind, size)]), ratio=median / baseline,
                                  runs=len(times[(kind, size)])))
-            print(f"[weight_sync] {name} done", file=sys.stderr, flush=True)
+            log(f"[weight_sync] {name} done")
         del model, engine
     if is_main:
         with open(args.out, "w") as handle:
