@@ -104,6 +104,16 @@ def test_soak_states_its_memory_target_in_the_unit_it_measures(capsys):
     assert "grows < 50 MiB" in " ".join(bench.__doc__.split())
 
 
+def test_soak_names_the_steps_its_first_window_timed(capsys):
+    """The first window is the tenth of the run after --warmup, cut at the run's end: with a warm-up of 19 of 20
+    steps it timed step 20 alone, and the verdict said 'steps 20-21' (a step the run never had)."""
+    bench = load_benchmark("soak")
+    rows = [bench.Row(step, 500.0, 9, 9, 0, 0.05) for step in range(1, 21)]
+    bench.report("live", rows, warmup=19)
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if "median step time" in line)
+    assert "(steps 20-20)" in verdict, verdict
+
+
 def test_gpu_vs_trl_without_a_gpu_says_so_in_one_line(capsys):
     """Without CUDA the default fell back to the 0.5B model on the CPU (hours, no GPU number): it is refused naming
     the CPU check's flags, which stay accepted."""
