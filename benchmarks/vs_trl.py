@@ -303,6 +303,10 @@ def parse_args(argv=None):
              "threads")
     at_least(parser, args, 2, "num_generations")
     at_least(parser, args, 0, "warmup")
+    real = [workload for workload in args.workloads if (args.model or WORKLOADS[workload]["model"]) == "smollm2"]
+    if real and (args.hidden, args.layers) != (None, None):  # they were dropped without a word
+        parser.error(f"--hidden/--layers shape the tiny model only: the {real[0]} workload runs SmolLM2-135M (--model "
+                     "tiny runs every workload on the tiny model)")
     return args
 
 
@@ -312,6 +316,8 @@ def workload_args(base: argparse.Namespace, workload: str) -> argparse.Namespace
     threads = args.threads
     quick = dict(steps=4, warmup=1) if args.quick else dict(steps=8, warmup=2)
     fill_in(args, {**WORKLOADS[workload], **quick})
+    if args.model == "tiny":  # a SmolLM2 workload on the tiny model (--model tiny): the tiny workload's shape
+        fill_in(args, {key: WORKLOADS["tiny"][key] for key in ("hidden", "layers")})
     if args.quick and threads is None:  # the workload's first thread count only
         args.threads = args.threads[:1]
     return args

@@ -83,6 +83,20 @@ def test_async_generation_quick_keeps_the_sizes_given_and_refuses_no_timed_step(
         assert message in capsys.readouterr().err
 
 
+def test_vs_trl_shapes_only_the_tiny_model(capsys):
+    """``--model tiny`` on a SmolLM2 workload (the default ones) built a model of hidden None, a TypeError traceback;
+    ``--hidden 64`` beside a SmolLM2 workload was dropped without a word. The first takes the tiny workload's shape,
+    the second is refused by name."""
+    bench = load_benchmark("vs_trl")
+    tiny = bench.workload_args(bench.parse_args(["--model", "tiny"]), "equal16")
+    assert (tiny.model, tiny.hidden, tiny.layers, tiny.max_completion_length) == ("tiny", 256, 4, 16)
+    shaped = bench.workload_args(bench.parse_args(["--model", "tiny", "--hidden", "64"]), "equal16")
+    assert (shaped.hidden, shaped.layers) == (64, 4)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workloads", "tiny", "equal16", "--layers", "2"])
+    assert "--hidden/--layers shape the tiny model only: the equal16 workload runs SmolLM2" in capsys.readouterr().err
+
+
 def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     """``--steps 5`` (warm-up 10) ran its 5 steps and then failed in the report with an IndexError traceback; it is
     refused at once, naming both flags, and a short run with a shorter warm-up is accepted."""
