@@ -500,7 +500,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--median_tokens", type=int, default=None, help="(16; --quick 8)")
     parser.add_argument("--tail_fraction", type=float, default=0.1)
     parser.add_argument("--tail_factor", type=int, default=8)
-    parser.add_argument("--k", type=int, default=1, help="max_off_policy_steps of our sides")
+    parser.add_argument("--k", type=int, default=None, help="max_off_policy_steps of our sides (1)")
     parser.add_argument("--groups_in_flight", type=int, default=None, help="continuous: default 2 x --prompts")
     parser.add_argument("--continuous_rows", type=int, default=None,
                         help="continuous: --continuous_batching_rows, default the rollouts of one step")
@@ -518,12 +518,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     unused = {"--hidden": args.model != "tiny" and (args.hidden, args.layers) != (None, None),
               "--turns": "multi" not in args.workloads and args.turns is not None,
               "--groups_in_flight": args.groups_in_flight is not None and not {"continuous", "groups"} & {*args.sides},
-              "--continuous_rows": "continuous" not in args.sides and args.continuous_rows is not None}
+              "--continuous_rows": "continuous" not in args.sides and args.continuous_rows is not None,
+              "--k": args.k is not None and not {"batch", "continuous", "groups"} & {*args.sides}}
     for flag, given in unused.items():
         if given:
             parser.error(f"{flag} does not act here: --hidden/--layers shape the tiny model only, --turns the multi "
                          "workload, --groups_in_flight the continuous and groups sides, --continuous_rows the "
-                         "continuous side")
+                         "continuous side, --k our sides (all but trl)")
     if args.engine == "vllm":
         refused = {"--continuous_rows": (args.continuous_rows is not None, "--continuous_batching_rows sets the "
                                          "embedded engine's running batch; a vLLM server batches continuously "
@@ -537,6 +538,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                 parser.error(f"{flag} does not combine with --engine vllm: {reason}")
     fill_in(args, QUICK if args.quick else DEFAULTS)
     args.turns = 3 if args.turns is None else args.turns
+    args.k = 1 if args.k is None else args.k
     if args.groups_in_flight is None:
         args.groups_in_flight = 2 * args.prompts
     if args.continuous_rows is None and args.engine == "embedded":

@@ -97,6 +97,16 @@ def test_vs_trl_shapes_only_the_tiny_model(capsys):
     assert "--hidden/--layers shape the tiny model only: the equal16 workload runs SmolLM2" in capsys.readouterr().err
 
 
+def test_long_tail_refuses_k_where_only_trl_runs(capsys):
+    """``--sides trl --k 3`` ran TRL's side (which generates on its policy, never ahead) and printed 'k = 3' in the
+    header: --k acts on our sides only, so beside trl alone it is refused, as the other side-bound flags are."""
+    bench = load_benchmark("long_tail")
+    assert (bench.parse_args(["--sides", "trl"]).k, bench.parse_args(["--k", "3"]).k) == (1, 3)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sides", "trl", "--k", "3"])
+    assert "--k does not act here" in capsys.readouterr().err
+
+
 def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     """``--steps 5`` (warm-up 10) ran its 5 steps and then failed in the report with an IndexError traceback; it is
     refused at once, naming both flags, and a short run with a shorter warm-up is accepted."""
