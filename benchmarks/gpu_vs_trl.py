@@ -75,6 +75,8 @@ import warnings
 
 import torch
 
+from timing import at_least, log  # benchmarks/timing.py, beside this script
+
 SHAPES = {
     "0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, prompt=512, new=256),
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=1000, prompt=32, new=16),
@@ -98,8 +100,6 @@ def parse_args(argv=None):
                         "longest trainer's so far would pass this (0: never skip)")
     parser.add_argument("--json", default=None, help="also write the numbers here (rewritten after each trainer)")
     args = parser.parse_args(argv)
-    from timing import at_least
-
     at_least(parser, args, 1, "steps")
     at_least(parser, args, 2, "num_generations")
     at_least(parser, args, 0, "warmup", "budget_s")
@@ -256,7 +256,6 @@ def main() -> None:
     import transformers
     import trl
     from datasets import Dataset
-    from timing import log
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
