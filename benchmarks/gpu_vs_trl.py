@@ -107,6 +107,9 @@ def parse_args(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: this benchmark measures one GPU (the CPU check of the script: --shape tiny "
                      "--device cpu)")
+    if args.device == "cpu" and args.shape != "tiny":  # the same hours, asked for by flag
+        parser.error(f"--device cpu checks the script with --shape tiny; --shape {args.shape} on the CPU takes hours "
+                     "and measures no GPU")
     return args
 
 

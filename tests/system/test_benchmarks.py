@@ -155,6 +155,16 @@ def test_gpu_vs_trl_without_a_gpu_says_so_in_one_line(capsys):
     assert "no CUDA GPU here" in error and "--shape tiny --device cpu" in error
 
 
+def test_gpu_vs_trl_refuses_the_full_shape_on_the_cpu(capsys):
+    """``--device cpu`` alone kept the default 0.5B shape: the hours on the CPU the default no longer falls into, by
+    flag; the help says cpu only checks the script, with --shape tiny."""
+    bench = load_benchmark("gpu_vs_trl")
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(["--device", "cpu"])
+    assert refused.value.code == 2
+    assert "--device cpu checks the script with --shape tiny; --shape 0.5b on the CPU" in capsys.readouterr().err
+
+
 def test_vllm_weight_transfer_quick_keeps_the_repeats_given(capsys):
     """--quick overwrote --repeats (``--quick --repeats 1`` timed 3 loads per mode), and ``--repeats 0`` started the
     server, then failed on an empty median: a given --repeats keeps its value, below 1 is refused before any server."""
