@@ -75,7 +75,7 @@ import warnings
 
 import torch
 
-from timing import at_least, log  # benchmarks/timing.py, beside this script
+from timing import at_least, log, writable_file  # benchmarks/timing.py, beside this script
 
 SHAPES = {
     "0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, prompt=512, new=256),
@@ -103,6 +103,7 @@ def parse_args(argv=None):
     at_least(parser, args, 1, "steps")
     at_least(parser, args, 2, "num_generations")
     at_least(parser, args, 0, "warmup", "budget_s")
+    writable_file(parser, args.json, "--json")
     # Without a GPU the default used to fall back to the 0.5B model on the CPU: hours, and no GPU number.
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA GPU here: this benchmark measures one GPU (the CPU check of the script: --shape tiny "

@@ -45,6 +45,13 @@ def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum:
                 parser.error(f"--{name} must be >= {minimum} (got {item})" + (f": {why}" if why else ""))
 
 
+def writable_file(parser: argparse.ArgumentParser, path: str | None, flag: str) -> None:
+    """Refuse by ``parser.error`` a ``path`` the run could not write once it has its numbers: a folder, or a file in a
+    folder that is not there (``open`` failed with a traceback after the whole run). None (not given) passes."""
+    if path is not None and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+        parser.error(f"{flag} {path}: a folder, or in a folder that does not exist: name a file in an existing folder")
+
+
 def __getattr__(name: str):
     # StepRecorder subclasses transformers' TrainerCallback: built on first use, so the helpers above load neither
     # transformers nor torch (a process that only starts children, as logprob_memory.py's, need not pay for them).

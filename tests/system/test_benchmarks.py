@@ -107,6 +107,18 @@ def test_long_tail_refuses_k_where_only_trl_runs(capsys):
     assert "--k does not act here" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, argv", [("long_tail", []), ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu"])])
+def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(name, argv, tmp_path, capsys):
+    """--json is written once the numbers are in: a folder, or a file in a missing folder, failed with a traceback
+    after the whole run (long_tail.py) or after the first trainer on the GPU (gpu_vs_trl.py)."""
+    bench = load_benchmark(name)
+    assert bench.parse_args(argv + ["--json", str(tmp_path / "out.json")]).json == str(tmp_path / "out.json")
+    for path in (tmp_path, tmp_path / "missing" / "out.json"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv + ["--json", str(path)])
+        assert f"--json {path}: a folder, or in a folder that does not exist" in capsys.readouterr().err
+
+
 def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     """``--steps 5`` (warm-up 10) ran its 5 steps and then failed in the report with an IndexError traceback; it is
     refused at once, naming both flags, and a short run with a shorter warm-up is accepted."""
