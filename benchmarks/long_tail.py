@@ -134,7 +134,7 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
 import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
-from timing import StepRecorder, at_least, fill_in, load, log, writable_file  # noqa: E402  (benchmarks/timing.py)
+from timing import StepRecorder, at_least, fill_in, load, log, model_name, writable_file  # noqa: E402
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}
@@ -553,6 +553,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rows < args.prompts:
         parser.error("--rows must be >= --prompts (one step's prompts)")
     writable_file(parser, args.json, "--json")
+    model_name(parser, args.model)
     return args
 
 

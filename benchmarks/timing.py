@@ -45,6 +45,17 @@ def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum:
                 parser.error(f"--{name} must be >= {minimum} (got {item})" + (f": {why}" if why else ""))
 
 
+def model_name(parser: argparse.ArgumentParser, model: str) -> None:
+    """Refuse by ``parser.error`` a ``--model`` that is no folder here and no Hub id either: resolved in the run, it
+    failed with a traceback."""
+    from verifiers_rl.core.models import check_model_name
+
+    try:
+        check_model_name(model)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+
+
 def writable_file(parser: argparse.ArgumentParser, path: str | None, flag: str) -> None:
     """Refuse by ``parser.error`` a ``path`` the run could not write once it has its numbers: a folder, or a file in a
     folder that is not there (``open`` failed with a traceback after the whole run). None (not given) passes."""

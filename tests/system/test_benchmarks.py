@@ -119,6 +119,18 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(name, argv
         assert f"--json {path}: a folder, or in a folder that does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["continuous_batching", "long_tail"])
+def test_a_model_that_is_no_folder_and_no_hub_id_is_one_line(name, tmp_path, capsys):
+    """``--model /no/such/folder`` loaded the script, then failed in resolve_model with a FileNotFoundError
+    traceback; it is refused in one line naming --model."""
+    bench = load_benchmark(name)
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(["--model", str(tmp_path / "none")])
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--model '{tmp_path / 'none'}': no such folder, and it is not a Hugging Face Hub id" in error
+
+
 def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     """``--steps 5`` (warm-up 10) ran its 5 steps and then failed in the report with an IndexError traceback; it is
     refused at once, naming both flags, and a short run with a shorter warm-up is accepted."""

