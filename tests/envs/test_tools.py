@@ -305,6 +305,23 @@ def test_an_id_the_model_writes_in_another_form_does_not_fail_the_rollout(tool_t
         ("call01000", "5"), ("abc123xyz", "2"), ("call01002", "3")]
 
 
+def test_tool_call_ids_are_unique_within_an_episode_whatever_ids_the_model_writes(tool_tokenizer):
+    """A model's 9-character id was kept as written: one equal to a generated id (call02000, written in turn 1, is
+    the id turn 2's first call gets) or one used twice (in a turn, or in two turns) made two tool messages answer the
+    same id. Such an id is replaced as an id of another form is."""
+    tok = copy.deepcopy(tool_tokenizer)
+    tok.chat_template = CALL_ID_TOOL_TEMPLATE
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": %d}%s}</tool_call>'
+    turns = [call % (1, ', "id": "call02000"') + call % (2, ', "id": "abc123xyz"') + call % (3, ', "id": "abc123xyz"'),
+             call % (4, "") + call % (5, ', "id": "abc123xyz"') + call % (6, ', "id": "TAB012345"'), "\\boxed{5}"]
+    sampler = ScriptedSampler([tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns])
+    env = ToolEnv([{"question": "2 + 3?"}], Rubric(), tok, tools=[add], max_new_tokens=512, max_seq_len=4096)
+    rollout = asyncio.run(env.rollout(sampler, env.dataset[0], 0))
+    assert [(m["tool_call_id"], m["content"]) for m in rollout.completion if m["role"] == "tool"] == [
+        ("call01000", "2"), ("abc123xyz", "3"), ("call01002", "4"), ("call02000", "5"), ("call02001", "6"),
+        ("TAB012345", "7")]
+
+
 def test_a_bad_tool_mode_in_env_args_is_named_as_the_environments_argument(tool_tokenizer):
     """A tool_mode given in --env_args was refused as if it came from --tool_mode, a flag the user never gave."""
     with pytest.raises(ValueError) as refused:

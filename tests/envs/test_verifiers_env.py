@@ -124,6 +124,18 @@ def test_tool_env_calls_tools_from_sampled_text(tokenizer, template):
     ]
 
 
+def test_tool_call_ids_are_unique_within_a_verifiers_episode(tokenizer):
+    """The client kept a model's 9-character id as written: one used twice (in a turn, or in two turns) gave two
+    verifiers tool messages the same tool_call_id. A repeated id is replaced by a generated one."""
+    env = load_environment(SPEC, tokenizer=tokenizer, kind="tool")
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": %d}, "id": "abc123xyz"}</tool_call>'
+    turns = [call % 1 + call % 2, call % 3, "It is 5."]
+    sampler = ScriptedSampler([tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in turns])
+    (rollout,) = asyncio.run(env.rollout_group(sampler, env.dataset[0], 0, 1, seed=0))
+    assert [(m["tool_call_id"], m["content"]) for m in rollout.completion if m["role"] == "tool"] == [
+        ("abc123xyz", "2"), ("call00001", "3"), ("call01000", "4")]
+
+
 def test_limits_default_to_the_environment_and_a_long_prompt_stops_as_truncated(tokenizer):
     env = load_environment(SPEC, tokenizer=tokenizer, kind="multi", max_seq_len=300, sampling_args={"max_tokens": 9})
     assert (env.max_seq_len, env.max_new_tokens, env.unstated_limits) == (300, 9, frozenset())

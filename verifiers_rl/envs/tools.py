@@ -8,7 +8,7 @@ import contextvars
 import json
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from verifiers_rl.envs.awaitable import call_off_loop
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NINE_LETTERS_AND_DIGITS = re.compile(r"[A-Za-z0-9]{9}")
+_GENERATED_ID = re.compile(r"call[0-9]{5}|T[0-9a-z]{8}")  # tool_call_id's own forms
 TOOL_MODES = ("auto", "template", "text")
 _DEFAULT_TOOL_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("verifiers_rl_tool_mode", default="auto")
 # The readers of the innermost default_tool_mode block (None outside one): "was --tool_mode used at all?"
@@ -180,20 +181,34 @@ def tool_results_as_user_turns(messages: Messages) -> Messages:
     return out
 
 
-def tool_call_id(call: dict[str, Any] | str, turn: int, index: int) -> str:
+def tool_call_id(call: dict[str, Any] | str, turn: int, index: int, taken: Collection[str] = ()) -> str:
     """The id of ``call``, the ``index``-th tool call of model turn ``turn`` (as ``parse_tool_calls`` gives it): the
-    model's own ``id`` where it is 9 letters and digits, else one of that form, the one Mistral's template insists on
-    (a sampled id of another form would fail the rollout there), unique within a rollout and a function of it alone:
-    ``call01000`` (turn 1, call 0) for turns below 100 and calls below 1000, else ``T`` and the turn and the index in
-    4 base-36 digits each (``T002s0000``: turn 100, call 0)."""
-    if isinstance(call, dict) and _NINE_LETTERS_AND_DIGITS.fullmatch(call.get("id", "")):
-        return call["id"]
+    model's own ``id`` where it is 9 letters and digits, is not of the generated form below and is not in ``taken``
+    (ids the episode gave already), else one of that form, the one Mistral's template insists on (a sampled id of
+    another form would fail the rollout there), unique within a rollout and a function of it alone: ``call01000``
+    (turn 1, call 0) for turns below 100 and calls below 1000, else ``T`` and the turn and the index in 4 base-36
+    digits each (``T002s0000``: turn 100, call 0). ``tool_call_ids`` gives a whole turn's."""
+    own = call.get("id", "") if isinstance(call, dict) else ""
+    # A model id of the generated form could equal one generated before or after it: two results of one id.
+    if _NINE_LETTERS_AND_DIGITS.fullmatch(own) and not _GENERATED_ID.fullmatch(own) and own not in taken:
+        return own
     if turn < 100 and index < 1000:
         return f"call{turn:02d}{index:03d}"
     if max(turn, index) >= _BASE36_LIMIT:  # 1.7 million turns or calls of one turn: no 9-character id is left
         raise ValueError(f"tool call {index} of model turn {turn}: no 9-character tool_call_id is left past "
                          f"{_BASE36_LIMIT - 1} turns or calls of a turn; lower max_turns or max_new_tokens.")
     return f"T{_base36(turn)}{_base36(index)}"
+
+
+def tool_call_ids(calls: Sequence[dict[str, Any] | str], turn: int, taken: Collection[str] = ()) -> list[str]:
+    """The ids of model turn ``turn``'s ``calls`` (``tool_call_id``), unique within the episode: a model id used by
+    an earlier call of the turn or in ``taken`` (the ids of the episode's earlier turns) is replaced."""
+    given = set(taken)
+    ids = []
+    for index, call in enumerate(calls):
+        ids.append(tool_call_id(call, turn, index, given))
+        given.add(ids[-1])
+    return ids
 
 
 _BASE36_LIMIT = 36**4
@@ -311,10 +326,11 @@ class ToolEnv(MultiTurnEnv):
 
     async def env_response(self, messages: Messages, state: dict[str, Any]) -> Messages:
         """One tool message per call of the model's last turn, in order, each with the ``tool_call_id`` of its call
-        (``tool_call_id``), as chat templates and verifiers expect."""
+        (``tool_call_ids``: unique within the episode), as chat templates and verifiers expect."""
         calls = parse_tool_calls(messages[-1]["content"])
-        return [{**await self.call_tool(call), "tool_call_id": tool_call_id(call, state["turn"], index)}
-                for index, call in enumerate(calls)]
+        taken = [m["tool_call_id"] for m in messages if m["role"] == "tool" and "tool_call_id" in m]
+        ids = tool_call_ids(calls, state["turn"], taken)
+        return [{**await self.call_tool(call), "tool_call_id": id_} for call, id_ in zip(calls, ids)]
 
     async def call_tool(self, call: dict[str, Any] | str) -> Message:
         """Run one parsed tool call; any problem becomes the tool message's text, for the model to read."""

@@ -23,7 +23,7 @@ from verifiers.types import Response, ResponseMessage, ResponseTokens, ToolCall,
 
 from verifiers_rl.envs.turns import TemplateError, bridge_ids
 from verifiers_rl.core.sampling import Sample, Sampler, rollout_sampling
-from verifiers_rl.envs.tools import ToolRenderer, parse_tool_calls, tool_call_id
+from verifiers_rl.envs.tools import ToolRenderer, parse_tool_calls, tool_call_ids
 
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -77,6 +77,7 @@ class EngineReply:
     model: str
     tools_offered: bool
     turn: int
+    taken_ids: list[str]  # the tool call ids of the episode's earlier turns (ids are unique within an episode)
 
 
 class EngineClient(vf.Client):
@@ -139,7 +140,8 @@ class EngineClient(vf.Client):
             )
         sample = await self.client.sample(prompt_ids, budget)
         sample.validate(budget)
-        return EngineReply(prompt_ids, sample, model, bool(tools), len(state.get("trajectory") or []))
+        taken = [call.get("id") for message in prompt for call in message.get("tool_calls") or []]
+        return EngineReply(prompt_ids, sample, model, bool(tools), len(state.get("trajectory") or []), taken)
 
     def prompt_ids(self, messages: list[dict[str, Any]], renderer: ToolRenderer, trajectory: list) -> list[int]:
         """The first turn's rendered prompt, or the previous turn's ids extended by the environment's messages."""
@@ -164,11 +166,8 @@ class EngineClient(vf.Client):
         sample = response.sample
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         calls = [c for c in parse_tool_calls(text) if isinstance(c, dict)] if response.tools_offered else []
-        tool_calls = [
-            ToolCall(id=tool_call_id(c, response.turn, k), name=c["name"],
-                     arguments=json.dumps(c["arguments"]))
-            for k, c in enumerate(calls)
-        ]
+        tool_calls = [ToolCall(id=id_, name=c["name"], arguments=json.dumps(c["arguments"]))
+                      for c, id_ in zip(calls, tool_call_ids(calls, response.turn, response.taken_ids))]
         content = _TOOL_CALL_BLOCK.sub("", text).strip() if tool_calls else text
         truncated = sample.finish_reason == "length"
         tokens = ResponseTokens(
