@@ -136,6 +136,24 @@ def test_tool_call_ids_are_unique_within_a_verifiers_episode(tokenizer):
         ("abc123xyz", "2"), ("call00001", "3"), ("call01000", "4")]
 
 
+def test_a_verifiers_tool_env_that_max_turns_stops_with_calls_pending_is_truncated(tokenizer):
+    """verifiers' ToolEnv stopped at max_turns after a turn that called a tool (its stop condition max_turns_reached):
+    the call never ran, yet the rollout was not marked truncated, as our ToolEnv marks it, so it trained as a
+    finished episode under --mask_truncated_completions. A rollout that answers on its last allowed turn is not."""
+    env = load_environment(SPEC, tokenizer=tokenizer, kind="tool", max_turns=2)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": %d}}</tool_call>'
+
+    def roll(*turns):
+        sampler = ScriptedSampler([tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id]
+                                   for t in turns])
+        (rollout,) = asyncio.run(env.rollout_group(sampler, env.dataset[0], 0, 1, seed=0))
+        return rollout
+
+    cut = roll(call % 3, call % 4)
+    assert cut.truncated and [m["role"] for m in cut.completion] == ["assistant", "tool", "assistant"]
+    assert not roll(call % 3, "It is 5.").truncated
+
+
 def test_limits_default_to_the_environment_and_a_long_prompt_stops_as_truncated(tokenizer):
     env = load_environment(SPEC, tokenizer=tokenizer, kind="multi", max_seq_len=300, sampling_args={"max_tokens": 9})
     assert (env.max_seq_len, env.max_new_tokens, env.unstated_limits) == (300, 9, frozenset())

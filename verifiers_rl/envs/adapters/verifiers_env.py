@@ -65,6 +65,18 @@ def describe_error(error: BaseException) -> str:
     return " <- ".join(parts)
 
 
+def calls_left_unrun(state: Any) -> bool:
+    """Whether ``max_turns`` ended the rollout after a model turn whose tool calls never ran (verifiers' stop condition
+    ``max_turns_reached`` fires before its ToolEnv's ``no_tools_called`` would run them): cut by a limit, truncated
+    as our ``ToolEnv`` marks it (``max_turns_truncates``). A max_turns end without pending calls is an ordinary end."""
+    from verifiers_rl.envs.adapters.verifiers_client import plain_message
+
+    if state.get("stop_condition") != "max_turns_reached" or not state.get("trajectory"):
+        return False
+    last_turn = state["trajectory"][-1].get("completion") or []
+    return bool(last_turn) and bool(plain_message(last_turn[-1]).get("tool_calls"))
+
+
 class VerifiersEnv(Environment):
     """A classic ``vf.Environment`` as a verifiers_rl Environment (module docstring).
 
@@ -231,7 +243,8 @@ class VerifiersEnv(Environment):
             ids += environment_ids + list(tokens["completion_ids"])
             mask += [0] * len(environment_ids) + [int(m) for m in tokens["completion_mask"]]
             logprobs += [0.0] * len(environment_ids) + [float(x) for x in tokens["completion_logprobs"]]
-        truncated = bool(state.get("is_truncated") or state.get("timed_out") or steps[-1]["is_truncated"])
+        truncated = bool(state.get("is_truncated") or state.get("timed_out") or steps[-1]["is_truncated"]
+                         or calls_left_unrun(state))
         return Rollout(
             prompt_ids=prompt_ids,
             completion_ids=ids,
