@@ -322,6 +322,21 @@ def test_tool_call_ids_are_unique_within_an_episode_whatever_ids_the_model_write
         ("TAB012345", "7")]
 
 
+def test_tool_calls_are_read_where_the_tokenizer_counts_their_markers_as_special_tokens(tokenizer):
+    """A reply was decoded with skip_special_tokens=True: with <tool_call> and </tool_call> special tokens (as some
+    Hermes-style tokenizers have them) the markers vanished and no call ever ran. The eos still leaves the text."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "\\boxed{5}"]
+    sampled = [tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns]
+    assert tok.convert_tokens_to_ids("<tool_call>") in sampled[0]  # one special token, as the model samples it
+    env = ToolEnv([{"question": "2 + 3?"}], Rubric(), tok, tools=[add], tool_mode="text", max_new_tokens=512,
+                  max_seq_len=4096)
+    rollout = asyncio.run(env.rollout(ScriptedSampler(sampled), env.dataset[0], 0))
+    assert [(m["role"], m["content"]) for m in rollout.completion] == [
+        ("assistant", turns[0]), ("tool", "5"), ("assistant", "\\boxed{5}")]
+
+
 def test_a_bad_tool_mode_in_env_args_is_named_as_the_environments_argument(tool_tokenizer):
     """A tool_mode given in --env_args was refused as if it came from --tool_mode, a flag the user never gave."""
     with pytest.raises(ValueError) as refused:

@@ -154,6 +154,20 @@ def test_a_verifiers_tool_env_that_max_turns_stops_with_calls_pending_is_truncat
     assert not roll(call % 3, "It is 5.").truncated
 
 
+def test_a_verifiers_tool_env_reads_calls_whose_markers_are_special_tokens(tokenizer):
+    """The client decoded a reply with skip_special_tokens=True: a tokenizer whose <tool_call> and </tool_call> are
+    special tokens lost the markers, and verifiers' ToolEnv never saw a call."""
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    env = load_environment(SPEC, tokenizer=tok, kind="tool")
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "It is 5."]
+    sampler = ScriptedSampler([tok.encode(t, add_special_tokens=False) + [tok.eos_token_id] for t in turns])
+    (rollout,) = asyncio.run(env.rollout_group(sampler, env.dataset[0], 0, 1, seed=0))
+    assert [(m["role"], m["content"]) for m in rollout.completion] == [
+        ("assistant", ""), ("tool", "5"), ("assistant", "It is 5.")]
+    assert rollout.completion[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+
+
 def test_limits_default_to_the_environment_and_a_long_prompt_stops_as_truncated(tokenizer):
     env = load_environment(SPEC, tokenizer=tokenizer, kind="multi", max_seq_len=300, sampling_args={"max_tokens": 9})
     assert (env.max_seq_len, env.max_new_tokens, env.unstated_limits) == (300, 9, frozenset())

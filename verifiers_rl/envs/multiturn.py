@@ -63,7 +63,7 @@ class MultiTurnEnv(Environment):
             out.completion_ids += sample.token_ids
             out.completion_mask += [1] * len(sample.token_ids)
             out.completion_logprobs += sample.logprobs
-            reply = {"role": "assistant", "content": self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)}
+            reply = {"role": "assistant", "content": self.decode_reply(sample.token_ids)}
             messages.append(reply)
             out.completion.append(reply)
             state["turn"] += 1
@@ -92,6 +92,10 @@ class MultiTurnEnv(Environment):
             out.completion_mask += [0] * len(env_ids)
             out.completion_logprobs += [0.0] * len(env_ids)
         return out
+
+    def decode_reply(self, token_ids: list[int]) -> str:
+        """A model turn's sampled ids as its message's text, without special tokens (the eos that ends the turn)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def environment_ids(self, messages: Messages, new: Messages, last_sampled: list[int]) -> list[int]:
         """Token ids between the model's last turn (whose last sampled token was ``last_sampled``) and its next turn:

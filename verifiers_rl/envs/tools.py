@@ -19,6 +19,7 @@ from verifiers_rl.envs.multiturn import MultiTurnEnv
 logger = logging.getLogger(__name__)
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_TOOL_CALL_MARKERS = ("<tool_call>", "</tool_call>")
 _NINE_LETTERS_AND_DIGITS = re.compile(r"[A-Za-z0-9]{9}")
 _GENERATED_ID = re.compile(r"call[0-9]{5}|T[0-9a-z]{8}")  # tool_call_id's own forms
 TOOL_MODES = ("auto", "template", "text")
@@ -259,6 +260,16 @@ def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
     return calls
 
 
+def decode_keeping_tool_calls(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """``token_ids`` as text without special tokens (the eos that ends a turn) but for ``<tool_call>`` and
+    ``</tool_call>``, which some tokenizers count as special tokens: decoded with ``skip_special_tokens=True`` they
+    vanished, and no call of the model's was ever read (``parse_tool_calls``)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    special = set(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
+    skipped = special - {i for i, token in added.items() if token.content in _TOOL_CALL_MARKERS}
+    return tokenizer.decode([i for i in token_ids if i not in skipped], skip_special_tokens=False)
+
+
 def check_tools(tools: Any) -> None:
     """Refuse ``tools`` that are not a list of named functions (``tools=add`` for ``tools=[add]``, a tool's name)."""
     if callable(tools) or isinstance(tools, (str, bytes, dict)) or not isinstance(tools, Sequence):
@@ -320,6 +331,9 @@ class ToolEnv(MultiTurnEnv):
 
     def _chat_template_kwargs_changed(self) -> None:
         self.tool_renderer = self.tool_renderer.with_kwargs(self.chat_template_kwargs)
+
+    def decode_reply(self, token_ids: list[int]) -> str:
+        return decode_keeping_tool_calls(self.tokenizer, token_ids)  # its calls are read from this text
 
     def is_completed(self, messages: Messages, state: dict[str, Any]) -> bool:
         return not parse_tool_calls(messages[-1]["content"])

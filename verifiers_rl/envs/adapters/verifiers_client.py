@@ -23,7 +23,7 @@ from verifiers.types import Response, ResponseMessage, ResponseTokens, ToolCall,
 
 from verifiers_rl.envs.turns import TemplateError, bridge_ids
 from verifiers_rl.core.sampling import Sample, Sampler, rollout_sampling
-from verifiers_rl.envs.tools import ToolRenderer, parse_tool_calls, tool_call_ids
+from verifiers_rl.envs.tools import ToolRenderer, decode_keeping_tool_calls, parse_tool_calls, tool_call_ids
 
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -164,7 +164,10 @@ class EngineClient(vf.Client):
 
     async def from_native_response(self, response: EngineReply) -> Response:
         sample = response.sample
-        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        if response.tools_offered:  # calls are read from the text: their markers may be special tokens
+            text = decode_keeping_tool_calls(self.tokenizer, sample.token_ids)
+        else:
+            text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         calls = [c for c in parse_tool_calls(text) if isinstance(c, dict)] if response.tools_offered else []
         tool_calls = [ToolCall(id=id_, name=c["name"], arguments=json.dumps(c["arguments"]))
                       for c, id_ in zip(calls, tool_call_ids(calls, response.turn, response.taken_ids))]
