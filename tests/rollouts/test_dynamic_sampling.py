@@ -129,6 +129,38 @@ def test_a_mixture_counts_the_groups_dropped_per_environment(tiny_model_dir):
     assert "flat" not in {r.env for r in record.rollouts}  # every flat group was dropped, yet its count is logged
 
 
+def failing_on_constant_rows(completion, info) -> float:
+    """Raises on every 'constant' row (a reward error: it scores 0, so those groups have no signal)."""
+    if info["constant"]:
+        raise ValueError("cannot score this row")
+    return scripted_reward(completion, info)
+
+
+def test_reward_errors_count_the_groups_dynamic_sampling_dropped_and_its_refills(tiny_model_dir):
+    """reward_errors was counted over the trained batch alone: a reward function that failed on every group the
+    filter dropped (in the batch's first pick and in its refill rounds) was logged as 0 errors. Overall and per
+    mixture entry, it counts every rollout generated."""
+    from verifiers_rl.envs.mixture import MixtureEntry, MixtureEnv
+    from verifiers_rl.rollouts.generator import as_batch
+    from verifiers_rl.training.step_batches import environment_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"question": f"Say something ({i}).", "info": {"constant": i % 2 == 0}} for i in range(12)]
+    env = SingleTurnEnv(rows, Rubric([failing_on_constant_rows]), tokenizer, max_new_tokens=8, max_seq_len=64,
+                        name="failing")
+    mixture = MixtureEnv([MixtureEntry("failing", 1, name="failing", environment=env)])
+    gen = generator(tiny_model_dir, mixture, refills=2)
+    try:
+        record = as_batch(0, gen.batch(0))  # as StepBatches.plan takes it
+    finally:
+        gen.close()
+    assert all(r.metrics["reward_errors"] == 0 for r in record.rollouts)  # every failing group was dropped
+    assert record.stats["groups_dropped"] > 0
+    assert record.stats["reward_errors"] == 4 * record.stats["groups_dropped"]  # 4 rollouts a group, 1 error each
+    logged = {**record.stats, **environment_metrics(record.rollouts, record.stats)}
+    assert logged["env/failing/reward_errors"] == record.stats["reward_errors"]
+
+
 def test_replay_filters_only(tiny_model_dir, tmp_path):
     from verifiers_rl.config.rl_config import RLConfig
     from verifiers_rl.training.trainer import RLTrainer

@@ -9,6 +9,7 @@ import re
 
 from verifiers_rl.core.rollout import Rollout
 from verifiers_rl.core.sampling import derive_seed, refill_sample
+from verifiers_rl.envs.rubric import ERRORS_METRIC
 from verifiers_rl.envs.environment import RolloutError, RolloutRefused
 
 logger = logging.getLogger("verifiers_rl.rollouts.generator")  # the generator's log, as before the split
@@ -88,7 +89,8 @@ class GroupRollouts:
     """Rolls out the groups of a batch on ``engine``: ``num_generations`` samples of each picked row.
 
     Counts (in the ``stats`` dict it is given): ``rollouts_failed`` (failed attempts), ``groups_dropped_on_error``,
-    and with dynamic sampling ``groups_kept``, ``groups_dropped``, ``refill_generations``.
+    ``reward_errors`` (of every group generated, dynamic sampling's dropped and refill groups included; per mixture
+    entry too), and with dynamic sampling ``groups_kept``, ``groups_dropped``, ``refill_generations``.
     """
 
     def __init__(self, environment, engine, rows: list, num_generations: int, prompts_per_batch: int, seed: int,
@@ -116,6 +118,7 @@ class GroupRollouts:
                 if group is not None:
                     on_group(row, group)
         groups = [group for group, _, _ in results if group is not None]
+        count_reward_errors(stats, groups)  # here, not from the batch: dynamic sampling may drop these groups
         failures = sum(failed for _, failed, _ in results)
         dropped = len(results) - len(groups)
         stats["rollouts_failed"] = stats.get("rollouts_failed", 0.0) + failures
@@ -208,3 +211,15 @@ def count_by_environment(stats: dict[str, float], dropped: list[list[Rollout]]) 
         if group[0].env is not None:
             key = f"env/{group[0].env}/groups_dropped"
             stats[key] = stats.get(key, 0.0) + 1
+
+
+def count_reward_errors(stats: dict[str, float], groups: list[list[Rollout]]) -> None:
+    """Add the reward functions that failed in ``groups``' rollouts to ``reward_errors`` and, for a mixture's entries,
+    ``env/<name>/reward_errors``."""
+    stats.setdefault("reward_errors", 0.0)
+    for rollout in (rollout for group in groups for rollout in group):
+        errors = rollout.metrics.get(ERRORS_METRIC, 0.0)
+        stats["reward_errors"] += errors
+        if rollout.env is not None:
+            key = f"env/{rollout.env}/reward_errors"
+            stats[key] = stats.get(key, 0.0) + errors

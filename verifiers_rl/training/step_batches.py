@@ -80,7 +80,8 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dict[str, float]:
     """A mixture's batch per environment (``Rollout.env``; nothing for rollouts without one), under
     ``env/<name>/``: ``reward``, ``reward_std`` (over episodes; Bessel's correction, as the overall one), ``completions/*_length``,
-    ``completions/clipped_ratio`` (truncated fraction), ``reward_errors``, ``rollouts``; and, where dynamic sampling
+    ``completions/clipped_ratio`` (truncated fraction), ``reward_errors`` (the source's count in ``stats`` where it
+    has one: every group generated, dynamic sampling's dropped ones too), ``rollouts``; and, where dynamic sampling
     ran (``stats`` holds ``groups_dropped``), ``groups_dropped`` (0 for an environment none was dropped of)."""
     out: dict[str, float] = {}
     by_env: dict[str, list[Rollout]] = {}
@@ -94,7 +95,9 @@ def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dic
         out[prefix + "reward_std"] = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
         out.update(length_metrics(prefix + "completions/{}_length", [sum(r.completion_mask) for r in members]))
         out[prefix + "completions/clipped_ratio"] = statistics.fmean(float(r.truncated) for r in members)
-        out[prefix + "reward_errors"] = float(sum(r.metrics.get(ERRORS_METRIC, 0.0) for r in members))
+        # The source's count where it kept one (every group generated, dropped ones too), else the batch's.
+        out[prefix + "reward_errors"] = stats.get(prefix + "reward_errors",
+                                                  float(sum(r.metrics.get(ERRORS_METRIC, 0.0) for r in members)))
         out[prefix + "rollouts"] = float(len(members))
         if "groups_dropped" in stats:
             out[prefix + "groups_dropped"] = stats.get(prefix + "groups_dropped", 0.0)
