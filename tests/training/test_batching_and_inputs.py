@@ -405,3 +405,21 @@ def test_share_prompt_must_be_a_known_mode():
     # Checked once, by the config; BatchingConfig is built from a checked config.
     with pytest.raises(ValueError, match="share_prompt_training"):
         RLConfig(output_dir="/tmp/unused", use_cpu=True, report_to="none", share_prompt_training="always")
+
+
+def test_reward_function_std_and_terminated_lengths_take_trls_edge_values():
+    """rewards/<fn>/std read 0.0 where one episode had the function's value; TRL's nanstd (its own code, run here)
+    gives NaN there. With every rollout truncated, *_terminated_length are 0, as TRL's (it measures a zero)."""
+    import math
+
+    from trl.trainer.utils import nanstd
+
+    from verifiers_rl.training.step_batches import rollout_metrics
+
+    rollouts = random_rollouts(num_groups=1, group_size=3, vocab_size=50, seed=0)
+    for rollout, metrics in zip(rollouts, ({"everyone": 0.25, "some": 0.25}, {"everyone": 1.0}, {"everyone": 0.5})):
+        rollout.metrics, rollout.truncated = metrics, True  # "some" scored one episode alone
+    metrics = rollout_metrics(rollouts)
+    assert math.isnan(metrics["rewards/some/std"]) and math.isnan(nanstd(torch.tensor([0.25])).item())
+    assert metrics["rewards/everyone/std"] == pytest.approx(nanstd(torch.tensor([0.25, 1.0, 0.5])).item())
+    assert [metrics[f"completions/{s}_terminated_length"] for s in ("mean", "min", "max")] == [0.0, 0.0, 0.0]

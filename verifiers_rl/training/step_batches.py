@@ -8,6 +8,7 @@ before the next batch. The position (``batch_index``, ``iteration``, the slice i
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from typing import Callable
@@ -61,9 +62,10 @@ def first_branches(rollouts: list[Rollout]) -> list[Rollout]:
 def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
     """A batch's completion lengths, each reward function's values and what reward functions logged, under TRL's
     metric names: ``completions/{mean,min,max}_length`` (sampled tokens: mask 1, as TRL counts with an env mask),
-    ``completions/{mean,min,max}_terminated_length`` (of the rollouts not truncated; 0 when none),
+    ``completions/{mean,min,max}_terminated_length`` (of the rollouts not truncated; 0 when none, as TRL's),
     ``rewards/<name>/{mean,std}`` (over the episodes that have the metric, an episode of several branches once;
-    std with Bessel's correction, as TRL's ``nanstd``) and each ``log_metric`` name (its mean)."""
+    std with Bessel's correction, NaN for one episode, as TRL's ``nanstd``) and each ``log_metric`` name (its
+    mean)."""
     lengths = [sum(r.completion_mask) for r in rollouts]
     out = length_metrics("completions/{}_length", lengths)
     out.update(length_metrics("completions/{}_terminated_length",
@@ -72,7 +74,8 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
         if name == ERRORS_METRIC:
             continue
         out[f"rewards/{name}/mean"] = statistics.fmean(found)
-        out[f"rewards/{name}/std"] = statistics.stdev(found) if len(found) > 1 else 0.0
+        # NaN for one value, as TRL's nanstd: no spread is measured (0.0 would read as "every episode agreed").
+        out[f"rewards/{name}/std"] = statistics.stdev(found) if len(found) > 1 else math.nan
     out.update({name: statistics.fmean(found) for name, found in metric_values(rollouts, "logged_metrics").items()})
     return out
 
