@@ -104,7 +104,8 @@ def test_tool_env_runs_tools_and_feeds_results_back(tool_tokenizer):
 def test_tool_modes_template_text_and_auto(tokenizer, tool_tokenizer, caplog):
     """A template without tool support gets the tools described in the system prompt (auto, with a notice, or
     tool_mode="text"); tool_mode="template" refuses it; a template with tool support shows them itself."""
-    with pytest.raises(ValueError, match=r"does not show the tools \['add'\] to the model; .*--tool_mode text"):
+    with pytest.raises(ValueError, match=r"does not show the tools \['add'\] to the model; .*tool_mode='text' \(the "
+                                         r"environment's tool_mode argument"):
         ToolEnv([{"question": "q"}], Rubric(), tokenizer, tools=[add], tool_mode="template")
     with caplog.at_level(logging.WARNING):
         auto = ToolEnv([{"question": "q"}], Rubric(), tokenizer, tools=[add], system_prompt="Use tools.")
@@ -134,7 +135,8 @@ def test_a_template_asking_for_another_call_format_gets_the_tools_as_text(tokeni
         env = ToolEnv([{"question": "q"}], Rubric(), other, tools=[add])
     assert env.tool_mode == "text" and "asks for tool calls in a format of its own" in caplog.text
     assert "<tool_call>" in env.render(env.dataset[0].prompt, True)
-    with pytest.raises(ValueError, match=r"asks for tool calls in a format of its own.*--tool_mode text"):
+    with pytest.raises(ValueError, match=r"asks for tool calls in a format of its own.*tool_mode='text' \(the "
+                                         r"environment's tool_mode argument"):
         ToolEnv([{"question": "q"}], Rubric(), other, tools=[add], tool_mode="template")
 
 
@@ -344,6 +346,18 @@ def test_a_bad_tool_mode_in_env_args_is_named_as_the_environments_argument(tool_
     message = str(refused.value)
     assert "calculator: unknown tool_mode 'bogus' given to the environment" in message and "--env_args" in message
     assert "--tool_mode" not in message
+
+
+def test_a_template_mode_the_template_cannot_show_names_what_set_it(tokenizer):
+    """tool_mode 'template' given in --env_args, with a template without tool support, was refused with "or
+    tool_mode='text' (--tool_mode text)": a flag that does not override the environment's own argument, so the
+    advice failed again. The error names --env_args there, and --tool_mode where the flag set the mode."""
+    with pytest.raises(ValueError) as given:
+        load_with_args("calculator", tokenizer, "text", env_args={"tool_mode": "template"})  # --tool_mode text
+    assert "e.g. in --env_args; --tool_mode does not override it" in str(given.value)
+    with pytest.raises(ValueError) as flag:
+        load_with_args("calculator", tokenizer, "template", env_args={})
+    assert "tool_mode='text' (--tool_mode text)" in str(flag.value) and "--env_args" not in str(flag.value)
 
 
 def test_tool_calls_of_the_last_turn_max_turns_allows_mark_the_rollout_truncated(tool_tokenizer):

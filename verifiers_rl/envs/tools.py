@@ -81,7 +81,9 @@ class ToolRenderer:
     """
 
     def __init__(self, tokenizer: Any, schemas: Sequence[dict[str, Any]], mode: str | None = None, name: str = "ToolEnv",
-                 chat_template_kwargs: dict[str, Any] | None = None):
+                 chat_template_kwargs: dict[str, Any] | None = None, mode_given: bool | None = None):
+        # Whether the environment was given its mode (which --tool_mode does not override): errors name what fixes it.
+        self.mode_given = mode is not None if mode_given is None else mode_given
         mode = current_tool_mode(name) if mode is None else mode
         if mode not in TOOL_MODES:
             # --tool_mode was checked by default_tool_mode: this one was given to the environment itself.
@@ -105,10 +107,11 @@ class ToolRenderer:
                     "has no tool support" if problem.startswith("does not show") else problem,
                 )
         elif mode == "template" and problem:
+            where = ("the environment's tool_mode argument, e.g. in --env_args; --tool_mode does not override it"
+                     if self.mode_given else "--tool_mode text")
             raise ValueError(
                 f"{name}: the tokenizer's chat template {problem}; use a chat template with tool support that asks "
-                "for <tool_call> blocks, or tool_mode='text' (--tool_mode text) to describe the tools in the system "
-                "prompt."
+                f"for <tool_call> blocks, or tool_mode='text' ({where}) to describe the tools in the system prompt."
             )
         # Gemma's refuses a "tool" message (roles must alternate), others drop it: results then go in a user turn.
         self.tool_role = self.mode == "template" or self._shows_tool_messages()
@@ -118,7 +121,8 @@ class ToolRenderer:
 
     def with_kwargs(self, chat_template_kwargs: dict[str, Any]) -> "ToolRenderer":
         """A renderer of the same tools and requested mode with ``chat_template_kwargs`` (``auto`` decides anew)."""
-        return ToolRenderer(self.tokenizer, self.schemas, self.requested_mode, self.name, chat_template_kwargs)
+        return ToolRenderer(self.tokenizer, self.schemas, self.requested_mode, self.name, chat_template_kwargs,
+                            self.mode_given)
 
     def _template_problem(self) -> str | None:
         """Why the chat template cannot offer the tools (None if it can): it must show every tool's name and ask for

@@ -92,12 +92,13 @@ class EngineClient(vf.Client):
 
     def __init__(self, sampler: Sampler | None, tokenizer: Any, *, max_seq_len: int, max_new_tokens: int,
                  tool_mode: str, name: str, renderers: dict[str, ToolRenderer] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None):
+                 chat_template_kwargs: dict[str, Any] | None = None, tool_mode_given: bool = False):
         super().__init__(sampler)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.max_new_tokens = max_new_tokens
         self.tool_mode = tool_mode
+        self.tool_mode_given = tool_mode_given  # False: tool_mode is --tool_mode's (ToolRenderer.mode_given)
         self.name = name
         self._renderers = {} if renderers is None else renderers  # shared by an environment's clients
         self.chat_template_kwargs = dict(chat_template_kwargs or {})  # the environment's: every rendering gets them
@@ -110,7 +111,7 @@ class EngineClient(vf.Client):
         key = json.dumps(schemas or [], sort_keys=True)
         if key not in self._renderers:
             self._renderers[key] = ToolRenderer(self.tokenizer, schemas or [], self.tool_mode, self.name,
-                                                self.chat_template_kwargs)
+                                                self.chat_template_kwargs, self.tool_mode_given)
         return self._renderers[key]
 
     def encode(self, text: str) -> list[int]:

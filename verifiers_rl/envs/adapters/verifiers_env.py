@@ -127,7 +127,8 @@ class VerifiersEnv(Environment):
         except ValueError as error:
             raise ValueError(f"{name}: the verifiers environment has no training dataset ({error}).") from error
         held_out = vf_env.build_eval_dataset()
-        self._client_args = dict(tokenizer=tokenizer, tool_mode=self.tool_mode, name=name, renderers={})
+        self._client_args = dict(tokenizer=tokenizer, tool_mode=self.tool_mode, name=name, renderers={},
+                                 tool_mode_given=tool_mode is not None)
         super().__init__(
             list(train),
             Rubric(),  # unused: the verifiers environment's own rubric scores
