@@ -220,6 +220,15 @@ def test_parse_tool_calls_formats():
     assert parse_tool_calls("no calls, <tool_call>unclosed") == []
 
 
+def test_arguments_written_as_a_string_that_is_not_json_are_named_as_such():
+    """A call whose arguments are a string that is not JSON was reported as "the tool call is not valid JSON", though
+    the call was: the model read that its whole call was malformed."""
+    (problem,) = parse_tool_calls('<tool_call>{"name": "add", "arguments": "a=1, b=2"}</tool_call>')
+    assert problem.startswith("the tool call's arguments are a string that is not valid JSON (Expecting value): ")
+    (problem,) = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}</tool_call>')
+    assert problem.startswith("the tool call is not valid JSON (")
+
+
 def test_the_eval_cli_shows_the_tools_as_its_tool_mode_flag_says(tiny_model_dir, tool_tokenizer, tmp_path, capsys):
     """A run trained with --tool_mode text evaluates as it trained only if `verifiers-rl eval` takes the flag too: the
     template would otherwise show the tools its own way, to prompts the model never trained on."""

@@ -250,12 +250,17 @@ def parse_tool_calls(text: str) -> list[dict[str, Any] | str]:
     for body in _TOOL_CALL.findall(text):
         try:
             call = json.loads(body)
-            arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)  # some models write the arguments as a JSON string
         except json.JSONDecodeError as error:
             calls.append(f"the tool call is not valid JSON ({error.msg}): {body.strip()!r}")
             continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError as error:  # the call itself was JSON: say which part is not
+                calls.append(f"the tool call's arguments are a string that is not valid JSON ({error.msg}): "
+                             f"{body.strip()!r}")
+                continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             calls.append(f'a tool call must be {{"name": <string>, "arguments": <object>}}, got {body.strip()!r}')
             continue
