@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
+import statistics
 import threading
 import time
 
@@ -73,6 +75,9 @@ def test_summary_metrics_average_rollouts_and_pass_rates_over_prompts():
     assert metrics["eval_completion_tokens"] == pytest.approx(3.0)  # 2, 3, 4 tokens per prompt
     assert metrics["eval_truncated_fraction"] == pytest.approx(2 / 6)
     assert (metrics["eval_num_prompts"], metrics["eval_samples_per_prompt"]) == (2.0, 3.0)
+    # eval_reward_std was the population std; TRL's evaluation logs nanstd (Bessel's correction), as training does.
+    assert metrics["eval_reward_std"] == pytest.approx(statistics.stdev([1.0, 0.5, 1.0, 0.0, 0.0, 0.25]))
+    assert math.isnan(summarize(samples[:1], 1, 1.0, seconds=1.0).metrics()["eval_reward_std"])  # as TRL's nanstd
     # A lower threshold: 0.5 passes too.
     loose = summarize([_sample(s.row.index, s.sample, s.rollout.reward, 2, threshold=0.5) for s in samples], 3, 0.5, 1.0)
     assert loose.metrics()["eval_pass@1"] == pytest.approx((1 + 0) / 2)

@@ -230,7 +230,8 @@ def summarize(samples: list[EvalSample], samples_per_prompt: int, pass_threshold
         samples_per_prompt=samples_per_prompt,
         pass_threshold=pass_threshold,
         reward=statistics.fmean(rewards),
-        reward_std=statistics.pstdev(rewards),
+        # Bessel's correction (NaN for one sample), as training's reward_std and TRL's evaluation (its nanstd).
+        reward_std=statistics.stdev(rewards) if len(rewards) > 1 else math.nan,
         pass_at=pass_at,
         reward_functions=functions,
         reward_errors=float(sum(s.rollout.metrics.get(ERRORS_METRIC, 0.0) for s in samples)),
