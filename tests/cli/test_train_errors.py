@@ -415,10 +415,12 @@ def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
     (["--use_peft", "--lora_dropout", "0", "--lora_target_parameters", "mlp.down_proj.wieght"],
      "--lora_target_parameters mlp.down_proj.wieght: no parameter of the model is named so"),
     # The tiny model ties lm_head to embed_tokens: training either apart made the weight sync probe fail every step.
-    (["--use_peft", "--lora_target_modules", "q_proj", "embed_tokens"], "--lora_target_modules embed_tokens: the "
-                                                                        "model ties model.embed_tokens and lm_head"),
-    (["--use_peft", "--lora_modules_to_save", "lm_head"], "--lora_modules_to_save lm_head: the model ties "
-                                                          "model.embed_tokens and lm_head (tie_word_embeddings)"),
+    (["--use_peft", "--lora_target_modules", "q_proj", "embed_tokens"], "--lora_target_modules embed_tokens "
+                                                                        "(peft_config's target_modules): the model "
+                                                                        "ties model.embed_tokens and lm_head"),
+    (["--use_peft", "--lora_modules_to_save", "lm_head"], "--lora_modules_to_save lm_head (peft_config's "
+                                                          "modules_to_save): the model ties model.embed_tokens and "
+                                                          "lm_head (tie_word_embeddings)"),
 ])
 def test_lora_flags_out_of_range_unmatched_or_without_use_peft_are_one_line(flags, message, tiny_model_dir,
                                                                            tmp_path, capsys):

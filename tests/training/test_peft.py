@@ -213,3 +213,53 @@ def test_adapters_on_an_untied_input_embedding_reach_the_engine(lora_work, tmp_p
     name = "model.embed_tokens.weight"
     base = dict(AutoModelForCausalLM.from_pretrained(untied, dtype=torch.float32).named_parameters())[name]
     assert not torch.equal(dict(trainer.engine.model.named_parameters())[name], base)  # the embedding's adapters
+
+
+def replay_args(lora_work, output_dir):
+    return RLConfig(output_dir=str(output_dir), use_cpu=True, report_to="none", save_strategy="no", max_steps=1,
+                    rollouts_path=str(lora_work / "r.jsonl"), rollouts_per_step=8, max_seq_len=64,
+                    gradient_checkpointing=False, disable_tqdm=True)
+
+
+@pytest.mark.parametrize("given", ["peft_config", "PeftModel"])
+@pytest.mark.parametrize("lora, message", ids=["target_modules", "modules_to_save lm_head", "modules_to_save embed"],
+                         argvalues=[
+    (dict(target_modules=["q_proj", "embed_tokens"]), r"--lora_target_modules embed_tokens \(peft_config's "
+                                                      r"target_modules\): the model ties model.embed_tokens and "
+                                                      r"lm_head \(tie_word_embeddings\)"),
+    (dict(target_modules=["q_proj"], modules_to_save=["lm_head"]), r"--lora_modules_to_save lm_head \(peft_config's "
+                                                                  r"modules_to_save\): the model ties"),
+    (dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"]), r"--lora_modules_to_save embed_tokens "),
+])
+def test_adapters_that_untie_tied_embeddings_are_refused_from_python(lora_work, tiny_model_dir, tmp_path, lora,
+                                                                     message, given):
+    """The tiny model ties lm_head to embed_tokens: adapters on one of them (or a modules_to_save copy of one) trained
+    the pair apart while the engine samples from their one matrix, and the weight sync probe failed every step (gaps
+    of 3-67 nats) as training went on off-policy. The command refused it; RLTrainer(peft_config=...) did not."""
+    from peft import get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **lora)
+    model = tiny_model_dir if given == "peft_config" else get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        RLTrainer(model, replay_args(lora_work, tmp_path),
+                  processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                  peft_config=config if given == "peft_config" else None)
+
+
+def test_a_tied_pair_trained_as_one_is_accepted(lora_work, tiny_model_dir, tmp_path):
+    """peft's ensure_weight_tying keeps the modules_to_save copies of the tied pair one matrix: as the engine holds
+    it, so the trained policy is what the engine samples (the post-sync probe)."""
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"], modules_to_save=["lm_head"],
+                        ensure_weight_tying=True)
+    args = replay_args(lora_work, tmp_path)
+    args.learning_rate = 5e-2
+    trainer = RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                        peft_config=config)
+    trainer.train()
+    trainer.engine = EmbeddedEngine(tiny_model_dir)
+    trainer.sync_weights()
+    assert trainer._metrics["train"]["weight_sync_probe_gap"][-1] < 1e-5
+    name = "model.embed_tokens.weight"
+    base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())[name]
+    assert not torch.equal(dict(trainer.engine.model.named_parameters())[name], base)  # the trained pair reached it

@@ -151,22 +151,21 @@ def check_module_names(skeleton, lora: LoraArguments) -> None:
         raise ValueError(f"--use_peft: peft has no default adapter modules for model type "
                          f"{skeleton.config.model_type!r}; name them with --lora_target_modules (its layers: "
                          f"{layers}).")
-    tied = _tied_embeddings(skeleton, modules)
     for name in lora.lora_target_modules or ():
         if name != ALL_LINEAR:
-            _check_name("lora_target_modules", name, modules, adaptable, layers, tied)
+            _check_name("lora_target_modules", name, modules, adaptable, layers)
     for name in lora.lora_modules_to_save or ():
-        _check_name("lora_modules_to_save", name, modules, set(modules), layers, tied)
+        _check_name("lora_modules_to_save", name, modules, set(modules), layers)
     parameters = dict(skeleton.named_parameters(remove_duplicate=False))
     for name in lora.lora_target_parameters or ():
         matched = [key for key in parameters if key == name or key.endswith(f".{name}")]
         if not matched:
             raise ValueError(f"--lora_target_parameters {name}: no parameter of the model is named so (e.g. "
                              f"{next(iter(parameters))}).")
-        _check_name("lora_target_parameters", matched[0].rsplit(".", 1)[0], modules, set(modules), layers, tied)
+        _check_name("lora_target_parameters", matched[0].rsplit(".", 1)[0], modules, set(modules), layers)
 
 
-def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str, tied: list[str]) -> None:
+def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str) -> None:
     matched = [key for key in modules if key == name or key.endswith(f".{name}")]
     if not matched:
         raise ValueError(f"--{flag} {name}: no module of the model is named so (its layers LoRA adapts: {layers}).")
@@ -174,19 +173,55 @@ def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: 
     if wrong is not None:
         raise ValueError(f"--{flag} {name}: {wrong} is a {type(modules[wrong]).__name__}, which LoRA does not "
                          f"adapt; name its layers (those LoRA adapts: {layers}).")
-    if any(key in tied for key in matched):
-        raise ValueError(f"--{flag} {name}: the model ties {' and '.join(tied)} (tie_word_embeddings); training "
-                         "one apart unties them, while the engine samples from their one shared matrix (rollouts "
-                         "off-policy, the weight sync probe fails). Leave it out, or train a model whose embeddings "
-                         "are untied.")
 
 
-def _tied_embeddings(skeleton, modules: dict) -> list[str]:
-    """The names of the input and output embeddings when they share their weight, else none."""
-    embeddings = (skeleton.get_input_embeddings(), skeleton.get_output_embeddings())
-    if embeddings[1] is None or embeddings[0].weight is not embeddings[1].weight:
-        return []
-    return [key for key, module in modules.items() if any(module is embedding for embedding in embeddings)]
+def check_peft_model(model) -> None:
+    """Refuse adapters of ``model`` (a peft-wrapped model, however its ``peft_config`` was given) that the engine cannot
+    sample from: on a model whose input and output embeddings share their weight (tie_word_embeddings), an adapter or
+    a ``modules_to_save`` copy that trains one of the pair apart."""
+    if not getattr(model, "peft_config", None):
+        return
+    from peft.utils.other import ModulesToSaveWrapper
+
+    modules = {module: name for name, module in model.get_base_model().named_modules()}  # the model's own names
+    pair = (model.get_input_embeddings(), model.get_output_embeddings())
+    if pair[1] is None or _original(pair[0]).weight is not _original(pair[1]).weight:
+        return  # untied: each trains apart as the engine holds it
+    names = [modules[module] for module in pair]
+    for module, name in zip(pair, names):
+        apart = isinstance(module, ModulesToSaveWrapper) and pair[0].weight is not pair[1].weight
+        if _is_adapter(module) or apart:
+            setting = "modules_to_save" if apart else _adapter_setting(module)
+            raise ValueError(_tied_refusal(setting, name.rsplit(".", 1)[-1], names))
+
+
+def _original(module):
+    """The model's own module under a peft wrapper (an adapter layer's base layer, a ``modules_to_save`` original)."""
+    if _is_adapter(module):
+        return module.get_base_layer()
+    return getattr(module, "original_module", module)
+
+
+def _is_adapter(module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
+
+
+def _adapter_setting(module) -> str:
+    from peft.tuners.lora import ParamWrapper
+
+    return "target_parameters" if isinstance(module, ParamWrapper) else "target_modules"
+
+
+def _tied_refusal(setting: str, name: str, tied: list[str]) -> str:
+    """The refusal of ``setting`` (a ``LoraConfig`` key) naming ``name``, one of the ``tied`` embeddings."""
+    fix = (" (from Python, LoraConfig(ensure_weight_tying=True) trains the pair as one)"
+           if setting == "modules_to_save" else "")
+    return (f"--lora_{setting} {name} (peft_config's {setting}): the model ties {' and '.join(tied)} "
+            "(tie_word_embeddings); training one apart unties them, while the engine samples from their one shared "
+            f"matrix (rollouts off-policy, the weight sync probe fails). Leave it out{fix}, or train a model whose "
+            "embeddings are untied.")
 
 
 def _adaptable(module) -> bool:

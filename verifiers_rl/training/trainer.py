@@ -32,6 +32,7 @@ from verifiers_rl.training import progress
 from verifiers_rl.training import reporting
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.training.adapter_reference import AdapterReference, AdapterReferenceCallback
+from verifiers_rl.config.lora import check_peft_model
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import (
     collective_failure_note,
@@ -341,6 +342,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
             optimizers=optimizers,
             peft_config=peft_config,
         )
+        check_peft_model(unwrap(self.model))  # wrapped by now, whether peft_config or a PeftModel was given
         _check_launch(self.accelerator, self.is_deepspeed_enabled)
         self.loss_fn = loss_fn
         self.args.sync_ref_model = args.sync_ref_model  # what runs (TRL's callback or the adapters' reference)
