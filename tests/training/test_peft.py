@@ -263,3 +263,19 @@ def test_a_tied_pair_trained_as_one_is_accepted(lora_work, tiny_model_dir, tmp_p
     name = "model.embed_tokens.weight"
     base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())[name]
     assert not torch.equal(dict(trainer.engine.model.named_parameters())[name], base)  # the trained pair reached it
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_trainable_token_indices_are_refused_naming_them(lora_work, tiny_model_dir, tmp_path, tied):
+    """peft's trainable_token_indices (a few rows of the embedding trained): the first step failed with an
+    AttributeError in the output layer (tied) or the first weight sync with an unknown weight
+    model.embed_tokens.token_adapter.weight (untied)."""
+    from verifiers_rl.core.models import build_tiny_model
+
+    model = tiny_model_dir if tied else str(build_tiny_model(tmp_path / "untied", tie_word_embeddings=False))
+    config = LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [5, 6]})
+    wrapped = "model.embed_tokens, lm_head" if tied else "model.embed_tokens"  # peft ties the output layer's too
+    with pytest.raises(ValueError, match=rf"^peft_config trainable_token_indices \({wrapped}\): the weight sync "
+                                         "cannot merge"):
+        RLTrainer(model, replay_args(lora_work, tmp_path), processing_class=AutoTokenizer.from_pretrained(model),
+                  peft_config=config)

@@ -177,13 +177,19 @@ def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: 
 
 def check_peft_model(model) -> None:
     """Refuse adapters of ``model`` (a peft-wrapped model, however its ``peft_config`` was given) that the engine cannot
-    sample from: on a model whose input and output embeddings share their weight (tie_word_embeddings), an adapter or
-    a ``modules_to_save`` copy that trains one of the pair apart."""
+    sample from: peft's ``trainable_token_indices`` (its token adapters have no merged weight here), and on a model
+    whose input and output embeddings share their weight (tie_word_embeddings) an adapter or a ``modules_to_save``
+    copy that trains one of the pair apart."""
     if not getattr(model, "peft_config", None):
         return
-    from peft.utils.other import ModulesToSaveWrapper
+    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 
     modules = {module: name for name, module in model.get_base_model().named_modules()}  # the model's own names
+    tokens = [name for module, name in modules.items() if isinstance(module, TrainableTokensWrapper)]
+    if tokens:
+        raise ValueError(f"peft_config trainable_token_indices ({', '.join(tokens)}): the weight sync cannot merge "
+                         "its token adapters into the engine's embedding. Leave it out, or train the embedding whole "
+                         "(modules_to_save).")
     pair = (model.get_input_embeddings(), model.get_output_embeddings())
     if pair[1] is None or _original(pair[0]).weight is not _original(pair[1]).weight:
         return  # untied: each trains apart as the engine holds it
