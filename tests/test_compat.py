@@ -192,3 +192,19 @@ def test_onednn_private_ops_compute_a_linear_and_the_version_counter_counts_in_p
     before = compat.tensor_version(weight)
     weight.copy_(weight * 2)
     assert compat.tensor_version(weight) > before
+
+
+def test_trl_gives_a_peft_model_with_adapters_a_ref_copy_that_peft_reference_activates(tmp_path, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    write_rollouts(tmp_path / "r.jsonl", random_rollouts(2, 4, vocab_size=390, seed=3))
+    args = RLConfig(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", save_strategy="no", beta=0.1,
+                    rollouts_path=str(tmp_path / "r.jsonl"), rollouts_per_step=8, max_steps=1, disable_tqdm=True,
+                    gradient_checkpointing=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, lora_dropout=0.0))
+    RLTrainer(model, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert compat.TRL_REFERENCE_ADAPTER in model.peft_config
+    with compat.peft_reference(model):
+        assert model.active_adapter == compat.TRL_REFERENCE_ADAPTER
+    assert model.active_adapter == "default"

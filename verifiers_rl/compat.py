@@ -64,6 +64,22 @@ def replaced_forward(module, forward):
             module.forward = previous
 
 
+TRL_REFERENCE_ADAPTER = "ref"
+
+
+def peft_reference(model):
+    """A context in which the PEFT ``model`` computes what TRL takes as its KL reference.
+
+    trl 1.16: ``GRPOTrainer.__init__`` gives a ``PeftModel`` passed with trained adapters (beta != 0) a frozen copy
+    of them, the adapter ``"ref"``, and its reference forward runs under ``use_adapter(model, "ref")``; a
+    ``peft_config``'s new adapters have none, and the reference is the model with its adapters disabled.
+    """
+    from trl.trainer.utils import use_adapter
+
+    copied = TRL_REFERENCE_ADAPTER in getattr(model, "peft_config", {})
+    return use_adapter(model, adapter_name=TRL_REFERENCE_ADAPTER if copied else None)
+
+
 def reporting_backend(callback) -> Any | None:
     """The live module object (``trackio`` / ``wandb``) behind a transformers reporting callback, or None when it has
     not started a run (tensorboard has a public ``tb_writer`` and needs no help).

@@ -279,3 +279,19 @@ def test_trainable_token_indices_are_refused_naming_them(lora_work, tiny_model_d
                                          "cannot merge"):
         RLTrainer(model, replay_args(lora_work, tmp_path), processing_class=AutoTokenizer.from_pretrained(model),
                   peft_config=config)
+
+
+def test_a_peft_model_given_with_trained_adapters_is_its_own_kl_reference(lora_work, tiny_model_dir, tmp_path):
+    """TRL: a PeftModel passed with trained adapters (beta != 0) gets a frozen copy of them ("ref") as its KL
+    reference, so the first step's KL is 0. Ours took the base model with adapters disabled: KL > 0 from step 1,
+    pulling the adapters back towards nothing."""
+    from peft import get_peft_model
+
+    trained = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), trained)
+    args = replay_args(lora_work, tmp_path)
+    args.max_steps, args.beta, args.learning_rate, args.logging_steps = 2, 0.5, 5e-2, 1
+    trainer = RLTrainer(model, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer.train()
+    kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kl[0] == 0.0 and kl[1] > 0.0, kl  # against the base model step 1's KL is > 0

@@ -95,7 +95,8 @@ GRPO_FIELDS: dict[str, Field] = {
     "vllm_gpu_memory_utilization": _TRL_VLLM,
     "vllm_max_model_length": _TRL_VLLM,
     "vllm_tensor_parallel_size": _TRL_VLLM,
-    "beta": _acts("KL coefficient against the reference model (the base model under LoRA)"),
+    "beta": _acts("KL coefficient against the reference model (under LoRA the base model, or the initial adapters "
+                   "of a PeftModel given with trained ones, as TRL)"),
     "num_iterations": _acts("updates per batch (proximal log-probs computed once per batch)"),
     "epsilon": _acts("lower clip of the PPO ratio"),
     "delta": _acts("the two-sided (INTELLECT-2) clip: the unclipped ratio is bounded by delta too"),

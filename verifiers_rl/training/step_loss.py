@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from verifiers_rl import compat
 from verifiers_rl.training.batching import MicroBatch, RankBatch
 from verifiers_rl.training.entropy_terms import EntropyTerms
 from verifiers_rl.training.loss import GlobalCounts, LossSettings, aggregation_weights, per_token_loss
@@ -65,8 +66,8 @@ class StepLoss:
     correction and KL, or ``loss_fn``), ``fill_fixed_logprobs`` once per batch, ``logprobs`` for any forward.
 
     ``reference()`` returns the trainer's ``(ref_model, adapter_reference)``: either may be None (then a PEFT model's
-    base is the reference). ``args`` supplies the log-prob temperature and chunk size, ``num_iterations`` and
-    ``loss_type``.
+    base is the reference, or TRL's copy of the adapters of a ``PeftModel`` given: ``compat.peft_reference``).
+    ``args`` supplies the log-prob temperature and chunk size, ``num_iterations`` and ``loss_type``.
     """
 
     def __init__(self, args, settings: LossSettings, entropy: EntropyTerms, metrics: StepMetrics,
@@ -134,7 +135,7 @@ class StepLoss:
         if adapter_reference is not None:  # PEFT with sync_ref_model: the base and the mixed adapters
             with adapter_reference.swapped():
                 return self.logprobs(model, mb).logps
-        with unwrap(model).disable_adapter():  # PEFT: the base model is the reference
+        with compat.peft_reference(unwrap(model)):  # PEFT: the base model, or TRL's copy of adapters given trained
             return self.logprobs(model, mb).logps
 
     def logprobs(self, model, mb: MicroBatch):
