@@ -107,3 +107,29 @@ def test_lora_target_parameters_trains_adapters_of_parameters_the_engine_gets_me
     # The second sync holds the trained adapters: the engine samples base + merged (it would differ otherwise).
     gaps = [entry["weight_sync_probe_gap"] for entry in trainer.state.log_history if "weight_sync_probe_gap" in entry]
     assert len(gaps) == 2 and max(gaps) < 1e-5, gaps
+
+
+def test_use_peft_on_a_folder_of_adapters_trains_them_on_their_own_base(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """--model <a run's adapters> --use_peft trained new adapters over the old ones merged into a folder of this
+    machine's cache, which the new adapter_config.json named as base_model_name_or_path: they loaded nowhere else.
+    The folder's adapters now train on over their own base model (the KL reference: them as given, as TRL)."""
+    monkeypatch.setenv("VERIFIERS_RL_CACHE", str(tmp_path / "cache"))  # the merged folder the engine loads
+    first = tmp_path / "first"
+    assert main(command(tiny_model_dir, first, "--max_steps", "1")) == 0
+    argv = command(str(first), tmp_path / "second", "--max_steps", "2", "--beta", "0.1",
+                   "--logging_steps", "1", lora=["--use_peft", "--lora_dropout", "0"])  # theirs is 0.05
+    trainer, before = train(argv)
+    given = load_file(first / "adapter_model.safetensors")
+    start = {name.replace(".modules_to_save", "").replace(".default", ""): p  # as peft saves them
+             for name, p in before.items() if ".default." in name}
+    assert sorted(start) == sorted(given) and all(torch.equal(start[name], given[name]) for name in given)
+    kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kl[0] == 0.0 and kl[1] > 0.0, kl  # step 1: the policy is its reference
+    trainer.save_model(str(tmp_path / "second"))
+    saved = json.loads((tmp_path / "second" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == tiny_model_dir
+    # Their shape is theirs: a flag that would shape others is refused naming theirs.
+    assert refusal([*argv, "--lora_r", "8"], capsys) == (
+        f"--lora_r 8: --model {first} holds LoRA adapters (--use_peft --lora_r 4 --lora_alpha 8 --lora_target_modules "
+        "q_proj v_proj --lora_modules_to_save norm), which --use_peft trains on as they are. Leave the flag out, or "
+        "train new adapters from their base model.")

@@ -36,7 +36,8 @@ from trl import TrlParser
 from verifiers_rl.training import progress
 from verifiers_rl.cli.eval import check_model_folder
 from verifiers_rl.cli.sections import SectionedParser
-from verifiers_rl.config.lora import LORA_FLAGS, LoraArguments, check_lora_flags, peft_config_of
+from verifiers_rl.config.lora import (LORA_FLAGS, LoraArguments, check_continued_flags, check_lora_flags,
+                                      peft_config_of)
 from verifiers_rl.config.rl_config import RLConfig
 from verifiers_rl.training.distributed import MainProcessError, leave_process_group
 from verifiers_rl.training.weight_stream import WeightSyncError
@@ -51,9 +52,10 @@ from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
 from verifiers_rl.inference.factory import build_engine, model_load_kwargs
 from verifiers_rl.inference.vllm.http import VLLMError
-from verifiers_rl.core.models import load_tokenizer, resolve_model
+from verifiers_rl.core.models import ADAPTER_CONFIG, load_tokenizer, resolve_model
 from verifiers_rl.core.launch import launched_rank, launched_world_size
 from verifiers_rl.training.preemption import TrainingPreempted
+from verifiers_rl.training.run_state import adapter_signature
 from verifiers_rl.training.trainer import RLTrainer
 
 
@@ -259,7 +261,8 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     check_lora_flags(script_args, given, config.disable_dropout)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model, tokenizer = checked_model(script_args.model)
-    peft_config = peft_config_of(script_args, model, model_load_kwargs(config))
+    trained = continued_adapters(script_args, given, config)  # None unless --use_peft on a folder of adapters
+    peft_config = None if trained is not None else peft_config_of(script_args, model, model_load_kwargs(config))
     live = {}
     with default_tool_mode(script_args.tool_mode) as tool_mode_readers:
         if not config.rollouts_path:
@@ -286,12 +289,35 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
         config.check_logging_steps("logging_steps" in given)
         if "logging_steps" not in given and config.logging_strategy != "steps":  # QUICKSTART's, not the user's
             config.logging_steps = RLConfig.logging_steps  # which the trainer's own check lets by
-        trainer = RLTrainer(model=model, args=config, processing_class=tokenizer, peft_config=peft_config, **live)
+        trainer = RLTrainer(model=model if trained is None else trained, args=config, processing_class=tokenizer,
+                            peft_config=peft_config, **live)
         return trainer, live, config
     except ValueError:
         if live.get("engine") is not None:
             live["engine"].close()
         raise
+
+
+def continued_adapters(script_args: ScriptArguments, given: set[str], config: RLConfig):
+    """With --use_peft, a --model folder of LoRA adapters as the adapters to train: its base model with them,
+    trainable (new adapters over their merged weights would record a cache folder of this machine as their base).
+    None for any other --model, or without --use_peft (the merged weights then train whole)."""
+    folder = Path(script_args.model).expanduser()
+    if not script_args.use_peft or not (folder / ADAPTER_CONFIG).is_file():
+        return None
+    from peft import PeftConfig, PeftModel
+    from trl.trainer.utils import create_model_from_path
+
+    saved = PeftConfig.from_pretrained(str(folder))
+    check_continued_flags(script_args, given, script_args.model, adapter_signature(saved))
+    if "lora_dropout" in given:
+        saved.lora_dropout = script_args.lora_dropout
+    kwargs = {"trust_remote_code": config.trust_remote_code, **(config.model_init_kwargs or {})}
+    if config.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        kwargs["device_map"] = None  # as TRL loads a model by id
+    base = resolve_model(saved.base_model_name_or_path, f"--model {script_args.model}: its base_model_name_or_path")
+    return PeftModel.from_pretrained(create_model_from_path(base, **kwargs), str(folder), config=saved,
+                                     is_trainable=True)
 
 
 def checked_model(name: str):

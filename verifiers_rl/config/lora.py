@@ -22,7 +22,8 @@ class LoraArguments:
     use_peft: bool = field(default=False, metadata={
         "help": "Train LoRA adapters (peft) instead of the whole model; the --lora_* flags shape them. The KL "
                 "reference is the model without adapters, the engine gets the merged weights, and --output_dir and "
-                "checkpoints hold the adapters (resume with the same --lora_* flags)."})
+                "checkpoints hold the adapters (resume with the same --lora_* flags). With a --model folder of "
+                "adapters: those adapters train on, over their base model."})
     lora_r: Annotated[int, AT_LEAST_ONE] = field(default=16, metadata={"help": "LoRA rank r. Needs --use_peft."})
     lora_alpha: Annotated[int, POSITIVE] = field(default=32, metadata={
         "help": "LoRA alpha: the adapters' update is scaled by alpha / r (alpha / sqrt(r) with --use_rslora). Needs "
@@ -104,6 +105,22 @@ def command_flags(signature: dict) -> str:
               "lora_modules_to_save": signature["modules_to_save"], "use_rslora": signature["use_rslora"],
               "use_dora": signature["use_dora"]}
     return " ".join(_flag_text(name, value) for name, value in values.items() if value)
+
+
+# The flags that shape adapters: a folder of adapters trained on has its own.
+SHAPE_FLAGS = ("lora_r", "lora_alpha", "lora_target_modules", "lora_target_parameters", "lora_modules_to_save",
+               "lora_task_type", "use_rslora", "use_dora")
+
+
+def check_continued_flags(lora: LoraArguments, given: set[str], folder: str, signature: dict) -> None:
+    """With --use_peft a --model folder of adapters (``signature``: ``run_state.adapter_signature`` of its config) is
+    trained on as it is: a flag that shapes adapters (``given``: the flags set) is refused."""
+    shaped = [name for name in SHAPE_FLAGS if name in given]
+    if shaped:
+        flags = ", ".join(_flag_text(name, getattr(lora, name)) for name in shaped)
+        raise ValueError(f"{flags}: --model {folder} holds LoRA adapters ({command_flags(signature)}), which "
+                         "--use_peft trains on as they are. Leave the flag out, or train new adapters from their "
+                         "base model.")
 
 
 def peft_config_of(lora: LoraArguments, model: str, load_kwargs: dict | None = None):
