@@ -295,3 +295,25 @@ def test_a_peft_model_given_with_trained_adapters_is_its_own_kl_reference(lora_w
     trainer.train()
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == 0.0 and kl[1] > 0.0, kl  # against the base model step 1's KL is > 0
+
+
+def test_a_folder_of_adapters_given_by_path_from_python_trains_as_from_the_command(lora_work, tiny_model_dir,
+                                                                                   tmp_path, monkeypatch):
+    """RLTrainer("<a folder of adapters>") failed inside TRL (the folder's config.json has no model_type), which the
+    command reads as their merged weights: so does RLTrainer now; beside a peft_config it is refused, saying how to
+    train those adapters on or new ones over them."""
+    from peft import get_peft_model
+
+    monkeypatch.setenv("VERIFIERS_RL_CACHE", str(tmp_path / "cache"))  # the merged folder is written there
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj"], init_lora_weights=False)
+    adapters = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    adapters.save_pretrained(tmp_path / "adapters")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "adapters")
+    merged = dict(adapters.merge_and_unload().named_parameters())
+    folder = str(tmp_path / "adapters")
+    trainer = RLTrainer(folder, replay_args(lora_work, tmp_path / "out"))
+    start = dict(trainer.model.named_parameters())
+    assert sorted(start) == sorted(merged) and all(torch.equal(start[name], merged[name]) for name in merged)
+    with pytest.raises(ValueError, match=r"^peft_config beside model='.*adapters', a folder of LoRA adapters: to "
+                                         r"train those adapters on, pass PeftModel.from_pretrained"):
+        RLTrainer(folder, replay_args(lora_work, tmp_path / "out"), peft_config=LoraConfig(r=4))

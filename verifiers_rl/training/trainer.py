@@ -186,6 +186,25 @@ def _arguments(model, positional: tuple, keywords: dict) -> dict:
     return bound
 
 
+def _adapters_as_model(model, peft_config):
+    """A folder of LoRA adapters given by path, as the command takes it without --use_peft: their base model with them
+    merged in (``core.models.resolve_model``), trained whole; TRL read the folder as no model. Beside a
+    ``peft_config`` refused: which adapters would train is the caller's to say."""
+    from pathlib import Path
+
+    from verifiers_rl.core.models import ADAPTER_CONFIG, resolve_model
+
+    if not isinstance(model, str) or not (Path(model).expanduser() / ADAPTER_CONFIG).is_file():
+        return model
+    if peft_config is not None:
+        raise ValueError(f"peft_config beside model={model!r}, a folder of LoRA adapters: to train those adapters "
+                         f"on, pass PeftModel.from_pretrained(<their base model>, {model!r}, is_trainable=True) "
+                         "and no peft_config; for new adapters over their merged weights, pass "
+                         f"model=verifiers_rl.core.models.resolve_model({model!r}) (a cache folder, which the new "
+                         "adapters then name as their base model).")
+    return resolve_model(model)
+
+
 def _is_peft(model) -> bool:
     try:
         from peft import PeftModel
@@ -280,6 +299,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         reward_processing_classes=None,
     ):
         args = _config(args, model)
+        model = _adapters_as_model(model, peft_config)
         args.check_logging_steps()
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
         record_peers()  # every rank's pid: a survivor names a peer that died
