@@ -421,6 +421,8 @@ def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
     (["--use_peft", "--lora_modules_to_save", "lm_head"], "--lora_modules_to_save lm_head (peft_config's "
                                                           "modules_to_save): the model ties model.embed_tokens and "
                                                           "lm_head (tie_word_embeddings)"),
+    (["--use_peft", "--lora_dropout", "0", "--lora_target_parameters", "embed_tokens.weight"],
+     "--lora_target_parameters embed_tokens.weight (peft_config's target_parameters): the model ties"),
 ])
 def test_lora_flags_out_of_range_unmatched_or_without_use_peft_are_one_line(flags, message, tiny_model_dir,
                                                                            tmp_path, capsys):

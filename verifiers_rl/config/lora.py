@@ -215,7 +215,8 @@ def check_peft_model(model) -> None:
         apart = isinstance(module, ModulesToSaveWrapper) and pair[0].weight is not pair[1].weight
         if _is_adapter(module) or apart:
             setting = "modules_to_save" if apart else _adapter_setting(module)
-            raise ValueError(_tied_refusal(setting, name.rsplit(".", 1)[-1], names))
+            given = name.rsplit(".", 1)[-1] + (f".{module.parameter_name}" if setting == "target_parameters" else "")
+            raise ValueError(_tied_refusal(setting, given, names))
 
 
 def _original(module):
