@@ -421,6 +421,10 @@ def test_no_vllm_server_at_the_url_is_one_error_line(capsys, tmp_path):
     (["--use_peft", "--lora_modules_to_save", "lm_head"], "--lora_modules_to_save lm_head (peft_config's "
                                                           "modules_to_save): the model ties model.embed_tokens and "
                                                           "lm_head (tie_word_embeddings)"),
+    # TRL refused it inside the trainer, naming its target_modules rather than the flag.
+    (["--use_peft", "--lora_target_modules", "q_proj", "lm_head"], "--lora_target_modules lm_head: the output layer, "
+                                                                   "whose log-probs the trainer computes from its "
+                                                                   "weight directly"),
     (["--use_peft", "--lora_dropout", "0", "--lora_target_parameters", "embed_tokens.weight"],
      "--lora_target_parameters embed_tokens.weight (peft_config's target_parameters): the model ties"),
 ])

@@ -168,9 +168,13 @@ def check_module_names(skeleton, lora: LoraArguments) -> None:
         raise ValueError(f"--use_peft: peft has no default adapter modules for model type "
                          f"{skeleton.config.model_type!r}; name them with --lora_target_modules (its layers: "
                          f"{layers}).")
+    head = skeleton.get_output_embeddings()
     for name in lora.lora_target_modules or ():
-        if name != ALL_LINEAR:
-            _check_name("lora_target_modules", name, modules, adaptable, layers)
+        if name != ALL_LINEAR and any(modules[key] is head for key in
+                                      _check_name("lora_target_modules", name, modules, adaptable, layers)):
+            raise ValueError(f"--lora_target_modules {name}: the output layer, whose log-probs the trainer computes "
+                             "from its weight directly, so an adapter there would never train (TRL refuses it too). "
+                             "Leave it out.")
     for name in lora.lora_modules_to_save or ():
         _check_name("lora_modules_to_save", name, modules, set(modules), layers)
     parameters = dict(skeleton.named_parameters(remove_duplicate=False))
@@ -182,7 +186,8 @@ def check_module_names(skeleton, lora: LoraArguments) -> None:
         _check_name("lora_target_parameters", matched[0].rsplit(".", 1)[0], modules, set(modules), layers)
 
 
-def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str) -> None:
+def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: str) -> list[str]:
+    """The modules ``name`` matches (at least one, each in ``allowed``)."""
     matched = [key for key in modules if key == name or key.endswith(f".{name}")]
     if not matched:
         raise ValueError(f"--{flag} {name}: no module of the model is named so (its layers LoRA adapts: {layers}).")
@@ -190,6 +195,7 @@ def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: 
     if wrong is not None:
         raise ValueError(f"--{flag} {name}: {wrong} is a {type(modules[wrong]).__name__}, which LoRA does not "
                          f"adapt; name its layers (those LoRA adapts: {layers}).")
+    return matched
 
 
 def check_peft_model(model) -> None:
