@@ -164,6 +164,38 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     assert len([line for line in lines if "WARNING" not in line]) <= 2, lines
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--generation_kwargs", "notjson"], "--generation_kwargs must be a dict (a JSON object on the command line), got "
+                                         "'notjson'."),
+    (["--eval_num_examples", "0"], "--eval_num_examples must be >= 1, got 0."),
+    (["--temperature", "0"], "--temperature must be > 0, got 0.0."),
+    (["--seed", "-1"], "--seed must be >= 0, got -1."),
+    (["--top_p", "2"], "--top_p must be in (0, 1], got 2.0."),
+    (["--ddp_timeout", "10"], "--ddp_timeout (10 s) must exceed --generation_timeout_s (600 s)"),
+    (["--importance_cap_min", "3"], "--importance_cap_min must satisfy 0 <= --importance_cap_min < --importance_cap."),
+    (["--generation_kwargs", '{"seed": 1}'], "--generation_kwargs['seed'] is refused: each rollout's seed derives "
+                                             "from --seed. Accepted keys: 'temperature', 'top_p', "),
+    (["--vllm_importance_sampling_mode", "foo"], "Unknown --vllm_importance_sampling_mode 'foo'; expected one of"),
+    (["--pad_to_multiple_of", "8"], "--pad_to_multiple_of='8' has no effect in verifiers_rl"),
+    (["--reward_weights", "nan"], "--reward_weights must be a list of finite numbers"),
+])
+def test_a_fields_refusal_names_the_flag_as_typed(flags, message, tmp_path, capsys):
+    # RLConfig's checks name a field as Python does (generation_kwargs): from the command, the flag (--generation_kwargs).
+    assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys).startswith(message)
+
+
+def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path):
+    from verifiers_rl.cli.sections import as_flags
+    from verifiers_rl.config.rl_config import RLConfig
+
+    with pytest.raises(ValueError, match=r"^eval_num_examples must be >= 1, got 0\.$"):
+        RLConfig(output_dir=str(tmp_path), report_to="none", eval_num_examples=0)
+    # Only names of flags, outside quotes, paths and attributes; a one-word name only where it begins the message.
+    text = "seed and max_steps: 'max_steps', a/max_steps, config.max_steps, max_stepsx, max_steps(), the seed, no_flag"
+    assert as_flags(text, {"seed", "max_steps"}) == ("--seed and --max_steps: 'max_steps', a/max_steps, "
+                                                     "config.max_steps, max_stepsx, max_steps(), the seed, no_flag")
+
+
 @pytest.mark.parametrize("flag, whole", [("--max_step", "--max_steps"), ("--temp", "--temperature")])
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, whole, tmp_path, capsys):
     # argparse took a prefix for the whole flag: --max_step 2 trained 2 steps, and a typo set whichever flag it began.

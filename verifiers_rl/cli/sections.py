@@ -11,6 +11,7 @@ import argparse
 import difflib
 import functools
 import json
+import re
 import sys
 import types
 import typing
@@ -165,8 +166,13 @@ class SectionedParser(TrlParser):
         return values
 
     def parse_args_into_dataclasses(self, *args, return_remaining_strings: bool = False, **kwargs):
-        """HF's, with an unknown flag refused by name and the flags closest to it (HF lists the leftover strings)."""
-        *parsed, rest = super().parse_args_into_dataclasses(*args, return_remaining_strings=True, **kwargs)
+        """HF's, with an unknown flag refused by name and the flags closest to it (HF lists the leftover strings), and
+        a dataclass's refusal (RLConfig's checks name fields as Python does) naming each field as its flag."""
+        try:
+            *parsed, rest = super().parse_args_into_dataclasses(*args, return_remaining_strings=True, **kwargs)
+        except ValueError as error:
+            error.args = (as_flags(str(error), self.flag_names()),)  # its type kept: callers tell them apart
+            raise
         if return_remaining_strings:
             return (*parsed, rest)
         if rest:
@@ -174,6 +180,10 @@ class SectionedParser(TrlParser):
             raise ValueError(f"unknown flag(s) or value(s): {', '.join(self._closest(flags, '--') or rest)}. "
                              f"`{self.prog} --help` lists every flag.")
         return tuple(parsed)
+
+    def flag_names(self) -> set[str]:
+        """The field names this parser has a flag for (``--name``)."""
+        return {action.dest for action in self._actions if f"--{action.dest}" in action.option_strings}
 
     def _closest(self, names: list[str], prefix: str = "") -> list[str]:
         """Each of ``names`` (flags, or YAML keys without ``prefix``) with the one or two flags closest to it."""
@@ -194,6 +204,22 @@ class SectionedParser(TrlParser):
             formatter.add_arguments(actions)
             formatter.end_section()
         return formatter.format_help()
+
+
+# A bare field name in a message (not part of a flag, a path, a quoted key, an attribute or a call).
+_BARE_NAME = re.compile(r"(?<![\w\-'\"\[./$`])[a-z][a-z0-9_]*(?![\w'\"/`(])")
+
+
+def as_flags(message: str, flags: set[str]) -> str:
+    """``message`` (a field's refusal, worded for ``RLConfig(...)``) with each bare field name of ``flags`` written as
+    its flag: every name with an underscore or a digit, a one-word name (temperature, seed) where the message
+    begins with it or says ``Unknown <name>`` (elsewhere it may be a plain word)."""
+    def flag(match: re.Match) -> str:
+        name, before = match.group(), message[:match.start()]
+        one_word = name.isalpha() and not (before == "" or before.endswith("Unknown "))
+        return f"--{name}" if name in flags and not one_word else name
+
+    return _BARE_NAME.sub(flag, message)
 
 
 def _close_to(name: str, known: list[str]) -> list[str]:

@@ -100,7 +100,7 @@ def apply_generation_kwargs(config) -> None:
         if key not in GENERATION_KWARGS:
             why = _GENERATION_KWARGS_REFUSED.get(key, "not implemented in both engines (embedded and vLLM)")
             raise ValueError(f"generation_kwargs[{key!r}] is refused: {why}. Accepted keys: "
-                             f"{', '.join(GENERATION_KWARGS)}.")
+                             f"{', '.join(map(repr, GENERATION_KWARGS))}.")
         if isinstance(value, bool) or not isinstance(value, int if key == "top_k" else (int, float)):
             raise ValueError(f"generation_kwargs[{key!r}] must be {'an int' if key == 'top_k' else 'a number'}, "
                              f"got {value!r}.")
