@@ -196,6 +196,18 @@ def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path)
                                                      "config.max_steps, max_stepsx, max_steps(), the seed, no_flag")
 
 
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_help_under_a_launch_of_two_processes_is_printed_once(rank, printed, monkeypatch, capsys):
+    # accelerate launch sets each process's RANK and WORLD_SIZE (a real 2-process launch takes longer than this test
+    # may): every rank printed the ~250 flags; now rank 0 alone does, and every rank exits 0.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as stopped:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert stopped.value.code == 0 and ("--max_steps" in out) is printed, out[:300]
+
+
 @pytest.mark.parametrize("flag, whole", [("--max_step", "--max_steps"), ("--temp", "--temperature")])
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, whole, tmp_path, capsys):
     # argparse took a prefix for the whole flag: --max_step 2 trained 2 steps, and a typo set whichever flag it began.

@@ -162,6 +162,10 @@ class _TrainParser(SectionedParser):
             action.help = f"Refused by this command, which reads no such switch: {SCRIPT_SWITCHES[action.dest]}."
         return action
 
+    def print_help(self, file=None):
+        if launched_rank() == 0:  # under a launch of several processes, --help once, not once per rank (each exits 0)
+            super().print_help(file)
+
     def error(self, message):
         if launched_world_size() > 1:  # each rank's line, without the usage line above it (twice)
             self.exit(2, f"{self.prog}: error: {message}\n")
