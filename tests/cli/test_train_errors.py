@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -194,6 +195,27 @@ def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path)
     text = "seed and max_steps: 'max_steps', a/max_steps, config.max_steps, max_stepsx, max_steps(), the seed, no_flag"
     assert as_flags(text, {"seed", "max_steps"}) == ("--seed and --max_steps: 'max_steps', a/max_steps, "
                                                      "config.max_steps, max_stepsx, max_steps(), the seed, no_flag")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nothing can be created")
+@pytest.mark.parametrize("flag, path, what", [("--output_dir", "/proc/x/run", "the folder"),
+                                              ("--save_rollouts_path", "/proc/x.jsonl", "the file")])
+def test_a_path_the_run_cannot_create_is_refused_naming_its_flag(flag, path, what, tmp_path, capsys):
+    # --output_dir failed at the trainer with a bare "[Errno 2] ...", --save_rollouts_path after a step with a traceback.
+    argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, flag, path]
+    line = refusal(argv, capsys)
+    assert line.startswith(f"{flag} {path}: cannot create or write {what} (") and "pass a path" in line, line
+
+
+def test_the_probe_of_a_path_leaves_nothing_behind(tmp_path):
+    from verifiers_rl.cli.train import probe_writable
+
+    probe_writable(tmp_path / "a" / "b" / "seen.jsonl", is_file=True)
+    probe_writable(tmp_path / "c" / "d", is_file=False)
+    (tmp_path / "kept.jsonl").write_text("a line\n")
+    probe_writable(tmp_path / "kept.jsonl", is_file=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.jsonl"]
+    assert (tmp_path / "kept.jsonl").read_text() == "a line\n"
 
 
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
