@@ -181,7 +181,7 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     (["--reward_weights", "nan"], "--reward_weights must be a list of finite numbers"),
 ])
 def test_a_fields_refusal_names_the_flag_as_typed(flags, message, tmp_path, capsys):
-    # RLConfig's checks name a field as Python does (generation_kwargs): from the command, the flag (--generation_kwargs).
+    # RLConfig's checks name a field as Python does (generation_kwargs); the command names its flag.
     assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys).startswith(message)
 
 
@@ -201,7 +201,7 @@ def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path)
 @pytest.mark.parametrize("flag, path, what", [("--output_dir", "/proc/x/run", "the folder"),
                                               ("--save_rollouts_path", "/proc/x.jsonl", "the file")])
 def test_a_path_the_run_cannot_create_is_refused_naming_its_flag(flag, path, what, tmp_path, capsys):
-    # --output_dir failed at the trainer with a bare "[Errno 2] ...", --save_rollouts_path after a step with a traceback.
+    # --output_dir failed at the trainer with a bare "[Errno 2] ..."; --save_rollouts_path, after a step, a traceback.
     argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, flag, path]
     line = refusal(argv, capsys)
     assert line.startswith(f"{flag} {path}: cannot create or write {what} (") and "pass a path" in line, line

@@ -240,6 +240,23 @@ def test_a_report_to_backend_not_installed_names_the_extra_that_installs_it(monk
     assert RLConfig(output_dir="/tmp/unused", report_to="tensorboard").report_to == ["tensorboard"]
 
 
+def test_a_report_to_value_that_is_no_installed_backend_is_one_line_naming_ours():
+    from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                             get_available_reporting_integrations)
+
+    # transformers refused these at the trainer, listing its ~14 integrations (an uninstalled one: a traceback).
+    ours = "this project's: tensorboard and trackio (tested), wandb, all (every one installed) or none"
+    with pytest.raises(ValueError, match=rf"^--report_to nonsense is not a logging backend; {re.escape(ours)}\. "):
+        RLConfig(output_dir="/tmp/unused", report_to="nonsense")
+    with pytest.raises(ValueError, match=r"^--report_to none,tensorboard: none stands alone"):
+        RLConfig(output_dir="/tmp/unused", report_to="none,tensorboard")
+    missing = next(name for name in INTEGRATION_TO_CALLBACK if name not in get_available_reporting_integrations()
+                   and name not in ("tensorboard", "trackio", "wandb"))
+    with pytest.raises(ValueError, match=rf"^--report_to {missing} needs its package, which is not installed .*"
+                                         rf"untested here; {re.escape(ours)}"):
+        RLConfig(output_dir="/tmp/unused", report_to=missing)
+
+
 def test_best_checkpoint_settings_name_what_our_evaluation_logs():
     with pytest.raises(ValueError, match=r"^--save_strategy best saves a checkpoint when an evaluation finds a new "
                                          r"best --metric_for_best_model; this run does not evaluate"):

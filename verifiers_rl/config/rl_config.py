@@ -573,12 +573,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
                 "--vllm_server_url http://HOST:PORT instead (start the server with "
                 "`verifiers-rl vllm-serve --model MODEL --port PORT`)."
             )
-        for backend in self.report_to or []:
-            extra = _BACKEND_EXTRAS.get(backend)
-            if extra and importlib.util.find_spec(backend) is None:  # HF's callback would raise at the trainer
-                raise ValueError(f"--report_to {backend} needs the {backend} package, which is not installed: "
-                                 f"pip install 'verifiers_rl[{extra}]' (from this repository: pip install -e "
-                                 f"'.[{extra}]').")
+        check_report_to(self.report_to)
         check_server_url(self.vllm_server_url, "vllm_server_url")
         check_reward_weights(self.reward_weights)
         check_path_kind("output_dir", self.output_dir, folder=True)
@@ -745,6 +740,32 @@ ENGINE_KNOBS = ("top_p", "top_k", "min_p", "repetition_penalty", "generation_tim
 # GRPOConfig fields whose values its __post_init__ checks against a batch of its own: restored after it.
 _SHOWN_TO_GRPO_CONFIG = ("gradient_accumulation_steps", "steps_per_generation", "generation_batch_size",
                          "num_generations", "num_generations_eval")
+
+
+def check_report_to(backends) -> None:
+    """``report_to`` (after TrainingArguments made it a list): each a transformers integration that is installed,
+    else a ValueError naming --report_to, saying which backends this project supports (transformers' error, at the
+    trainer, listed its every integration; an uninstalled one failed there with a traceback)."""
+    from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                             get_available_reporting_integrations)
+
+    ours = "tensorboard and trackio (tested), wandb, all (every one installed) or none"
+    for backend in backends or []:
+        if backend in ("all", "none"):  # HF takes each alone only, as the whole value
+            raise ValueError(f"--report_to {','.join(backends)}: {backend} stands alone; name backends, or give "
+                             f"{backend} by itself.")
+        if backend not in INTEGRATION_TO_CALLBACK:
+            raise ValueError(f"--report_to {backend} is not a logging backend; this project's: {ours}. transformers' "
+                             f"others ({', '.join(sorted(set(INTEGRATION_TO_CALLBACK) - set(_BACKEND_EXTRAS)))}) are "
+                             "passed on untested.")
+        extra = _BACKEND_EXTRAS.get(backend)
+        if extra and importlib.util.find_spec(backend) is None:  # HF's callback would raise at the trainer
+            raise ValueError(f"--report_to {backend} needs the {backend} package, which is not installed: "
+                             f"pip install 'verifiers_rl[{extra}]' (from this repository: pip install -e "
+                             f"'.[{extra}]').")
+        if not extra and backend not in get_available_reporting_integrations():
+            raise ValueError(f"--report_to {backend} needs its package, which is not installed (it is one of "
+                             f"transformers' integrations, untested here; this project's: {ours}).")
 
 
 def check_reward_weights(weights) -> None:
