@@ -218,6 +218,46 @@ def test_the_probe_of_a_path_leaves_nothing_behind(tmp_path):
     assert (tmp_path / "kept.jsonl").read_text() == "a line\n"
 
 
+@pytest.mark.parametrize("name, flags, why", [
+    ("load_in_4bit", ["--load_in_4bit"], "bitsandbytes quantization needs CUDA and is not supported"),
+    ("load_in_8bit", ["--load-in-8bit", "true"], "bitsandbytes quantization needs CUDA and is not supported"),
+    ("bnb_4bit_quant_type", ["--bnb_4bit_quant_type", "fp4"], "bitsandbytes quantization"),
+    ("use_bnb_nested_quant", ["--use_bnb_nested_quant"], "bitsandbytes quantization"),
+    ("bnb_4bit_quant_storage", ["--bnb_4bit_quant_storage", "uint8"], "bitsandbytes quantization"),
+    ("model_name_or_path", ["--model_name_or_path", "tiny"], "it is TRL's name for --model: pass --model "),
+    ("model_revision", ["--model_revision=v1"], "download the revision (hf download MODEL --revision REV --local-dir"),
+    ("dtype", ["--dtype", "bfloat16"], "the weights train in float32; --bf16 turns bf16 mixed precision on"),
+    ("torch_dtype", ["--torch_dtype", "bfloat16"], "the weights train in float32; --bf16"),
+    ("attn_implementation", ["--attn_implementation", "eager"], "pass it in --model_init_kwargs "),
+    ("dataset_name", ["--dataset_name", "trl-lib/tldr"], "this command trains on an environment (--env) or a rollout"),
+    ("reward_funcs", ["--reward_funcs", "accuracy_reward"], "rewards come from the environment's rubric (--env)"),
+    ("logging_dir", ["--logging_dir", "logs"], "transformers 5 has no such argument"),
+    ("model_name_or_path", ["--config", "model_name_or_path: tiny"], "it is TRL's name for --model"),
+])
+def test_trl_script_flags_are_refused_by_name_with_what_to_use(name, flags, why, tmp_path, capsys):
+    # `trl grpo` takes them; the command said only "unknown flag(s)". The quantization flags: no CUDA, no bitsandbytes.
+    if flags[0] == "--config":
+        (tmp_path / "run.yaml").write_text(flags[1])
+        flags = ["--config", str(tmp_path / "run.yaml")]
+    line = refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys)
+    assert f"--{name} is not a flag of verifiers-rl train: {why}" in line, line
+
+
+def test_every_flag_of_trls_grpo_command_is_ours_or_refused_by_name():
+    from dataclasses import fields
+
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    from verifiers_rl.cli.train import TRL_SCRIPT_FLAGS, build_parser
+
+    ours = build_parser().flag_names()
+    theirs = {f.name for cls in (ModelConfig, ScriptArguments, GRPOScriptArguments, DatasetMixtureConfig)
+              for f in fields(cls)}
+    assert sorted(theirs - ours - set(TRL_SCRIPT_FLAGS)) == []  # a TRL upgrade's new flag gets its line
+    assert not set(TRL_SCRIPT_FLAGS) & ours
+
+
 @pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
 def test_help_under_a_launch_of_two_processes_is_printed_once(rank, printed, monkeypatch, capsys):
     # accelerate launch sets each process's RANK and WORLD_SIZE (a real 2-process launch takes longer than this test

@@ -105,6 +105,9 @@ def _negates(action: argparse.Action) -> bool:
 class SectionedParser(TrlParser):
     """TRL's parser (dataclasses -> flags, ``--config`` YAML) whose ``--help`` lists the flags by ``SECTIONS``."""
 
+    # Flags of other commands (TRL's `trl grpo`) that are no flags here, each with why and what to use instead.
+    NOT_HERE: dict[str, str] = {}
+
     def __init__(self, *args, **kwargs):
         # No abbreviations: argparse would take --max_step for --max_steps, and a typo or a prefix would set a flag.
         super().__init__(*args, formatter_class=_Formatter, allow_abbrev=False, **kwargs)
@@ -152,6 +155,7 @@ class SectionedParser(TrlParser):
                              "put its settings in this one.")
         actions = {action.dest: action for action in self._actions if action.option_strings and action.nargs != 0}
         unknown = [key for key in config if key not in actions]
+        self._refuse_not_here(unknown, f"--config {path}: ")
         if unknown:
             raise ValueError(f"--config {path}: unknown key(s) {', '.join(self._closest(unknown))}; its keys are the "
                              f"flags' names (`{self.prog} --help`).")
@@ -177,9 +181,17 @@ class SectionedParser(TrlParser):
             return (*parsed, rest)
         if rest:
             flags = [word for word in rest if word.startswith("-")]
+            self._refuse_not_here(flags)
             raise ValueError(f"unknown flag(s) or value(s): {', '.join(self._closest(flags, '--') or rest)}. "
                              f"`{self.prog} --help` lists every flag.")
         return tuple(parsed)
+
+    def _refuse_not_here(self, flags: list[str], where: str = "") -> None:
+        """A ValueError saying why, for the first of ``flags`` (--name, --name=value or a YAML key) in ``NOT_HERE``."""
+        for flag in flags:
+            name = flag.split("=", 1)[0].lstrip("-").replace("-", "_")
+            if name in self.NOT_HERE:
+                raise ValueError(f"{where}--{name} is not a flag of {self.prog}: {self.NOT_HERE[name]}.")
 
     def flag_names(self) -> set[str]:
         """The field names this parser has a flag for (``--name``)."""

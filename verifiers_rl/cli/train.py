@@ -151,10 +151,44 @@ SCRIPT_SWITCHES = {
 }
 
 
+_QUANTIZED = ("bitsandbytes quantization needs CUDA and is not supported: the trainer, the embedded engine and the "
+              "weight sync take full-precision weights (--use_peft trains LoRA adapters on them)")
+_DATASET = ("this command trains on an environment (--env) or a rollout file (--rollouts_path), not a dataset; a "
+            "dataset with reward functions trains from Python through TRL's form (RLTrainer(train_dataset=..., "
+            "reward_funcs=...): docs/trl.md)")
+_REWARDS = ("rewards come from the environment's rubric (--env); TRL's reward functions and reward models train from "
+            "Python through TRL's form (RLTrainer(reward_funcs=...): docs/trl.md)")
+# The flags of TRL's `trl grpo` (its ModelConfig, ScriptArguments, GRPOScriptArguments, DatasetMixtureConfig) and of
+# transformers 4 that this command does not take: each refused by name with what to use instead.
+TRL_SCRIPT_FLAGS = {
+    "model_name_or_path": "it is TRL's name for --model: pass --model NAME_OR_FOLDER",
+    "model_revision": "download the revision (hf download MODEL --revision REV --local-dir DIR) and pass --model DIR, "
+                      "so that the weights and the tokenizer both come from it",
+    "dtype": "the weights train in float32; --bf16 turns bf16 mixed precision on (the embedded engine's weights too)",
+    "torch_dtype": "the weights train in float32; --bf16 turns bf16 mixed precision on (the embedded engine's weights "
+                   "too)",
+    "attn_implementation": "pass it in --model_init_kwargs '{\"attn_implementation\": \"sdpa\"}' (where TRL's script "
+                           "puts it)",
+    **{name: _QUANTIZED for name in ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+                                     "bnb_4bit_quant_storage")},
+    **{name: _DATASET for name in ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split",
+                                   "dataset_streaming", "datasets", "streaming", "test_split_size")},
+    "reward_funcs": _REWARDS,
+    "reward_model_name_or_path": _REWARDS,
+    "ignore_bias_buffers": "it is a DDP workaround of TRL's DPO script (TRL's own grpo command ignores it too); this "
+                           "trainer's DDP needs none",
+    "logging_dir": "transformers 5 has no such argument: tensorboard writes under --output_dir's runs/ (or "
+                   "TENSORBOARD_LOGGING_DIR)",
+}
+
+
 class _TrainParser(SectionedParser):
     """The command's parser: --gradient_accumulation_steps given without --rollouts_per_step sizes the batch as its
     help says (per_device_train_batch_size x it x processes, RLConfig's default) instead of meeting the command's 16
-    and being refused for disagreeing with a batch size the user never gave; ``SCRIPT_SWITCHES`` are refused."""
+    and being refused for disagreeing with a batch size the user never gave; ``SCRIPT_SWITCHES`` are refused, and so
+    are TRL's script flags (``TRL_SCRIPT_FLAGS``), with what to use instead."""
+
+    NOT_HERE = TRL_SCRIPT_FLAGS
 
     def add_argument(self, *args, **kwargs):
         action = super().add_argument(*args, **kwargs)

@@ -1,7 +1,8 @@
 """LoRA from the command line: TRL's ``ModelConfig`` flags (``--use_peft``, ``--lora_r``, ...), checked, and the
 ``peft.LoraConfig`` they give, the ``peft_config`` that ``RLTrainer`` takes from Python.
 
-TRL's quantization flags (``--load_in_4bit``, ...) are not flags here: RLTrainer loads no quantized model by id.
+TRL's quantization flags (``--load_in_4bit``, ...) are not flags here: RLTrainer loads no quantized model by id
+(the command refuses them by name: ``cli/train.TRL_SCRIPT_FLAGS``).
 """
 
 from __future__ import annotations
