@@ -250,6 +250,8 @@ def test_a_report_to_value_that_is_no_installed_backend_is_one_line_naming_ours(
         RLConfig(output_dir="/tmp/unused", report_to="nonsense")
     with pytest.raises(ValueError, match=r"^--report_to none,tensorboard: none stands alone"):
         RLConfig(output_dir="/tmp/unused", report_to="none,tensorboard")
+    # A trailing comma was a backend "" (refused: "--report_to  is not a logging backend"); it names none.
+    assert RLConfig(output_dir="/tmp/unused", report_to="tensorboard,").report_to == ["tensorboard"]
     missing = next(name for name in INTEGRATION_TO_CALLBACK if name not in get_available_reporting_integrations()
                    and name not in ("tensorboard", "trackio", "wandb"))
     with pytest.raises(ValueError, match=rf"^--report_to {missing} needs its package, which is not installed .*"

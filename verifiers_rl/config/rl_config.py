@@ -458,7 +458,8 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
             if getattr(self, current, "absent") is None and getattr(self, deprecated, None) is not None:
                 setattr(self, current, getattr(self, deprecated))
         if isinstance(self.report_to, str) and "," in self.report_to:
-            self.report_to = [name.strip() for name in self.report_to.split(",")]  # the command line's one string
+            # The command line's one string; an empty name (a trailing comma) is none.
+            self.report_to = [name.strip() for name in self.report_to.split(",") if name.strip()]
         if self.eval_steps and self.eval_strategy == "no":
             self.eval_strategy = "steps"  # --eval_steps N alone asks for evaluation every N steps
         if self.log_completions:
