@@ -42,3 +42,12 @@ def test_help_and_docs_show_the_range_validate_checks():
         assert helps[name].endswith(f"Range: {allowed}."), name
     assert "| `max_failed_rollouts_fraction` | `0.0` |  | >= 0 and <= 1 |" in docs
     assert "| `weight_sync_probe_tokens` | `32` |  | 0 or >= 2 |" in docs
+
+
+@pytest.mark.parametrize("name", ["learning_rate", "max_grad_norm", "weight_decay"])
+def test_an_optimizer_setting_below_zero_or_nan_is_refused(name):
+    # TrainingArguments took them: a negative learning rate ascended the loss, a NaN one made every weight NaN, a
+    # negative max_grad_norm turned clipping off without a word.
+    for value in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match=rf"^{name} must be >= 0, got {value}"):
+            RLConfig(output_dir="/tmp/unused", report_to="none", use_cpu=True, **{name: value})

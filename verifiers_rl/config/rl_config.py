@@ -68,6 +68,9 @@ INHERITED_RANGES: dict[str, Range] = {
     "save_steps": POSITIVE,
     "save_total_limit": AT_LEAST_ONE,  # unset: keep every checkpoint
     "seed": NON_NEGATIVE,
+    "learning_rate": NON_NEGATIVE,  # a negative one ascends the loss; NaN (refused too) makes every weight NaN
+    "max_grad_norm": NON_NEGATIVE,  # HF clips above 0 only: a negative norm turned clipping off without a word
+    "weight_decay": NON_NEGATIVE,  # a negative one grows the weights
 }
 
 
