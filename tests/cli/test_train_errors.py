@@ -179,6 +179,10 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     (["--vllm_importance_sampling_mode", "foo"], "Unknown --vllm_importance_sampling_mode 'foo'; expected one of"),
     (["--pad_to_multiple_of", "8"], "--pad_to_multiple_of='8' has no effect in verifiers_rl"),
     (["--reward_weights", "nan"], "--reward_weights must be a list of finite numbers"),
+    (["--model_init_kwargs", "notjson"], "--model_init_kwargs must be a dict of keyword arguments (a JSON object on "
+                                         "the command line), got 'notjson'."),  # a TypeError traceback at the engine
+    (["--generation_kwargs", "{bad"], "--generation_kwargs is not valid JSON (Expecting property name enclosed in "
+                                      "double quotes: line 1 column 2 (char 1)): {bad"),  # named no flag
 ])
 def test_a_fields_refusal_names_the_flag_as_typed(flags, message, tmp_path, capsys):
     # RLConfig's checks name a field as Python does (generation_kwargs); the command names its flag.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
@@ -478,11 +479,16 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         self.gradient_accumulation_steps = 1  # also what TrainingArguments writes into a DeepSpeed config
         self.steps_per_generation, self.generation_batch_size = 2, None
         self.num_generations, self.num_generations_eval = 2, 1
+        check_json_text(self)  # before TrainingArguments loads it: its JSONDecodeError named no field
         # A config is a value: no process group, no device yet; a launch's DeepSpeed config is found from any folder.
         with compat.deferred_device_setup(self), deepspeed_config_found():
             super().__post_init__()
         for name, value in given.items():
             setattr(self, name, value)
+        for name in _KWARGS_FIELDS:  # other text (not "{...}") was kept as it is, and failed where it was unpacked
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict of keyword arguments (a JSON object on the command line), "
+                                 f"got {getattr(self, name)!r}.")
         apply_generation_kwargs(self)  # after TrainingArguments parsed a JSON string into a dict
         if self.chat_template_kwargs is not None:  # likewise parsed: every environment and engine renders with them
             self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs, "--chat_template_kwargs")
@@ -770,6 +776,23 @@ def check_report_to(backends) -> None:
         if not extra and backend not in get_available_reporting_integrations():
             raise ValueError(f"--report_to {backend} needs its package, which is not installed (it is one of "
                              f"transformers' integrations, untested here; this project's: {ours}).")
+
+
+# Dict fields TrainingArguments takes as JSON text and passes on as keyword arguments.
+_KWARGS_FIELDS = ("model_init_kwargs", "lr_scheduler_kwargs", "activation_checkpointing_kwargs",
+                  "gradient_checkpointing_kwargs")
+
+
+def check_json_text(config) -> None:
+    """Raise ValueError naming the field whose value is JSON text ("{..."; TrainingArguments' ``_VALID_DICT_FIELDS``
+    loads those) that is not valid JSON."""
+    for name in config._VALID_DICT_FIELDS:
+        text = getattr(config, name, None)
+        if isinstance(text, str) and text.startswith("{"):
+            try:
+                json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{name} is not valid JSON ({error}): {text}") from None
 
 
 def check_reward_weights(weights) -> None:
