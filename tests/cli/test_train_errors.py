@@ -211,6 +211,12 @@ def test_a_path_the_run_cannot_create_is_refused_naming_its_flag(flag, path, wha
     assert line.startswith(f"{flag} {path}: cannot create or write {what} (") and "pass a path" in line, line
 
 
+def test_an_empty_output_dir_is_refused_naming_it(tmp_path, capsys):
+    # It said "[Errno 2] No such file or directory: ''" at the trainer, after the model and environment loaded.
+    argv = ["--model", "tiny", *SMALL, "--output_dir", ""]
+    assert refusal(argv, capsys) == "--output_dir is empty; pass a folder (. for the working one)."
+
+
 def test_the_probe_of_a_path_leaves_nothing_behind(tmp_path):
     from verifiers_rl.cli.train import probe_writable
 

@@ -808,6 +808,8 @@ def check_reward_weights(weights) -> None:
 def check_path_kind(flag: str, path, folder: bool) -> None:
     """Refuse a path the run could not create: a ``folder`` that is a file, a file that is a folder, or either under a
     file (a missing path is fine: it is created). Else the first write failed with an OSError traceback."""
+    if not str(path).strip():  # Path("") is the working directory; HF's makedirs("") failed with a bare [Errno 2]
+        raise ValueError(f"--{flag} is empty; pass {'a folder (. for the working one)' if folder else 'a file path'}.")
     target = Path(path).expanduser()
     if target.exists() and target.is_dir() != folder:
         kind, wanted = ("a file", "a folder (it is created if missing)") if folder else ("a folder", "a file's path")
