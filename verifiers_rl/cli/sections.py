@@ -224,11 +224,11 @@ _BARE_NAME = re.compile(r"(?<![\w\-'\"\[./$`])[a-z][a-z0-9_]*(?![\w'\"/`(])")
 
 def as_flags(message: str, flags: set[str]) -> str:
     """``message`` (a field's refusal, worded for ``RLConfig(...)``) with each bare field name of ``flags`` written as
-    its flag: every name with an underscore or a digit, a one-word name (temperature, seed) where the message
+    its flag: every name with an underscore, a one-word name (temperature, seed, bf16) where the message
     begins with it or says ``Unknown <name>`` (elsewhere it may be a plain word)."""
     def flag(match: re.Match) -> str:
         name, before = match.group(), message[:match.start()]
-        one_word = name.isalpha() and not (before == "" or before.endswith("Unknown "))
+        one_word = "_" not in name and not (before == "" or before.endswith("Unknown "))
         return f"--{name}" if name in flags and not one_word else name
 
     return _BARE_NAME.sub(flag, message)
