@@ -79,6 +79,10 @@ HELP_HERE: dict[str, str] = {
                   "the run's steps.",
     "logging_steps": "Log every N optimizer steps (a float below 1: that fraction of the run's steps). Acts only with "
                      "--logging_strategy steps (the default); beside epoch or no: refused.",
+    "report_to": "Where to log: tensorboard and trackio (pip install 'verifiers_rl[logging]'; tested), wandb "
+                 "('verifiers_rl[wandb]'), several comma-separated, all (every one installed) or none. transformers' "
+                 "other integrations (mlflow, ...) are passed on untested; a name that is none of them, or whose "
+                 "package is not installed, is refused.",
     "log_completions": "TRL's switch: --log_completions_steps set to --logging_steps (tables of the trained batch "
                        "to the --report_to backends that show them).",
     "num_completions_to_print": "How many sample completions (with rewards) each --print_samples_every print "
