@@ -28,6 +28,14 @@ def refusal(argv: list[str], capsys) -> str:
     return last.removeprefix("verifiers-rl train: error: ")
 
 
+def given(flags: list[str], tmp_path) -> list[str]:
+    """``flags`` as the command takes them: ["--config", "YAML text"] becomes a file in ``tmp_path`` that it names."""
+    if flags[0] != "--config":
+        return flags
+    (tmp_path / "run.yaml").write_text(flags[1])
+    return ["--config", str(tmp_path / "run.yaml")]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--rollouts_path", "r.jsonl", "--env_args", '{"num_examples": 8}'], "--env_args {\"num_examples\": 8} is not "
      "used by this run: --env is not loaded: a replay of --rollouts_path generates nothing"),
@@ -248,10 +256,7 @@ def test_the_probe_of_a_path_leaves_nothing_behind(tmp_path):
 ])
 def test_trl_script_flags_are_refused_by_name_with_what_to_use(name, flags, why, tmp_path, capsys):
     # `trl grpo` takes them; the command said only "unknown flag(s)". The quantization flags: no CUDA, no bitsandbytes.
-    if flags[0] == "--config":
-        (tmp_path / "run.yaml").write_text(flags[1])
-        flags = ["--config", str(tmp_path / "run.yaml")]
-    line = refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys)
+    line = refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *given(flags, tmp_path)], capsys)
     assert f"--{name} is not a flag of verifiers-rl train: {why}" in line, line
 
 
@@ -306,10 +311,7 @@ def test_bf16_is_a_switch_as_fp16_is(argv, bf16):
 ])
 def test_a_switch_for_scripts_is_refused_by_the_command_which_reads_none(name, switch, instead, tmp_path, capsys):
     # TrainingArguments' do_* are for a script of one's own to read: the command accepted them and did nothing.
-    if switch[0] == "--config":
-        (tmp_path / "run.yaml").write_text(switch[1])
-        switch = ["--config", str(tmp_path / "run.yaml")]
-    line = refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *switch], capsys)
+    line = refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *given(switch, tmp_path)], capsys)
     assert line.startswith(f"--{name} does nothing here: it is a switch for a script of your own to read") \
         and instead in line, line
 
