@@ -36,7 +36,7 @@ from trl import TrlParser
 
 from verifiers_rl.training import progress
 from verifiers_rl.cli.eval import check_model_folder
-from verifiers_rl.cli.sections import SectionedParser
+from verifiers_rl.cli.sections import SectionedParser, as_flags
 from verifiers_rl.config.lora import (LORA_FLAGS, LoraArguments, check_continued_flags, check_lora_flags,
                                       peft_config_of)
 from verifiers_rl.config.rl_config import RLConfig
@@ -332,9 +332,10 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
         trainer = RLTrainer(model=model if trained is None else trained, args=config, processing_class=tokenizer,
                             peft_config=peft_config, **live)
         return trainer, live, config
-    except ValueError:
+    except ValueError as error:
         if live.get("engine") is not None:
             live["engine"].close()
+        error.args = (as_flags(str(error), parser.flag_names()),)  # the trainer's checks name fields as Python does
         raise
 
 
