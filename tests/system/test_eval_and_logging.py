@@ -262,7 +262,9 @@ def test_eval_refuses_environment_arguments_that_are_not_keywords_or_of_the_wron
 def test_eval_refuses_a_value_naming_its_flag(flags, message, capsys):
     with pytest.raises(SystemExit):
         eval_cli.parse_args(flags)
-    assert capsys.readouterr().err.strip().splitlines()[-1] == f"verifiers-rl eval: error: {message}"
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1] == f"verifiers-rl eval: error: {message}"
+    assert len(lines) == 2, lines  # one usage line above it (argparse's listed every flag), as train's
 
 
 def test_eval_output_that_cannot_be_written_fails_before_evaluating(tiny_model_dir, tmp_path, capsys, monkeypatch):

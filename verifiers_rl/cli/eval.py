@@ -77,6 +77,8 @@ def has_tokenizer(folder: Path) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=PROG, description=__doc__.split("\n\n")[0],
+        # What an error prints above itself: argparse's own usage listed every flag, ~20 lines above the one error.
+        usage=f"{PROG} [--FLAG VALUE ...]   ({PROG} --help: every flag)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,  # else --temp is --temperature: a typo or a prefix would set a flag
     )
