@@ -416,8 +416,8 @@ def test_gradient_accumulation_steps_sizes_the_batch_the_command_was_not_given(f
 def test_gradient_accumulation_steps_beside_a_batch_it_disagrees_with_is_one_line(tmp_path, capsys):
     assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), "--rollouts_per_step", "16",
                     "--gradient_accumulation_steps", "3", "--per_device_train_batch_size", "2"], capsys).startswith(
-        "--gradient_accumulation_steps 3 sizes the batch: per_device_train_batch_size 2 x gradient_accumulation_steps "
-        "x 1 process = 6 rollouts, but --rollouts_per_step is 16")
+        "--gradient_accumulation_steps 3 sizes the batch: --per_device_train_batch_size 2 x "
+        "--gradient_accumulation_steps x 1 process = 6 rollouts, but --rollouts_per_step is 16")
 
 
 def test_config_without_its_file_is_one_line(tmp_path, capsys):
