@@ -205,8 +205,8 @@ def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path)
     with pytest.raises(ValueError, match=r"^eval_num_examples must be >= 1, got 0\.$"):
         RLConfig(output_dir=str(tmp_path), report_to="none", eval_num_examples=0)
     # Only names of flags, outside quotes, paths and attributes; a one-word name only where it begins the message.
-    text = "seed and max_steps: 'max_steps', a/max_steps, config.max_steps, max_stepsx, max_steps(), the seed, no_flag, " \
-           "bf16 autocast"
+    text = ("seed and max_steps: 'max_steps', a/max_steps, config.max_steps, max_stepsx, max_steps(), the seed, "
+            "no_flag, bf16 autocast")
     assert as_flags(text, {"seed", "max_steps", "bf16"}) == (
         "--seed and --max_steps: 'max_steps', a/max_steps, config.max_steps, max_stepsx, max_steps(), the seed, "
         "no_flag, bf16 autocast")
