@@ -192,6 +192,9 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     (["--generation_kwargs", "{bad"], "--generation_kwargs is not valid JSON (Expecting property name enclosed in "
                                       "double quotes: line 1 column 2 (char 1)): {bad"),  # named no flag
     (["--max_steps", "-1", "--num_train_epochs", "0"], "--num_train_epochs=0.0 of "),  # RLTrainer's check
+    # HF's max_steps overrides it: the run trained 1 step and said nothing.
+    (["--max_steps", "1", "--num_train_epochs", "2"], "--num_train_epochs 2.0 is not used by this run: --max_steps 1 "
+                                                      "sets the run's length"),
 ])
 def test_a_fields_refusal_names_the_flag_as_typed(flags, message, tmp_path, capsys):
     # RLConfig's checks name a field as Python does (generation_kwargs); the command names its flag.

@@ -381,7 +381,8 @@ GIVEN_FLAGS = (*ENVIRONMENT_FLAGS, "num_train_epochs", "logging_steps", *LIMIT_F
 def check_unread_flags(script_args: ScriptArguments, config: RLConfig, given: set[str]) -> None:
     """Refuse a flag (``given``: those set) that this run would not read: --env's without live generation or an
     evaluation of --env, --eval_env's without evaluation, --eval_env_args without --eval_env; in a replay,
-    --num_generations (the file's groups are what they are) and, unless evaluation samples, --max_completion_length."""
+    --num_generations (the file's groups are what they are) and, unless evaluation samples, --max_completion_length;
+    --num_train_epochs beside --max_steps N."""
     evaluating, replay = config.eval_strategy != "no", bool(config.rollouts_path)
     loads_env = not replay or (evaluating and script_args.eval_env is None)
     reads = {  # flag: (read by this run, why not)
@@ -396,6 +397,8 @@ def check_unread_flags(script_args: ScriptArguments, config: RLConfig, given: se
         "num_generations": (not replay, "a replay of --rollouts_path takes its groups from the file"),
         "max_completion_length": (not replay or evaluating,
                                   "a replay of --rollouts_path without evaluation samples nothing"),
+        "num_train_epochs": (config.max_steps <= 0, f"--max_steps {config.max_steps} sets the run's length (HF's "
+                                                    "max_steps overrides it)"),
     }
     for name, (read, why) in reads.items():
         if name in given and not read:
