@@ -53,7 +53,7 @@ from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
 from verifiers_rl.inference.factory import build_engine, model_load_kwargs
 from verifiers_rl.inference.vllm.http import VLLMError
-from verifiers_rl.core.models import ADAPTER_CONFIG, load_tokenizer, resolve_model
+from verifiers_rl.core.models import is_adapter_folder, load_tokenizer, resolve_model
 from verifiers_rl.core.launch import launched_rank, launched_world_size
 from verifiers_rl.training.preemption import TrainingPreempted
 from verifiers_rl.training.run_state import adapter_signature
@@ -343,13 +343,13 @@ def continued_adapters(script_args: ScriptArguments, given: set[str], config: RL
     """With --use_peft, a --model folder of LoRA adapters as the adapters to train: its base model with them,
     trainable (new adapters over their merged weights would record a cache folder of this machine as their base).
     None for any other --model, or without --use_peft (the merged weights then train whole)."""
-    folder = Path(script_args.model).expanduser()
-    if not script_args.use_peft or not (folder / ADAPTER_CONFIG).is_file():
+    if not script_args.use_peft or not is_adapter_folder(script_args.model):
         return None
     from peft import PeftConfig, PeftModel
     from trl.trainer.utils import create_model_from_path
 
-    saved = PeftConfig.from_pretrained(str(folder))
+    folder = str(Path(script_args.model).expanduser())
+    saved = PeftConfig.from_pretrained(folder)
     check_continued_flags(script_args, given, script_args.model, adapter_signature(saved))
     if "lora_dropout" in given:
         saved.lora_dropout = script_args.lora_dropout
@@ -357,7 +357,7 @@ def continued_adapters(script_args: ScriptArguments, given: set[str], config: RL
     if config.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
         kwargs["device_map"] = None  # as TRL loads a model by id
     base = resolve_model(saved.base_model_name_or_path, f"--model {script_args.model}: its base_model_name_or_path")
-    return PeftModel.from_pretrained(create_model_from_path(base, **kwargs), str(folder), config=saved,
+    return PeftModel.from_pretrained(create_model_from_path(base, **kwargs), folder, config=saved,
                                      is_trainable=True)
 
 

@@ -128,12 +128,17 @@ def resolve_model(name_or_path: str, flag: str = "--model") -> str:
         return str(folder)
     if name_or_path == "smollm2":
         return str(smollm2_dir())
-    if (Path(name_or_path).expanduser() / ADAPTER_CONFIG).is_file():
+    if is_adapter_folder(name_or_path):
         return str(merged_adapters_dir(Path(name_or_path).expanduser()))
     return name_or_path
 
 
 ADAPTER_CONFIG = "adapter_config.json"  # what a folder of LoRA adapters (a peft_config run's save_model) holds
+
+
+def is_adapter_folder(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` (``~`` expanded) is a folder of LoRA adapters (``ADAPTER_CONFIG`` in it)."""
+    return (Path(name_or_path).expanduser() / ADAPTER_CONFIG).is_file()
 
 
 def merged_adapters_dir(adapters: Path) -> Path:

@@ -190,11 +190,9 @@ def _adapters_as_model(model, peft_config):
     """A folder of LoRA adapters given by path, as the command takes it without --use_peft: their base model with them
     merged in (``core.models.resolve_model``), trained whole; TRL read the folder as no model. Beside a
     ``peft_config`` refused: which adapters would train is the caller's to say."""
-    from pathlib import Path
+    from verifiers_rl.core.models import is_adapter_folder, resolve_model
 
-    from verifiers_rl.core.models import ADAPTER_CONFIG, resolve_model
-
-    if not isinstance(model, str) or not (Path(model).expanduser() / ADAPTER_CONFIG).is_file():
+    if not isinstance(model, str) or not is_adapter_folder(model):
         return model
     if peft_config is not None:
         raise ValueError(f"peft_config beside model={model!r}, a folder of LoRA adapters: to train those adapters "
