@@ -14,6 +14,7 @@ import pytest
 from verifiers_rl.cli.train import main
 
 from tests.helpers.launches import RAISING_ENV
+from tests.helpers.model_folders import a_model_in_a_subfolder
 
 SMALL = ["--max_steps", "1", "--rollouts_per_step", "4", "--num_generations", "2", "--print_samples_every", "0"]
 
@@ -122,6 +123,14 @@ def test_a_model_folder_that_holds_no_model_is_one_line(layout, message, tiny_mo
     argv = ["--model", str(folder), "--output_dir", str(tmp_path / "out"), *SMALL]
     line = refusal(argv, capsys)
     assert line.startswith(f"--model {str(folder)!r}") and message in line, line
+
+
+def test_a_model_in_a_subfolder_trains_with_its_own_tokenizer(tiny_model_dir, tmp_path):
+    # Refused as "no model weights" (the folder's top was checked), and the tokenizer came from the top.
+    root = a_model_in_a_subfolder(tiny_model_dir, tmp_path / "repo")
+    main(["--model", str(root), "--model_init_kwargs", '{"subfolder": "sub"}', "--output_dir", str(tmp_path / "out"),
+          *SMALL])
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == (root / "sub" / "chat_template.jinja").read_text()
 
 
 def test_a_hub_id_that_cannot_be_loaded_is_one_line(monkeypatch, tmp_path, capsys):

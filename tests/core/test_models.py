@@ -1,10 +1,13 @@
-"""Model loading's output: the first run's SmolLM2 conversion draws no progress bar into a redirected log."""
+"""Model loading: the first run's SmolLM2 conversion draws no progress bar into a redirected log; the tokenizer comes
+from where the weights do."""
 
 from __future__ import annotations
 
 import io
 
-from verifiers_rl.core.models import no_bars_when_redirected
+from verifiers_rl.core.models import load_tokenizer, no_bars_when_redirected
+
+from tests.helpers.model_folders import OTHER_TEMPLATE, a_model_in_a_subfolder
 
 
 class Terminal(io.StringIO):
@@ -61,3 +64,19 @@ def test_a_stderr_without_isatty_is_not_a_terminal(monkeypatch):
     with no_bars_when_redirected():
         gguf_bar()
     assert writer.text == ""
+
+
+def test_the_tokenizer_follows_the_subfolder_and_revision_that_choose_the_weights(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    # The weights came from the subfolder (or revision) of model_init_kwargs, the tokenizer from the top (or main).
+    from transformers import AutoTokenizer
+
+    root = a_model_in_a_subfolder(tiny_model_dir, tmp_path / "repo")
+    chosen = load_tokenizer(str(root), load_kwargs={"subfolder": "sub", "variant": "fp16", "use_safetensors": True})
+    assert chosen.chat_template == (root / "sub" / "chat_template.jinja").read_text()
+    assert load_tokenizer(str(root)).chat_template == OTHER_TEMPLATE
+    # A revision needs a Hub repository, which this machine cannot reach: only a spy on the loader can see it.
+    seen = []
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kwargs: seen.append(kwargs) or chosen)
+    load_tokenizer(str(root), load_kwargs={"revision": "v1", "token": "t", "variant": "fp16"})
+    assert seen == [{"revision": "v1", "token": "t"}]  # variant names weight files only

@@ -353,9 +353,11 @@ def test_the_engine_samples_the_model_model_init_kwargs_choose(tiny_model_dir, t
         parameter.data.normal_(0.0, 0.5)
     other.save_pretrained(tmp_path / "models")
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "models")
+    (tmp_path / "models" / "chat_template.jinja").write_text("OTHER {{ messages }}")  # the chosen's tokenizer is used
     trainer = RLTrainer(model=str(tmp_path / "models"), reward_funcs=[letters_like_target], train_dataset=rows(True),
                         args=config(tmp_path, max_steps=1, max_off_policy_steps=0,
                                     model_init_kwargs={"subfolder": "chosen"}))
+    assert trainer.processing_class.chat_template == (tmp_path / "models" / "chosen" / "chat_template.jinja").read_text()
     trainer.train()
     assert trainer.state.log_history[0]["is_ratio"] == pytest.approx(1.0, abs=1e-4)
 

@@ -300,7 +300,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     check_written_paths(config)
     check_lora_flags(script_args, given, config.disable_dropout)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
-    model, tokenizer = checked_model(script_args.model)
+    model, tokenizer = checked_model(script_args.model, model_load_kwargs(config))
     trained = continued_adapters(script_args, given, config)  # None unless --use_peft on a folder of adapters
     peft_config = None if trained is not None else peft_config_of(script_args, model, model_load_kwargs(config))
     live = {}
@@ -361,14 +361,16 @@ def continued_adapters(script_args: ScriptArguments, given: set[str], config: RL
                                      is_trainable=True)
 
 
-def checked_model(name: str):
-    """``--model`` resolved (``tiny`` and ``smollm2`` built once) and its tokenizer: a path that is no model folder, or
-    a Hub id that cannot be loaded, is a ValueError naming --model (one line from the command, not a traceback)."""
+def checked_model(name: str, load_kwargs: dict | None = None):
+    """``--model`` resolved (``tiny`` and ``smollm2`` built once) and its tokenizer, both as ``load_kwargs`` (the
+    weights' ``from_pretrained`` arguments: a subfolder, a revision) choose: a path that is no model folder, or a Hub id
+    that cannot be loaded, is a ValueError naming --model (one line from the command, not a traceback)."""
     try:
         model = resolve_model(name)
+        folder = Path(model).expanduser() / (load_kwargs or {}).get("subfolder", "")
         if Path(model).expanduser().is_dir():  # before the slow loads: weights, config and tokenizer are there
-            check_model_folder(Path(model).expanduser(), tokenizer_hint="train from a folder that has one")
-        return model, load_tokenizer(model)
+            check_model_folder(folder, tokenizer_hint="train from a folder that has one")
+        return model, load_tokenizer(model, load_kwargs=load_kwargs)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None
 

@@ -200,14 +200,29 @@ def _publish(partial: Path, folder: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def load_tokenizer(name_or_path: str, flag: str = "--model"):
+# The from_pretrained arguments that choose which weights and code a name loads: the engine's copy takes TRL's (its
+# model_init_kwargs and trust_remote_code), else its first batches would sample another model; dtype, device and
+# quantization stay the engine's own.
+WHICH_WEIGHTS = ("revision", "subfolder", "trust_remote_code", "token", "cache_dir", "local_files_only", "variant",
+                 "use_safetensors")
+WEIGHTS_ONLY = ("variant", "use_safetensors")  # name weight files: a tokenizer has none
+
+
+def tokenizer_kwargs(load_kwargs: dict | None) -> dict:
+    """Of a model's ``from_pretrained`` arguments, those that choose its tokenizer too (the same revision, subfolder,
+    ...: a tokenizer from elsewhere could disagree with the weights)."""
+    return {key: value for key, value in (load_kwargs or {}).items()
+            if key in WHICH_WEIGHTS and key not in WEIGHTS_ONLY}
+
+
+def load_tokenizer(name_or_path: str, flag: str = "--model", load_kwargs: dict | None = None):
     """The tokenizer of ``name_or_path`` (as ``resolve_model`` takes it; ``flag``: the flag that gave it), with a pad
-    token."""
+    token; ``load_kwargs``: the weights' ``from_pretrained`` arguments, of which it follows ``tokenizer_kwargs``."""
     from transformers import AutoTokenizer
 
     resolved = resolve_model(name_or_path, flag)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved)
+        tokenizer = AutoTokenizer.from_pretrained(resolved, **tokenizer_kwargs(load_kwargs))
     except OSError as error:
         if Path(resolved).is_dir():
             raise

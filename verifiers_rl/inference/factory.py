@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from verifiers_rl.core.engine import SamplingConfig
+from verifiers_rl.core.models import WHICH_WEIGHTS
 from verifiers_rl.core.settings import keywords, settings_from
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, server_urls
 
@@ -132,13 +133,6 @@ def build_engine(config, model: str, tokenizer):
                        vllm=keywords(vllm_settings(config)), generate_in_loop_thread=config.max_off_policy_steps == 0,
                        dtype=dtype, continuous_rows=config.continuous_batching_rows,
                        load_kwargs=model_load_kwargs(config))
-
-
-# The from_pretrained arguments that choose which weights and code a name loads: the engine's copy takes TRL's (its
-# model_init_kwargs and trust_remote_code), else its first batches would sample another model; dtype, device and
-# quantization stay the engine's own.
-WHICH_WEIGHTS = ("revision", "subfolder", "trust_remote_code", "token", "cache_dir", "local_files_only", "variant",
-                 "use_safetensors")
 
 
 def model_load_kwargs(config) -> dict[str, Any]:

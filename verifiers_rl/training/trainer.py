@@ -43,7 +43,8 @@ from verifiers_rl.training.distributed import (
 )
 from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
-from verifiers_rl.inference.factory import build_engine, check_given_engine_rows, check_given_engine_sampling
+from verifiers_rl.inference.factory import (build_engine, check_given_engine_rows, check_given_engine_sampling,
+                                            model_load_kwargs)
 from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.launch import launched_world_size, restart_count
 from verifiers_rl.core.modeling import unwrap
@@ -69,13 +70,14 @@ def _config(args, model) -> RLConfig:
     return args
 
 
-def _tokenizer_of(model):
+def _tokenizer_of(model, args):
+    """The tokenizer of ``model``: of a name, as ``args.model_init_kwargs`` choose its weights (revision, subfolder)."""
     from verifiers_rl.core.models import load_tokenizer
 
     name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", None)
     if not name:
         raise ValueError("Pass processing_class=<tokenizer>: the model has no name to load its tokenizer from.")
-    return load_tokenizer(str(name))
+    return load_tokenizer(str(name), load_kwargs=model_load_kwargs(args) if isinstance(model, str) else None)
 
 
 def _dataset_environment(args, reward_funcs, train_dataset, eval_dataset, reward_processing_classes, tokenizer,
@@ -203,6 +205,16 @@ def _adapters_as_model(model, peft_config):
     return resolve_model(model)
 
 
+def _subfolder_joined(model, args):
+    """A local folder given with ``model_init_kwargs`` ``subfolder``: the subfolder itself, as the model (TRL reads the
+    model's config at the folder's top, without the subfolder, and found none there)."""
+    kwargs = args.model_init_kwargs or {}
+    if not isinstance(model, str) or "subfolder" not in kwargs or not os.path.isdir(os.path.expanduser(model)):
+        return model
+    args.model_init_kwargs = {key: value for key, value in kwargs.items() if key != "subfolder"}
+    return os.path.join(os.path.expanduser(model), kwargs["subfolder"])
+
+
 def _is_peft(model) -> bool:
     try:
         from peft import PeftModel
@@ -297,7 +309,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         reward_processing_classes=None,
     ):
         args = _config(args, model)
-        model = _adapters_as_model(model, peft_config)
+        model = _subfolder_joined(_adapters_as_model(model, peft_config), args)
         args.check_logging_steps()
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
         record_peers()  # every rank's pid: a survivor names a peer that died
@@ -305,7 +317,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
             if environment is not None or rollout_source is not None or args.rollouts_path:
                 raise ValueError("Pass either reward_funcs and train_dataset (TRL's form) or an environment / "
                                  "rollout source / --rollouts_path, not both.")
-            processing_class = processing_class or _tokenizer_of(model)
+            processing_class = processing_class or _tokenizer_of(model, args)
             environment = _dataset_environment(args, reward_funcs, train_dataset, eval_dataset,
                                                reward_processing_classes, processing_class, eval_environment)
             if engine is None and args.process_index == 0:  # sets up this process first (launch.py)

@@ -26,7 +26,7 @@ import torch
 from verifiers_rl.compat import without_zero3_init
 from verifiers_rl.inference.kernels.cpu_matmul import PackedWeights, cpu_linears, packs_available, weight_major
 from verifiers_rl.core.modeling import sequence_logprobs, unwrap
-from verifiers_rl.core.models import load_causal_lm
+from verifiers_rl.core.models import load_causal_lm, tokenizer_kwargs
 from verifiers_rl.core.engine import (EngineClosedError, Sample, SamplingConfig, check_open, check_token_ids,
                                       rollout_sampling)
 from verifiers_rl.inference.embedded.batch_decode import BatchDecoder
@@ -218,7 +218,7 @@ class EmbeddedEngine:
 
         self.model_name, self.model = _own_copy(model, dtype, load_kwargs or {})
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_name))
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_name), **tokenizer_kwargs(load_kwargs))
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
         self.max_batch_size = max_batch_size
