@@ -204,6 +204,8 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     # HF's max_steps overrides it: the run trained 1 step and said nothing.
     (["--max_steps", "1", "--num_train_epochs", "2"], "--num_train_epochs 2.0 is not used by this run: --max_steps 1 "
                                                       "sets the run's length"),
+    (["--resume_from_checkpoint", ""], "--resume_from_checkpoint is empty; pass a checkpoint folder, 'latest' or "
+                                       "'auto', or leave it out to start afresh."),  # it started afresh
 ])
 def test_a_fields_refusal_names_the_flag_as_typed(flags, message, tmp_path, capsys):
     # RLConfig's checks name a field as Python does (generation_kwargs); the command names its flag.

@@ -157,6 +157,18 @@ def test_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(run, tiny_m
     assert max(float((got[k] - straight[k]).abs().max() / straight[k].abs().max()) for k in straight) < 1e-6
 
 
+@pytest.mark.parametrize("where", ["train", "config"])
+def test_an_empty_resume_is_refused_not_a_fresh_start(where, tiny_model_dir, rollouts, tmp_path):
+    # An unset variable ("$CKPT") started afresh as if none were given, the run it meant to continue left behind.
+    message = r"^resume_from_checkpoint is empty; pass a checkpoint folder, 'latest' or 'auto', or leave it out"
+    with pytest.raises(ValueError, match=message):
+        if where == "config":
+            trainer(tiny_model_dir, rollouts, tmp_path / "run", 1, save_every=None, resume_from_checkpoint=" ")
+        else:
+            trainer(tiny_model_dir, rollouts, tmp_path / "run", 1, save_every=None).train(resume_from_checkpoint="")
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
 def test_auto_starting_fresh_cuts_the_rollouts_file_back_to_where_its_stopped_attempt_began(
         tiny_model_dir, rollouts, tmp_path, caplog):
     # The restarted attempt appended its batches after the stopped one's: batches 0 and 1 appeared twice.

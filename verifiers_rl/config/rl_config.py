@@ -587,6 +587,7 @@ class RLConfig(compat.DeviceSetupHooks, GRPOConfig):
         check_server_url(self.vllm_server_url, "vllm_server_url")
         check_reward_weights(self.reward_weights)
         check_path_kind("output_dir", self.output_dir, folder=True)
+        check_resume_spec(self.resume_from_checkpoint)
         if self.save_rollouts_path:
             check_path_kind("save_rollouts_path", self.save_rollouts_path, folder=False)
         if self.vllm_server_url and self.continuous_batching_rows:
@@ -803,6 +804,14 @@ def check_reward_weights(weights) -> None:
     if not isinstance(weights, (list, tuple)) or not all(
             isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
         raise ValueError(f"reward_weights must be a list of finite numbers, one per reward function, got {weights!r}.")
+
+
+def check_resume_spec(spec) -> None:
+    """Refuse an empty --resume_from_checkpoint: it started afresh, as if not given (an unset shell variable's
+    ``--resume_from_checkpoint "$CKPT"`` silently lost the run it meant to continue)."""
+    if isinstance(spec, str) and not spec.strip():
+        raise ValueError("resume_from_checkpoint is empty; pass a checkpoint folder, 'latest' or 'auto', or leave it "
+                         "out to start afresh.")
 
 
 def check_path_kind(flag: str, path, folder: bool) -> None:

@@ -33,7 +33,7 @@ from verifiers_rl.training import reporting
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.training.adapter_reference import AdapterReference, AdapterReferenceCallback
 from verifiers_rl.config.lora import check_peft_model
-from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig, check_resume_spec
 from verifiers_rl.training.distributed import (
     collective_failure_note,
     is_collective_failure,
@@ -436,6 +436,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         step, write a checkpoint and raise ``TrainingPreempted`` on every rank (a second signal exits at once)."""
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
+        check_resume_spec(resume_from_checkpoint)
         # Installed before anything collective: a survivor of a dead peer that the launcher signals names the dead
         # one and exits (``PreemptionSignal``), also while it handles its failed collective below.
         self.preemption.install()
