@@ -113,6 +113,8 @@ def test_vllm_serve_refuses_a_port_in_use_before_starting_a_server():
     # vLLM takes abbreviations too: --po 8001 would have served on 8001 while we waited for --port 8000.
     (["--po", "8001"], "--po abbreviates --port: give the whole flag"),
     (["--max-model=4096"], "--max-model abbreviates --max-model-len: give the whole flag"),
+    # argparse kept the last: the server would have listened on 8002.
+    (["--port", "8001", "--port=8002"], "--port given twice; argparse would keep the last value: give it once"),
 ])
 def test_vllm_serve_refuses_bad_arguments_by_flag_before_starting_a_server(flags, message, capsys):
     from verifiers_rl.inference.vllm import server
@@ -122,6 +124,18 @@ def test_vllm_serve_refuses_bad_arguments_by_flag_before_starting_a_server(flags
         server.main(["--model", "tiny", "--venv", "/no/venv", *flags])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stopped.value.code == 2 and last.startswith(f"verifiers-rl vllm-serve: error: {message}"), last
+
+
+def test_eval_refuses_a_flag_given_twice(capsys):
+    from verifiers_rl.cli.eval import cli
+
+    # argparse kept the last: this evaluated greedily at temperature 0 and said nothing.
+    with pytest.raises(SystemExit) as stopped:
+        cli(["--model", "tiny", "--temperature", "1", "--temperature=0"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stopped.value.code == 2 and last == ("verifiers-rl eval: error: --temperature given twice; argparse would "
+                                                "keep the last value: give it once (a list flag takes its values after "
+                                                "one flag)."), last
 
 
 def test_train_help_shows_the_flags_by_section_in_order():

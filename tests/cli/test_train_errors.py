@@ -13,7 +13,7 @@ import pytest
 
 from verifiers_rl.cli.train import main
 
-from tests.helpers.launches import RAISING_ENV
+from tests.helpers.launches import RAISING_ENV, with_flags
 from tests.helpers.model_folders import a_model_in_a_subfolder
 
 SMALL = ["--max_steps", "1", "--rollouts_per_step", "4", "--num_generations", "2", "--print_samples_every", "0"]
@@ -209,7 +209,8 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
 ])
 def test_a_fields_refusal_names_the_flag_as_typed(flags, message, tmp_path, capsys):
     # RLConfig's checks name a field as Python does (generation_kwargs); the command names its flag.
-    assert refusal(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, *flags], capsys).startswith(message)
+    argv = with_flags(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL], flags)
+    assert refusal(argv, capsys).startswith(message)
 
 
 def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path):
@@ -307,6 +308,28 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_flag_it_begins(flag, w
     # argparse took a prefix for the whole flag: --max_step 2 trained 2 steps, and a typo set whichever flag it began.
     argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, flag, "2"]
     assert refusal(argv, capsys).startswith(f"unknown flag(s) or value(s): {flag} (did you mean {whole}?)")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--learning_rate", "1e-5", "--max_steps", "1", "--learning_rate=1e-3"], "--learning_rate given twice; "),
+    (["--max_steps", "1", "--max-steps", "2"], "--max_steps given twice (as --max_steps, then --max-steps); "),
+    (["--report_to", "none", "--report_to", "tensorboard"], "--report_to given twice; "),
+])
+def test_a_flag_given_twice_is_refused_not_its_last_value_taken(flags, message, tmp_path, capsys):
+    # argparse kept the last value and said nothing: --learning_rate 1e-5 ... --learning_rate=1e-3 trained at 1e-3.
+    argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL[2:], *flags]
+    assert refusal(argv, capsys) == message + ("argparse would keep the last value: give it once (a list flag takes "
+                                               "its values after one flag).")
+
+
+def test_a_list_flags_values_and_a_config_value_the_command_line_overrides_are_one_use(tmp_path):
+    from verifiers_rl.cli.train import build_parser
+
+    (tmp_path / "run.yaml").write_text("max_steps: 3\n")
+    script_args, config = build_parser().parse_args_and_config(
+        ["--config", str(tmp_path / "run.yaml"), "--max_steps", "2", "--output_dir", str(tmp_path), "--use_peft",
+         "--lora_target_modules", "q_proj", "v_proj"])
+    assert config.max_steps == 2 and script_args.lora_target_modules == ["q_proj", "v_proj"]
 
 
 @pytest.mark.parametrize("argv, bf16", [(["--bf16"], True), (["--bf16", "false"], False), (["--bf16", "true"], True),

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from verifiers_rl.cli.train import build_parser, build_trainer, main
 
 from tests.cli.test_train_errors import refusal
+from tests.helpers.launches import with_flags
 
 LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modules", "q_proj", "v_proj",
         "--lora_modules_to_save", "norm"]
@@ -21,9 +22,9 @@ LORA = ["--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_target_modul
 
 def command(tiny_model_dir, output_dir, *flags, lora=tuple(LORA)) -> list[str]:
     # lora_dropout stays at TRL's 0.05: a resume must restore its random state too.
-    return ["--model", tiny_model_dir, "--output_dir", str(output_dir), "--max_steps", "3", "--rollouts_per_step",
-            "4", "--num_generations", "2", "--print_samples_every", "0", "--learning_rate", "5e-2",
-            "--save_strategy", "steps", "--save_steps", "1", *lora, *flags]
+    return with_flags(["--model", tiny_model_dir, "--output_dir", str(output_dir), "--max_steps", "3",
+                       "--rollouts_per_step", "4", "--num_generations", "2", "--print_samples_every", "0",
+                       "--learning_rate", "5e-2", "--save_strategy", "steps", "--save_steps", "1", *lora], list(flags))
 
 
 def train(argv: list[str]):

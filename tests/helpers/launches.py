@@ -40,6 +40,19 @@ LIVE = ["--env", "reverse_text", "--env_args", '{"num_examples": 64}', "--rollou
         "--num_generations", "4"]
 
 
+def with_flags(base: list[str], flags: list[str]) -> list[str]:
+    """``base`` then ``flags``, each flag of ``flags`` in place of ``base``'s own (the commands refuse a flag given
+    twice); a flag's values are the words up to the next ``--flag``."""
+    names = {word.split("=", 1)[0] for word in flags if word.startswith("--")}
+    kept, dropping = [], False
+    for word in base:
+        if word.startswith("--"):
+            dropping = word.split("=", 1)[0] in names
+        if not dropping:
+            kept.append(word)
+    return [*kept, *flags]
+
+
 def launch_env(env_extra: dict | None = None, threads: int | None = 1) -> dict:
     """The launched processes' environment: the repo first on PYTHONPATH, before what is there already (a GPU
     machine's carried packages, scripts/gpu_bringup.sh); OMP_NUM_THREADS ``threads`` (None: as it is here)."""
@@ -65,7 +78,7 @@ def accelerate(config: str) -> list[str]:
 
 def run(prefix, out: Path, args: list[str], log: Path, expect: int = 0) -> str:
     """``examples/train.py`` under ``prefix`` into ``out`` with COMMON flags; asserts its exit status, returns its log."""
-    result = launch(prefix, [SCRIPT, "--output_dir", str(out), *COMMON, *args], log)
+    result = launch(prefix, [SCRIPT, *with_flags(["--output_dir", str(out), *COMMON], args)], log)
     text = log.read_text()
     assert result.returncode == expect, text[-6000:]
     return text

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from tests.helpers.launches import (COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, launch_env, logged_steps,
-                                    run)
+                                    run, with_flags)
 from verifiers_rl.training.run_state import resolve_checkpoint
 from verifiers_rl.core.rollout import write_rollouts
 from verifiers_rl.rollouts.synthetic import random_rollouts
@@ -66,7 +66,8 @@ def launch_and_kill(prefix: list[str], out: Path, args: list[str], log: Path, vi
     launcher to end. Every process of the launch seen meanwhile must be gone at the end."""
     env = launch_env()
     with log.open("w") as handle:
-        launcher = subprocess.Popen(prefix + [SCRIPT, "--output_dir", str(out), *COMMON, *args], cwd=ROOT, env=env,
+        command = prefix + [SCRIPT, *with_flags(["--output_dir", str(out), *COMMON], args)]
+        launcher = subprocess.Popen(command, cwd=ROOT, env=env,
                                     stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
     seen: dict[int, psutil.Process] = {}
     killed_pid, killed_at = None, None

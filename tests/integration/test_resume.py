@@ -27,7 +27,7 @@ from verifiers_rl.rollouts.continuous import position_of
 from verifiers_rl.rollouts.synthetic import random_rollouts
 
 from tests.helpers.launches import (COMMON, LIVE, ROOT, SCRIPT, accelerate, assert_equal_parameters, final_parameters,
-                                    launch_env, logged_steps, run)
+                                    launch_env, logged_steps, run, with_flags)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_a_synced_reference_model_mixes_as_trl_says_and_resumes_exactly(backend,
     if backend == "single":  # a checkpoint without the reference (its run's stayed the initial model) is refused
         mix = ("--sync_ref_model", "--ref_model_sync_steps", "--ref_model_mixup_alpha")  # refused without the first
         plain = [a for i, a in enumerate(args) if a not in mix and args[i - 1] not in mix]
-        run(prefix, tmp_path / "plain", plain + ["--max_steps", "1"], tmp_path / "plain.log")
+        run(prefix, tmp_path / "plain", with_flags(plain, ["--max_steps", "1"]), tmp_path / "plain.log")
         log = run(prefix, tmp_path / "bad", args + ["--resume_from_checkpoint", str(tmp_path / "plain" / "checkpoint-1")],
                   tmp_path / "bad.log", expect=1)
         assert "has no reference_model.safetensors: it was written by a run without --sync_ref_model" in log
@@ -136,7 +136,8 @@ def test_live_resume_at_k0_regenerates_the_same_batches(tiny_model_dir, tmp_path
 def start(prefix, out: Path, args: list[str], log: Path) -> subprocess.Popen:
     env = launch_env()
     with log.open("w") as handle:
-        return subprocess.Popen(prefix + [SCRIPT, "--output_dir", str(out), *COMMON, *args], cwd=ROOT, env=env,
+        command = prefix + [SCRIPT, *with_flags(["--output_dir", str(out), *COMMON], args)]
+        return subprocess.Popen(command, cwd=ROOT, env=env,
                                 stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from verifiers_rl.core.engine import SamplingConfig
+from verifiers_rl.core.flags import repeated_flag
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
 
 PROG = "verifiers-rl eval"  # as argparse prefixes its usage errors: every error line starts the same way
@@ -124,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "engine), as training's.")
     parser.add_argument("--vllm_server_timeout", type=float, default=SERVER_WAIT_S,
                         help="Seconds to wait for a --vllm_server_url server that is still starting (as training's).")
+    why = repeated_flag(parser, sys.argv[1:] if argv is None else argv)
+    if why:
+        parser.error(why)
     args = parser.parse_args(argv)
     from verifiers_rl.envs.loading import keyword_arguments
 

@@ -19,6 +19,8 @@ from dataclasses import MISSING, fields
 
 from trl import TrlParser
 
+from verifiers_rl.core.flags import repeated_flag
+
 SECTIONS: dict[str, tuple[str, ...]] = {
     "Model": ("model", "bf16", "use_cpu", "seed", "gradient_checkpointing", "activation_checkpointing"),
     "LoRA": ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
@@ -136,12 +138,15 @@ class SectionedParser(TrlParser):
 
     def parse_args_and_config(self, args=None):
         """TRL's, except that each ``--config`` YAML value is checked and converted as its flag's text would be (a
-        wrong one is a ValueError naming the file and the key), ``--config=FILE`` is ``--config FILE``, and ``env:``
-        is the ``--env`` flag, not TRL's environment variables."""
+        wrong one is a ValueError naming the file and the key), ``--config=FILE`` is ``--config FILE``, ``env:``
+        is the ``--env`` flag, not TRL's environment variables, and a flag given twice is refused."""
         args = [part for arg in (sys.argv[1:] if args is None else args)
                 for part in (arg.split("=", 1) if arg.startswith("--config=") else [arg])]
         if args.count("--config") > 1:
             raise ValueError("--config given twice: name one file (the command line overrides its values).")
+        why = repeated_flag(self, args)
+        if why:
+            raise ValueError(why)
         if "--config" in args:
             at = args.index("--config")
             if at + 1 == len(args):

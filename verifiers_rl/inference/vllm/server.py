@@ -42,6 +42,7 @@ from pathlib import Path
 
 from verifiers_rl.vllm_worker.vllm_auth import KEY_ENV as API_KEY_ENV
 from verifiers_rl.core.engine import WORKER_EXTENSION, free_port, is_loopback
+from verifiers_rl.core.flags import repeated_flag
 from verifiers_rl.core.models import resolve_model
 from verifiers_rl.inference.vllm.processes import ProcessFamily, run_preemptible
 from verifiers_rl.inference.vllm.weight_transfer import SERVER_BACKENDS, TRANSFERS
@@ -439,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--then needs a command after it")
         if shutil.which(command[0]) is None:  # else a traceback once the servers are up, 30-90 s later
             parser.error(f"--then {command[0]}: no such command (not on PATH, nor an executable file)")
+    why = repeated_flag(parser, argv)
+    if why:
+        parser.error(why)
     args, extra = parser.parse_known_args(argv)
     _refuse_abbreviations(parser, extra)
     try:  # before a server starts: a wrong path is one line now, not vLLM's traceback 20 s later
