@@ -232,7 +232,7 @@ def test_a_fields_refusal_keeps_its_python_wording_outside_the_command(tmp_path)
                                               ("--save_rollouts_path", "/proc/x.jsonl", "the file")])
 def test_a_path_the_run_cannot_create_is_refused_naming_its_flag(flag, path, what, tmp_path, capsys):
     # --output_dir failed at the trainer with a bare "[Errno 2] ..."; --save_rollouts_path, after a step, a traceback.
-    argv = ["--model", "tiny", "--output_dir", str(tmp_path), *SMALL, flag, path]
+    argv = with_flags(["--model", "tiny", "--output_dir", str(tmp_path), *SMALL], [flag, path])
     line = refusal(argv, capsys)
     assert line.startswith(f"{flag} {path}: cannot create or write {what} (") and "pass a path" in line, line
 
@@ -244,7 +244,7 @@ def test_an_empty_output_dir_is_refused_naming_it(tmp_path, capsys):
 
 
 def test_the_probe_of_a_path_leaves_nothing_behind(tmp_path):
-    from verifiers_rl.cli.train import probe_writable
+    from verifiers_rl.core.paths import probe_writable
 
     probe_writable(tmp_path / "a" / "b" / "seen.jsonl", is_file=True)
     probe_writable(tmp_path / "c" / "d", is_file=False)
