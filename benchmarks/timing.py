@@ -57,10 +57,18 @@ def model_name(parser: argparse.ArgumentParser, model: str) -> None:
 
 
 def writable_file(parser: argparse.ArgumentParser, path: str | None, flag: str) -> None:
-    """Refuse by ``parser.error`` a ``path`` the run could not write once it has its numbers: a folder, or a file in a
-    folder that is not there (``open`` failed with a traceback after the whole run). None (not given) passes."""
-    if path is not None and (os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path)))):
+    """Refuse by ``parser.error`` a ``path`` the run could not write once it has its numbers: a folder, a file in a
+    folder that is not there, or one this user cannot create (``open`` failed with a traceback after the whole run).
+    None (not given) passes."""
+    if path is None:
+        return
+    if os.path.isdir(path) or not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         parser.error(f"{flag} {path}: a folder, or in a folder that does not exist: name a file in an existing folder")
+    from verifiers_rl.core.paths import unwritable  # the command's and RLTrainer's check: a /proc path, read-only
+
+    why = unwritable(path, is_file=True)
+    if why:
+        parser.error(f"{flag} {path}: {why}")
 
 
 def __getattr__(name: str):

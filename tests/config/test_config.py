@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -324,6 +325,20 @@ def test_a_path_the_run_could_not_create_is_refused_naming_its_flag(flag, path, 
         RLConfig(report_to="none", **paths)
     RLConfig(report_to="none", output_dir=str(tmp_path / "new" / "out"),
              save_rollouts_path=str(tmp_path / "new" / "seen.jsonl"))  # paths still to be created are fine
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where nothing can be created")
+@pytest.mark.parametrize("field, path, what", [("output_dir", "/proc/x/run", "the folder"),
+                                               ("save_rollouts_path", "/proc/x/seen.jsonl", "the file")])
+def test_rltrainer_refuses_a_path_it_could_not_create_before_loading_anything(field, path, what, tiny_model_dir,
+                                                                             tmp_path):
+    # As the command does: from Python save_rollouts_path failed after the first step, output_dir at the first save.
+    from verifiers_rl.training.trainer import RLTrainer
+
+    paths = {"output_dir": str(tmp_path / "out"), field: path}
+    args = RLConfig(report_to="none", use_cpu=True, rollouts_path=str(tmp_path / "r.jsonl"), **paths)
+    with pytest.raises(ValueError, match=f"^{re.escape(f'{field} {path}: cannot create or write {what} (')}"):
+        RLTrainer(tiny_model_dir, args)
 
 
 def test_a_launchs_deepspeed_config_named_from_the_repository_is_found_from_another_folder(monkeypatch, tmp_path):

@@ -117,6 +117,10 @@ def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(name, argv
         with pytest.raises(SystemExit):
             bench.parse_args(argv + ["--json", str(path)])
         assert f"--json {path}: a folder, or in a folder that does not exist" in capsys.readouterr().err
+    if Path("/proc/self").is_dir():  # Linux's /proc, where nothing can be created: the write failed after the run
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv + ["--json", "/proc/out.json"])
+        assert "--json /proc/out.json: cannot create or write the file (" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["continuous_batching", "long_tail"])

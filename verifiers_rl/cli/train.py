@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from verifiers_rl.cli.eval import check_model_folder
 from verifiers_rl.cli.sections import SectionedParser, as_flags
 from verifiers_rl.config.lora import (LORA_FLAGS, LoraArguments, check_continued_flags, check_lora_flags,
                                       peft_config_of)
-from verifiers_rl.config.rl_config import RLConfig
+from verifiers_rl.config.rl_config import RLConfig, check_written_paths
 from verifiers_rl.training.distributed import MainProcessError, leave_process_group
 from verifiers_rl.training.weight_stream import WeightSyncError
 from verifiers_rl.rollouts.evaluation import EvaluationTimeout
@@ -297,7 +296,7 @@ def build_trainer(parser, argv: list[str] | None, script_args: ScriptArguments, 
     if config.rollouts_path and config.eval_strategy == "no":
         config.check_engine_knobs()  # this command builds no engine then
     check_unread_flags(script_args, config, given)
-    check_written_paths(config)
+    check_written_paths(config, prefix="--")  # before anything loads
     check_lora_flags(script_args, given, config.disable_dropout)
     env_args = json_flag(parser, "--env_args", script_args.env_args)
     model, tokenizer = checked_model(script_args.model, model_load_kwargs(config))
@@ -406,44 +405,6 @@ def check_unread_flags(script_args: ScriptArguments, config: RLConfig, given: se
         if name in given and not read:
             value = getattr(script_args if name in ENVIRONMENT_FLAGS else config, name)
             raise ValueError(f"--{name} {value} is not used by this run: {why}. Leave it out.")
-
-
-# The paths a run writes, by flag (True: a file; False: a folder): checked before anything loads.
-WRITTEN_PATHS = {"output_dir": False, "save_rollouts_path": True, "vllm_weights_dir": False}
-
-
-def check_written_paths(config: RLConfig) -> None:
-    """Refuse, naming its flag and the reason, a path in ``WRITTEN_PATHS`` the run could not create or write (a
-    read-only or special file system: /proc/x): the first write failed with a bare errno line (the trainer's
-    --output_dir) or a traceback after the first step (--save_rollouts_path)."""
-    for flag, is_file in WRITTEN_PATHS.items():
-        path = getattr(config, flag)
-        if not path:
-            continue
-        try:
-            probe_writable(Path(path).expanduser(), is_file)
-        except OSError as error:
-            where = f" at {error.filename}" if error.filename and str(error.filename) != str(path) else ""
-            raise ValueError(f"--{flag} {path}: cannot create or write {'the file' if is_file else 'the folder'} "
-                             f"({error.strerror}{where}); pass a path this user can write.") from None
-
-
-def probe_writable(path: Path, is_file: bool) -> None:
-    """Raise the OSError of creating ``path`` (its folder, a file in it; an existing file opened to append), leaving
-    nothing behind: the folders it made are removed (root's write permission is no answer: /proc refuses root)."""
-    folder = path.parent if is_file else path
-    made = [missing for missing in (folder, *folder.parents) if not missing.exists()]  # deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-        if is_file and path.exists():
-            path.open("a").close()
-    finally:
-        for created in made:
-            try:
-                created.rmdir()
-            except OSError:  # never made, or another process's files are in it now
-                pass
 
 
 def load_prepared(parser, spec, env_args: dict, flag: str, tokenizer, tool_mode: str, prepare):

@@ -38,6 +38,7 @@ from verifiers_rl.core.choices import (
     field_ranges,
 )
 from verifiers_rl.core.curriculum import EASY_RANGE, HARD_RANGE, CurriculumSettings
+from verifiers_rl.core.paths import unwritable
 from verifiers_rl.core.launch import (deepspeed_config_found, launched_fsdp, launched_mixed_precision,
                                       launched_world_size)
 from verifiers_rl.inference.vllm.http import SERVER_WAIT_S, check_server_url
@@ -804,6 +805,21 @@ def check_reward_weights(weights) -> None:
     if not isinstance(weights, (list, tuple)) or not all(
             isinstance(w, numbers.Real) and not isinstance(w, bool) and math.isfinite(w) for w in weights):
         raise ValueError(f"reward_weights must be a list of finite numbers, one per reward function, got {weights!r}.")
+
+
+# The paths a run writes, by field (True: a file; False: a folder).
+WRITTEN_PATHS = {"output_dir": False, "save_rollouts_path": True, "vllm_weights_dir": False}
+
+
+def check_written_paths(config, prefix: str = "") -> None:
+    """Refuse, naming its field (``prefix``: "--" for the command's flag) and the reason, a path in ``WRITTEN_PATHS``
+    this user could not create or write: the first write failed with a bare errno line (the trainer's output_dir) or
+    a traceback after the first step (save_rollouts_path)."""
+    for name, is_file in WRITTEN_PATHS.items():
+        path = getattr(config, name)
+        why = unwritable(path, is_file) if path else None
+        if why:
+            raise ValueError(f"{prefix}{name} {path}: {why}.")
 
 
 def check_resume_spec(spec) -> None:

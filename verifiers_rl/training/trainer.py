@@ -33,7 +33,7 @@ from verifiers_rl.training import reporting
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.training.adapter_reference import AdapterReference, AdapterReferenceCallback
 from verifiers_rl.config.lora import check_peft_model
-from verifiers_rl.config.rl_config import RLConfig, check_resume_spec
+from verifiers_rl.config.rl_config import RLConfig, check_resume_spec, check_written_paths
 from verifiers_rl.training.distributed import (
     collective_failure_note,
     is_collective_failure,
@@ -309,6 +309,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         reward_processing_classes=None,
     ):
         args = _config(args, model)
+        check_written_paths(args)  # the first write came after the model loaded, save_rollouts_path's after a step
         model = _subfolder_joined(_adapters_as_model(model, peft_config), args)
         args.check_logging_steps()
         _ = args.device  # this process's set-up (launch.prepare_process, then transformers'): before any collective
