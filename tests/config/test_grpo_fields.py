@@ -29,6 +29,8 @@ SAMPLE_VALUES = {
     "train_sampling_strategy": "sequential", "dataloader_num_workers": 2, "dataloader_prefetch_factor": 4,
     "dataloader_multiprocessing_context": "spawn", "data_seed": 7, "include_num_input_tokens_seen": "all",
     "neftune_noise_alpha": 5.0, "torch_empty_cache_steps": 4,
+    "hub_model_id": "me/run", "hub_private_repo": True, "hub_revision": "dev", "hub_strategy": "checkpoint",
+    "hub_token": "hf_x",
 }
 
 
@@ -70,6 +72,11 @@ def test_a_refused_field_set_by_the_user_stops_with_its_name_and_reason(name):
     # Read only by HF's own training_step and DataLoader, neither of which runs here.
     ("torch_empty_cache_steps", 4, "RLTrainer's training_step .* replaces HF's"),
     ("dataloader_in_order", False, "batches come from the rollout source"),
+    # HF pushed from inside its save (huggingface_hub's upload_folder, mocked, saw it): last-checkpoint from the partial
+    # folder, without verifiers_rl_state.json and renamed away during the background upload, and the run folder's
+    # upload with the .partial-checkpoint-N folder in it.
+    ("push_to_hub", True, "uploads a checkpoint while it is still being written"),
+    ("hub_strategy", "all_checkpoints", "it acts only with push_to_hub, which is refused"),
 ])
 def test_training_arguments_that_would_act_wrongly_or_not_at_all_are_refused(name, value, why):
     with pytest.raises(ValueError, match=rf"^{name}={value!r} has no effect in verifiers_rl: .*{why}"):

@@ -163,6 +163,12 @@ _NO_FSDP = ("FSDP is not supported (the weight sync, checkpoints and the exactne
             "DDP and DeepSpeed ZeRO-3): shard the model with ZeRO-3, accelerate launch --config_file "
             "accelerate_configs/zero3.yaml (zero3_cpu.yaml on CPU)")
 _NO_HF_EVAL = "evaluation rolls out the held-out split through the engine (--eval_steps, --eval_num_examples)"
+# HF pushes a checkpoint from inside its save, in a background upload: ours is then still a partial folder (without
+# this run's state), renamed away once complete; the run folder's upload took the partial folders too.
+_NO_PUSH = ("HF's push uploads a checkpoint while it is still being written (a partial folder, without this run's "
+            "state, renamed once complete: docs/durability.md), so the Hub got half a checkpoint that cannot be "
+            "resumed; upload --output_dir (or a checkpoint-N in it) after training: `hf upload REPO_ID OUTPUT_DIR`")
+_PUSH_ONLY = "it acts only with push_to_hub, which is refused: " + _NO_PUSH
 TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
     "label_smoothing_factor": "the loss is the policy-gradient surrogate, not cross-entropy",
     "average_tokens_across_devices": "the loss is normalised by the global batch's counts already (exact over ranks)",
@@ -202,6 +208,13 @@ TRAINING_ARGUMENTS_REFUSED: dict[str, str] = {
     "ignore_data_skip": "a resumed run continues the rollout source exactly where the checkpoint stood",
     "fsdp": _NO_FSDP,
     "fsdp_config": _NO_FSDP,
+    "push_to_hub": _NO_PUSH,
+    "hub_model_id": _PUSH_ONLY,
+    "hub_strategy": _PUSH_ONLY,
+    "hub_token": _PUSH_ONLY,
+    "hub_private_repo": _PUSH_ONLY,
+    "hub_always_push": _PUSH_ONLY,
+    "hub_revision": _PUSH_ONLY,
 }
 
 
