@@ -204,6 +204,8 @@ def test_a_usage_error_is_two_lines_not_the_usage_of_every_flag(flags, message, 
     # HF's max_steps overrides it: the run trained 1 step and said nothing.
     (["--max_steps", "1", "--num_train_epochs", "2"], "--num_train_epochs 2.0 is not used by this run: --max_steps 1 "
                                                       "sets the run's length"),
+    # transformers ignores a revision beside a local folder: the folder's files trained, not the revision.
+    (["--model_init_kwargs", '{"revision": "v2"}'], "--model_init_kwargs revision 'v2' acts only on a Hub id, and "),
     (["--resume_from_checkpoint", ""], "--resume_from_checkpoint is empty; pass a checkpoint folder, 'latest' or "
                                        "'auto', or leave it out to start afresh."),  # it started afresh
 ])

@@ -341,6 +341,16 @@ def test_rltrainer_refuses_a_path_it_could_not_create_before_loading_anything(fi
         RLTrainer(tiny_model_dir, args)
 
 
+def test_rltrainer_refuses_a_revision_beside_a_local_folder_which_transformers_ignores(tiny_model_dir, tmp_path):
+    from verifiers_rl.training.trainer import RLTrainer
+
+    args = RLConfig(report_to="none", use_cpu=True, output_dir=str(tmp_path / "out"),
+                    model_init_kwargs={"revision": "v2"}, rollouts_path=str(tmp_path / "r.jsonl"))
+    with pytest.raises(ValueError, match=rf"^model_init_kwargs revision 'v2' acts only on a Hub id, and "
+                                         rf"{re.escape(repr(tiny_model_dir))} is a local folder"):
+        RLTrainer(tiny_model_dir, args)
+
+
 def test_a_launchs_deepspeed_config_named_from_the_repository_is_found_from_another_folder(monkeypatch, tmp_path):
     # accelerate_configs/zero3*.yaml name their JSON relative to the repository; Accelerate opened it from the working
     # directory, and every rank of a launch from elsewhere stopped ("Expected a string path to an existing ...").

@@ -52,7 +52,7 @@ from verifiers_rl.envs.prepare import prepare_environment
 from verifiers_rl.envs.tools import TOOL_MODES, default_tool_mode
 from verifiers_rl.inference.factory import build_engine, model_load_kwargs
 from verifiers_rl.inference.vllm.http import VLLMError
-from verifiers_rl.core.models import is_adapter_folder, load_tokenizer, resolve_model
+from verifiers_rl.core.models import check_revision, is_adapter_folder, load_tokenizer, resolve_model
 from verifiers_rl.core.launch import launched_rank, launched_world_size
 from verifiers_rl.training.preemption import TrainingPreempted
 from verifiers_rl.training.run_state import adapter_signature
@@ -366,6 +366,7 @@ def checked_model(name: str, load_kwargs: dict | None = None):
     that cannot be loaded, is a ValueError naming --model (one line from the command, not a traceback)."""
     try:
         model = resolve_model(name)
+        check_revision(model, load_kwargs, "--model_init_kwargs")
         folder = Path(model).expanduser() / (load_kwargs or {}).get("subfolder", "")
         if Path(model).expanduser().is_dir():  # before the slow loads: weights, config and tokenizer are there
             check_model_folder(folder, tokenizer_hint="train from a folder that has one")

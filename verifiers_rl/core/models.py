@@ -215,6 +215,16 @@ def tokenizer_kwargs(load_kwargs: dict | None) -> dict:
             if key in WHICH_WEIGHTS and key not in WEIGHTS_ONLY}
 
 
+def check_revision(name_or_path: str, load_kwargs: dict | None, field: str = "model_init_kwargs") -> None:
+    """Refuse a ``revision`` beside a local folder: transformers reads a folder's files as they are and ignores it, so
+    the run trained whatever the folder held, not the revision asked for."""
+    revision = (load_kwargs or {}).get("revision")
+    if revision is not None and Path(str(name_or_path)).expanduser().is_dir():
+        raise ValueError(f"{field} revision {revision!r} acts only on a Hub id, and {name_or_path!r} is a local "
+                         "folder (transformers reads its files as they are): check that revision out there, or pass "
+                         "the Hub id.")
+
+
 def load_tokenizer(name_or_path: str, flag: str = "--model", load_kwargs: dict | None = None):
     """The tokenizer of ``name_or_path`` (as ``resolve_model`` takes it; ``flag``: the flag that gave it), with a pad
     token; ``load_kwargs``: the weights' ``from_pretrained`` arguments, of which it follows ``tokenizer_kwargs``."""

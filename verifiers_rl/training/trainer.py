@@ -207,8 +207,12 @@ def _adapters_as_model(model, peft_config):
 
 def _subfolder_joined(model, args):
     """A local folder given with ``model_init_kwargs`` ``subfolder``: the subfolder itself, as the model (TRL reads the
-    model's config at the folder's top, without the subfolder, and found none there)."""
+    model's config at the folder's top, without the subfolder, and found none there); with ``revision``, refused."""
+    from verifiers_rl.core.models import check_revision
+
     kwargs = args.model_init_kwargs or {}
+    if isinstance(model, str):
+        check_revision(model, kwargs)
     if not isinstance(model, str) or "subfolder" not in kwargs or not os.path.isdir(os.path.expanduser(model)):
         return model
     args.model_init_kwargs = {key: value for key, value in kwargs.items() if key != "subfolder"}
