@@ -265,6 +265,25 @@ def test_a_tied_pair_trained_as_one_is_accepted(lora_work, tiny_model_dir, tmp_p
     assert not torch.equal(dict(trainer.engine.model.named_parameters())[name], base)  # the trained pair reached it
 
 
+@pytest.mark.parametrize("given", ["peft_config", "PeftModel"])
+def test_a_tied_adapter_on_the_output_layer_is_refused_naming_the_module_given(lora_work, tiny_model_dir, tmp_path,
+                                                                              given):
+    """ensure_weight_tying with embed_tokens in target_modules: peft gives the tied lm_head the same adapter, and TRL
+    refused it telling the user to remove 'lm_head' from target_modules, a name they never gave."""
+    from peft import get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], ensure_weight_tying=True)
+    model = tiny_model_dir if given == "peft_config" else get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    with pytest.raises(ValueError, match=r"^--lora_target_modules embed_tokens \(peft_config's target_modules\): an "
+                                         r"adapter on the output layer lm_head \(ensure_weight_tying .*Leave "
+                                         r"embed_tokens out of target_modules, or train the embedding whole "
+                                         r"\(modules_to_save=\['embed_tokens'\] with ensure_weight_tying=True\)\.$"):
+        RLTrainer(model, replay_args(lora_work, tmp_path),
+                  processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                  peft_config=config if given == "peft_config" else None)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_trainable_token_indices_are_refused_naming_them(lora_work, tiny_model_dir, tmp_path, tied):
     """peft's trainable_token_indices (a few rows of the embedding trained): the first step failed with an

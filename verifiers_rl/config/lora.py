@@ -199,11 +199,12 @@ def _check_name(flag: str, name: str, modules: dict, allowed: set[str], layers: 
     return matched
 
 
-def check_peft_model(model) -> None:
+def check_peft_model(model, given=None) -> None:
     """Refuse adapters of ``model`` (a peft-wrapped model, however its ``peft_config`` was given) that the engine cannot
-    sample from: peft's ``trainable_token_indices`` (its token adapters have no merged weight here), and on a model
-    whose input and output embeddings share their weight (tie_word_embeddings) an adapter or a ``modules_to_save``
-    copy that trains one of the pair apart."""
+    sample from: peft's ``trainable_token_indices`` (its token adapters have no merged weight here), an adapter on the
+    output layer, and on a model whose input and output embeddings share their weight (tie_word_embeddings) an adapter
+    or a ``modules_to_save`` copy that trains one of the pair apart. ``given``: the ``peft_config`` as the user gave
+    it, whose names a refusal quotes (peft rewrites a tied pair's names into the model's own)."""
     if not getattr(model, "peft_config", None):
         return
     from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
@@ -215,6 +216,9 @@ def check_peft_model(model) -> None:
                          "its token adapters into the engine's embedding. Leave it out, or train the embedding whole "
                          "(modules_to_save).")
     pair = (model.get_input_embeddings(), model.get_output_embeddings())
+    if _is_adapter(pair[1]):
+        raise ValueError(_head_refusal(given or next(iter(model.peft_config.values())),
+                                       [modules[module] for module in pair]))
     if pair[1] is None or _original(pair[0]).weight is not _original(pair[1]).weight:
         return  # untied: each trains apart as the engine holds it
     names = [modules[module] for module in pair]
@@ -224,6 +228,39 @@ def check_peft_model(model) -> None:
             setting = "modules_to_save" if apart else _adapter_setting(module)
             given = name.rsplit(".", 1)[-1] + (f".{module.parameter_name}" if setting == "target_parameters" else "")
             raise ValueError(_tied_refusal(setting, given, names))
+
+
+def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> None:
+    """``check_peft_model`` on ``model`` (a folder, Hub id or loaded model; ``load_kwargs`` as ``peft_config_of``'s)
+    wrapped by ``peft_config`` on the meta device: before TRL wraps it, whose own refusal of an adapter on the output
+    layer names lm_head where ensure_weight_tying put it there from the input embedding the user named."""
+    import copy
+
+    import torch
+    from peft import get_peft_model
+
+    if isinstance(model, str):
+        skeleton = _skeleton(model, load_kwargs or {})
+    else:
+        with torch.device("meta"):
+            skeleton = type(model)(copy.deepcopy(model.config))
+    check_peft_model(get_peft_model(skeleton, copy.deepcopy(peft_config)), peft_config)
+
+
+def _head_refusal(config, pair: list[str]) -> str:
+    """The refusal of an adapter on the output layer (``pair``: the input and output embeddings' names), naming the
+    ``target_modules`` entries of ``config`` that put it there."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    given = [name for name in pair if check_target_module_exists(config, name)] or pair[1:]
+    short = [name.rsplit(".", 1)[-1] for name in given]
+    tying = (f" (ensure_weight_tying gives the tied {pair[1]} the adapter of {pair[0]})"
+             if getattr(config, "ensure_weight_tying", False) else "")
+    whole = f"modules_to_save=['{short[0]}']" + (" with ensure_weight_tying=True" if tying else "")
+    return (f"--lora_target_modules {' '.join(short)} (peft_config's target_modules): an adapter on the output layer "
+            f"{pair[1]}{tying}, whose log-probs the trainer computes from its weight directly, so the adapter would "
+            f"never train (TRL refuses it too). Leave {' and '.join(short)} out of target_modules, or train the "
+            f"embedding whole ({whole}).")
 
 
 def _original(module):

@@ -32,7 +32,7 @@ from verifiers_rl.training import progress
 from verifiers_rl.training import reporting
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.training.adapter_reference import AdapterReference, AdapterReferenceCallback
-from verifiers_rl.config.lora import check_peft_model
+from verifiers_rl.config.lora import check_peft_config, check_peft_model
 from verifiers_rl.config.rl_config import RLConfig, check_resume_spec, check_written_paths
 from verifiers_rl.training.distributed import (
     collective_failure_note,
@@ -45,6 +45,9 @@ from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
 from verifiers_rl.inference.factory import (build_engine, check_given_engine_rows, check_given_engine_sampling,
                                             model_load_kwargs)
+
+
+                                           model_load_kwargs)
 from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.launch import launched_world_size, restart_count
 from verifiers_rl.core.modeling import unwrap
@@ -219,6 +222,14 @@ def _subfolder_joined(model, args):
     return os.path.join(os.path.expanduser(model), kwargs["subfolder"])
 
 
+def _check_adapters_before_trl(model, peft_config, args: RLConfig) -> None:
+    """``check_peft_model``'s refusals before TRL's own (which names a module the user may never have given)."""
+    if peft_config is not None:
+        check_peft_config(model, peft_config, model_load_kwargs(args))
+    elif _is_peft(model):
+        check_peft_model(model)
+
+
 def _is_peft(model) -> bool:
     try:
         from peft import PeftModel
@@ -364,6 +375,7 @@ class RLTrainer(compat.TrainerHooks, GRPOTrainer):
         # TRL refuses sync_ref_model under PEFT (it keeps no reference model); ours mixes a copy of the adapters
         # (adapter_reference.py). With beta = 0 TRL's own refusal stands.
         adapter_sync = bool(args.sync_ref_model and args.beta != 0.0 and (peft_config is not None or _is_peft(model)))
+        _check_adapters_before_trl(model, peft_config, args)
         super().__init__(
             model=model,
             # TRL checks reward_weights against its reward functions: one placeholder per weight.
