@@ -134,3 +134,25 @@ def test_use_peft_on_a_folder_of_adapters_trains_them_on_their_own_base(tiny_mod
         f"--lora_r 8: --model {first} holds LoRA adapters (--use_peft --lora_r 4 --lora_alpha 8 --lora_target_modules "
         "q_proj v_proj --lora_modules_to_save norm), which --use_peft trains on as they are. Leave the flag out, or "
         "train new adapters from their base model.")
+
+
+
+def test_a_resume_of_adapters_trained_on_takes_the_kl_reference_from_the_checkpoint(tiny_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """Adapters trained on (--model <adapters> --use_peft, --beta > 0) have TRL's frozen copy of them as the KL
+    reference. The checkpoint keeps it (ref/: peft saves every adapter, as large as the adapters) and the resume
+    loads it from there, not from --model's adapters: a folder trained again since (here another of the same shape)
+    still resumes to the uninterrupted run's adapters."""
+    monkeypatch.setenv("VERIFIERS_RL_CACHE", str(tmp_path / "cache"))
+    first, other = tmp_path / "first", tmp_path / "other"
+    assert main(command(tiny_model_dir, first, "--max_steps", "1")) == 0
+    assert main(command(tiny_model_dir, other, "--max_steps", "1", "--seed", "5")) == 0  # same shape, other values
+    on = ["--max_steps", "2", "--beta", "0.5", "--use_peft", "--lora_dropout", "0"]
+    assert main(command(str(first), tmp_path / "full", lora=on)) == 0
+    checkpoint = tmp_path / "full" / "checkpoint-1"
+    assert load_file(checkpoint / "ref" / "adapter_model.safetensors").keys() == load_file(
+        first / "adapter_model.safetensors").keys()
+    assert main(command(str(other), tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint), lora=on)) == 0
+    final, expected = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("resumed", "full"))
+    assert sorted(final) == sorted(expected)
+    assert all(torch.equal(final[name], expected[name]) for name in expected)
