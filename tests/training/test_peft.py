@@ -316,6 +316,36 @@ def test_a_peft_model_given_with_trained_adapters_is_its_own_kl_reference(lora_w
     assert kl[0] == 0.0 and kl[1] > 0.0, kl  # against the base model step 1's KL is > 0
 
 
+def reference_logprobs_of(lora_work, tiny_model_dir, tmp_path, lora_dropout):
+    """The KL reference log-probs of step 1 (as a custom loss receives them) for trained adapters given as a
+    PeftModel with ``lora_dropout``: the same adapters whatever the dropout (seeded)."""
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    trained = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                         lora_dropout=lora_dropout)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), trained)
+    args = replay_args(lora_work, tmp_path / str(lora_dropout))
+    args.beta = 0.5
+    seen = []
+
+    def loss_fn(inputs):
+        seen.append(inputs.ref_logps.detach().clone())
+        return inputs.aggregate(-inputs.logps * inputs.advantages)
+
+    RLTrainer(model, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir), loss_fn=loss_fn).train()
+    return seen
+
+
+def test_the_kl_reference_of_adapters_given_trained_is_computed_without_dropout(lora_work, tiny_model_dir, tmp_path):
+    """TRL's frozen copy of adapters given trained is the policy's own forward: in train mode its lora_dropout
+    made the reference log-probs noisy (KL 2.8e-5 at step 1 at the default 0.05), unlike TRL's separate reference
+    model, which runs in eval mode."""
+    noisy, plain = (reference_logprobs_of(lora_work, tiny_model_dir, tmp_path, p) for p in (0.5, 0.0))
+    assert len(noisy) == len(plain) > 0
+    assert all(torch.equal(a, b) for a, b in zip(noisy, plain))
+
+
 def test_a_folder_of_adapters_given_by_path_from_python_trains_as_from_the_command(lora_work, tiny_model_dir,
                                                                                    tmp_path, monkeypatch):
     """RLTrainer("<a folder of adapters>") failed inside TRL (the folder's config.json has no model_type), which the

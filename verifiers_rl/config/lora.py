@@ -30,9 +30,9 @@ class LoraArguments:
         "help": "LoRA alpha: the adapters' update is scaled by alpha / r (alpha / sqrt(r) with --use_rslora). Needs "
                 "--use_peft."})
     lora_dropout: Annotated[float, Range(0, high=1, strict_high=True)] = field(default=0.05, metadata={
-        "help": "Dropout on the adapters' input while training (the engine samples without it). Above 0 a step's "
-                "update depends on how its batch is split (processes, micro-batches), as any dropout's; 0 keeps "
-                "every layout's update equal. Needs --use_peft."})
+        "help": "Dropout on the adapters' input while training (the engine samples without it, and the KL reference "
+                "is computed without it). Above 0 a step's update depends on how its batch is split (processes, "
+                "micro-batches), as any dropout's; 0 keeps every layout's update equal. Needs --use_peft."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Modules that get adapters, by name (q_proj v_proj: every module whose name ends in one of them), or "
                 "all-linear (every linear layer but the output layer); each name must match a module of the model. "

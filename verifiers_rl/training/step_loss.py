@@ -6,6 +6,7 @@ partials over ranks and micro-batches sum to the single-device loss of the batch
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +53,18 @@ class LossInputs:
 
 
 CustomLoss = Callable[[LossInputs], torch.Tensor]
+
+
+@contextlib.contextmanager
+def without_dropout(model: torch.nn.Module):
+    """``model`` in eval mode (dropout off) inside the block; each module's own mode back after it."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def loss_settings(args) -> LossSettings:
@@ -132,10 +145,11 @@ class StepLoss:
         ref_model, adapter_reference = self.reference()
         if ref_model is not None:
             return self.logprobs(ref_model, mb).logps
+        # PEFT's reference is the policy's own forward: without dropout, as TRL's separate reference model (eval mode)
         if adapter_reference is not None:  # PEFT with sync_ref_model: the base and the mixed adapters
-            with adapter_reference.swapped():
+            with adapter_reference.swapped(), without_dropout(model):
                 return self.logprobs(model, mb).logps
-        with compat.peft_reference(unwrap(model)):  # PEFT: the base model, or TRL's copy of adapters given trained
+        with compat.peft_reference(unwrap(model)), without_dropout(model):  # the base, or TRL's copy of given adapters
             return self.logprobs(model, mb).logps
 
     def logprobs(self, model, mb: MicroBatch):
