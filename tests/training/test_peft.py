@@ -316,6 +316,20 @@ def test_a_peft_model_given_with_trained_adapters_is_its_own_kl_reference(lora_w
     assert kl[0] == 0.0 and kl[1] > 0.0, kl  # against the base model step 1's KL is > 0
 
 
+@pytest.mark.parametrize("bias", ["lora_only", "all"])
+def test_trained_biases_under_a_kl_term_against_the_base_model_are_refused(lora_work, tiny_model_dir, tmp_path, bias):
+    """peft's bias='lora_only' / 'all' trains the biases in the base layers, which the KL reference (the model with
+    adapters disabled) shares: on a model with attention biases the reference moved with the policy (the base's
+    q_proj/v_proj biases changed after 2 steps), silently."""
+    args = replay_args(lora_work, tmp_path)
+    args.beta = 0.1
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], bias=bias)
+    with pytest.raises(ValueError, match=rf"^peft_config bias='{bias}' with beta 0.1: peft trains those biases in the "
+                                         r"base model itself, .* Use bias='none', or beta=0\.$"):
+        RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
+                  peft_config=config)
+
+
 def reference_logprobs_of(lora_work, tiny_model_dir, tmp_path, lora_dropout):
     """The KL reference log-probs of step 1 (as a custom loss receives them) for trained adapters given as a
     PeftModel with ``lora_dropout``: the same adapters whatever the dropout (seeded)."""

@@ -247,6 +247,17 @@ def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> No
     check_peft_model(get_peft_model(skeleton, copy.deepcopy(peft_config)), peft_config)
 
 
+def check_bias_reference(config, beta: float, sync_ref_model: bool) -> None:
+    """Refuse ``config``'s (a ``LoraConfig``) trained biases under a KL term against the model with adapters disabled:
+    peft trains them in the base layers, so that reference moves with the policy. (--sync_ref_model's copy of the
+    trainable parameters holds them, and the command's adapters train no bias.)"""
+    bias = getattr(config, "bias", "none")
+    if bias != "none" and beta != 0.0 and not sync_ref_model:
+        raise ValueError(f"peft_config bias={bias!r} with beta {beta}: peft trains those biases in the base model "
+                         "itself, which is also the KL reference (the model with its adapters disabled), so the "
+                         "reference would move with the policy. Use bias='none', or beta=0.")
+
+
 def _head_refusal(config, pair: list[str]) -> str:
     """The refusal of an adapter on the output layer (``pair``: the input and output embeddings' names), naming the
     ``target_modules`` entries of ``config`` that put it there."""

@@ -32,7 +32,7 @@ from verifiers_rl.training import progress
 from verifiers_rl.training import reporting
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.training.adapter_reference import AdapterReference, AdapterReferenceCallback
-from verifiers_rl.config.lora import check_peft_config, check_peft_model
+from verifiers_rl.config.lora import check_bias_reference, check_peft_config, check_peft_model
 from verifiers_rl.config.rl_config import RLConfig, check_resume_spec, check_written_paths
 from verifiers_rl.training.distributed import (
     collective_failure_note,
@@ -228,6 +228,8 @@ def _check_adapters_before_trl(model, peft_config, args: RLConfig) -> None:
         check_peft_config(model, peft_config, model_load_kwargs(args))
     elif _is_peft(model):
         check_peft_model(model)
+    for config in ([peft_config] if peft_config is not None else getattr(model, "peft_config", {}).values()):
+        check_bias_reference(config, args.beta, args.sync_ref_model)
 
 
 def _is_peft(model) -> bool:
