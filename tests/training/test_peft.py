@@ -316,6 +316,17 @@ def test_a_peft_model_given_with_trained_adapters_is_its_own_kl_reference(lora_w
     assert kl[0] == 0.0 and kl[1] > 0.0, kl  # against the base model step 1's KL is > 0
 
 
+@pytest.mark.parametrize("init", ["pissa", "olora", "corda"])
+def test_the_check_before_trl_wraps_whatever_the_adapters_initialization(tiny_model_dir, init):
+    """check_peft_config wraps the model's weightless skeleton: an initialization computed from the weights (PiSSA's
+    and OLoRA's decompositions, CorDA's preprocessing) failed there, refusing a peft_config TRL takes."""
+    from verifiers_rl.config.lora import check_peft_config
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=init)
+    check_peft_config(tiny_model_dir, config)
+    assert config.init_lora_weights == init  # the caller's config as given
+
+
 @pytest.mark.parametrize("bias", ["lora_only", "all"])
 def test_trained_biases_under_a_kl_term_against_the_base_model_are_refused(lora_work, tiny_model_dir, tmp_path, bias):
     """peft's bias='lora_only' / 'all' trains the biases in the base layers, which the KL reference (the model with

@@ -244,7 +244,10 @@ def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> No
     else:
         with torch.device("meta"):
             skeleton = type(model)(copy.deepcopy(model.config))
-    check_peft_model(get_peft_model(skeleton, copy.deepcopy(peft_config)), peft_config)
+    config = copy.deepcopy(peft_config)  # peft adds tied names to the config it wraps with
+    if hasattr(config, "init_lora_weights"):
+        config.init_lora_weights = True  # PiSSA, OLoRA, CorDA... need real weights; the modules wrapped are the same
+    check_peft_model(get_peft_model(skeleton, config), peft_config)
 
 
 def check_bias_reference(config, beta: float, sync_ref_model: bool) -> None:
