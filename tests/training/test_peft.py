@@ -327,16 +327,22 @@ def test_the_check_before_trl_wraps_whatever_the_adapters_initialization(tiny_mo
     assert config.init_lora_weights == init  # the caller's config as given
 
 
-@pytest.mark.parametrize("bias", ["lora_only", "all"])
-def test_trained_biases_under_a_kl_term_against_the_base_model_are_refused(lora_work, tiny_model_dir, tmp_path, bias):
-    """peft's bias='lora_only' / 'all' trains the biases in the base layers, which the KL reference (the model with
-    adapters disabled) shares: on a model with attention biases the reference moved with the policy (the base's
-    q_proj/v_proj biases changed after 2 steps), silently."""
+@pytest.mark.parametrize("setting, message", [
+    (dict(bias="lora_only"), r"bias='lora_only' with beta 0.1: peft trains those biases in the base model itself"),
+    (dict(bias="all"), r"bias='all' with beta 0.1: peft trains those biases in the base model itself"),
+    (dict(init_lora_weights="pissa"), r"init_lora_weights='pissa' with beta 0.1: it moves part of each base weight"),
+    (dict(init_lora_weights="olora"), r"init_lora_weights='olora' with beta 0.1: it moves part of each base weight"),
+])
+def test_adapters_that_change_the_base_model_under_a_kl_term_are_refused(lora_work, tiny_model_dir, tmp_path,
+                                                                           setting, message):
+    """The KL reference under LoRA is the model with adapters disabled. peft's bias='lora_only' / 'all' trains the
+    biases in the base layers (on a model with attention biases the reference moved with the policy: its q_proj/v_proj
+    biases changed after 2 steps); PiSSA / OLoRA move part of each base weight into the adapters (the reference was
+    the residual: KL 1.2e-3 at step 1 where it is 0). Both were silent."""
     args = replay_args(lora_work, tmp_path)
     args.beta = 0.1
-    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], bias=bias)
-    with pytest.raises(ValueError, match=rf"^peft_config bias='{bias}' with beta 0.1: peft trains those biases in the "
-                                         r"base model itself, .* Use bias='none', or beta=0\.$"):
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **setting)
+    with pytest.raises(ValueError, match=rf"^peft_config {message}.* or beta=0\.$"):
         RLTrainer(tiny_model_dir, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir),
                   peft_config=config)
 

@@ -251,14 +251,25 @@ def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> No
 
 
 def check_bias_reference(config, beta: float, sync_ref_model: bool) -> None:
-    """Refuse ``config``'s (a ``LoraConfig``) trained biases under a KL term against the model with adapters disabled:
-    peft trains them in the base layers, so that reference moves with the policy. (--sync_ref_model's copy of the
-    trainable parameters holds them, and the command's adapters train no bias.)"""
+    """Refuse what of ``config`` (a ``LoraConfig``) changes the base layers under a KL term against the model with
+    adapters disabled: trained biases (peft trains them in the base layers: the reference moves with the policy) and
+    initializations that move part of the base weights into the adapters (the reference is the residual).
+    (--sync_ref_model's copy of the trainable parameters holds them; the command's adapters do neither.)"""
+    if beta == 0.0 or sync_ref_model:
+        return
     bias = getattr(config, "bias", "none")
-    if bias != "none" and beta != 0.0 and not sync_ref_model:
+    if bias != "none":
         raise ValueError(f"peft_config bias={bias!r} with beta {beta}: peft trains those biases in the base model "
                          "itself, which is also the KL reference (the model with its adapters disabled), so the "
                          "reference would move with the policy. Use bias='none', or beta=0.")
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.startswith(BASE_CHANGING_INITS):
+        raise ValueError(f"peft_config init_lora_weights={init!r} with beta {beta}: it moves part of each base "
+                         "weight into the adapters, so the KL reference (the model with its adapters disabled) is "
+                         "the residual, not the model you started from. Use another init_lora_weights, or beta=0.")
+
+
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq")  # peft's initializations that rewrite the base weights
 
 
 def _head_refusal(config, pair: list[str]) -> str:
