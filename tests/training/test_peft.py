@@ -347,6 +347,20 @@ def test_adapters_that_change_the_base_model_under_a_kl_term_are_refused(lora_wo
                   peft_config=config)
 
 
+def test_a_peft_model_given_with_pissa_adapters_keeps_them_as_its_reference(lora_work, tiny_model_dir, tmp_path):
+    """Given as a PeftModel, PiSSA's adapters have TRL's frozen copy as the reference (residual + copy = the start
+    model): accepted, the first step's KL 0, where a peft_config's PiSSA is refused beside beta."""
+    from peft import get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="pissa")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    args = replay_args(lora_work, tmp_path)
+    args.beta, args.logging_steps = 0.1, 1
+    trainer = RLTrainer(model, args, processing_class=AutoTokenizer.from_pretrained(tiny_model_dir))
+    trainer.train()
+    assert [entry["kl"] for entry in trainer.state.log_history if "kl" in entry] == [0.0]
+
+
 def reference_logprobs_of(lora_work, tiny_model_dir, tmp_path, lora_dropout):
     """The KL reference log-probs of step 1 (as a custom loss receives them) for trained adapters given as a
     PeftModel with ``lora_dropout``: the same adapters whatever the dropout (seeded)."""

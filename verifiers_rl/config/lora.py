@@ -250,11 +250,12 @@ def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> No
     check_peft_model(get_peft_model(skeleton, config), peft_config)
 
 
-def check_bias_reference(config, beta: float, sync_ref_model: bool) -> None:
+def check_bias_reference(config, beta: float, sync_ref_model: bool, copied: bool = False) -> None:
     """Refuse what of ``config`` (a ``LoraConfig``) changes the base layers under a KL term against the model with
     adapters disabled: trained biases (peft trains them in the base layers: the reference moves with the policy) and
     initializations that move part of the base weights into the adapters (the reference is the residual).
-    (--sync_ref_model's copy of the trainable parameters holds them; the command's adapters do neither.)"""
+    (--sync_ref_model's copy of the trainable parameters holds them; ``copied``: TRL's copy of a PeftModel's given
+    adapters, the reference, holds what the initialization moved; the command's adapters do neither.)"""
     if beta == 0.0 or sync_ref_model:
         return
     bias = getattr(config, "bias", "none")
@@ -263,7 +264,7 @@ def check_bias_reference(config, beta: float, sync_ref_model: bool) -> None:
                          "itself, which is also the KL reference (the model with its adapters disabled), so the "
                          "reference would move with the policy. Use bias='none', or beta=0.")
     init = getattr(config, "init_lora_weights", True)
-    if isinstance(init, str) and init.startswith(BASE_CHANGING_INITS):
+    if not copied and isinstance(init, str) and init.startswith(BASE_CHANGING_INITS):
         raise ValueError(f"peft_config init_lora_weights={init!r} with beta {beta}: it moves part of each base "
                          "weight into the adapters, so the KL reference (the model with its adapters disabled) is "
                          "the residual, not the model you started from. Use another init_lora_weights, or beta=0.")

@@ -229,7 +229,7 @@ def _check_adapters_before_trl(model, peft_config, args: RLConfig) -> None:
     elif _is_peft(model):
         check_peft_model(model)
     for config in ([peft_config] if peft_config is not None else getattr(model, "peft_config", {}).values()):
-        check_bias_reference(config, args.beta, args.sync_ref_model)
+        check_bias_reference(config, args.beta, args.sync_ref_model, copied=peft_config is None)
 
 
 def _is_peft(model) -> bool:
