@@ -250,7 +250,7 @@ def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> No
     check_peft_model(get_peft_model(skeleton, config), peft_config)
 
 
-def check_bias_reference(config, beta: float, sync_ref_model: bool, copied: bool = False) -> None:
+def check_base_reference(config, beta: float, sync_ref_model: bool, copied: bool = False) -> None:
     """Refuse what of ``config`` (a ``LoraConfig``) changes the base layers under a KL term against the model with
     adapters disabled: trained biases (peft trains them in the base layers: the reference moves with the policy) and
     initializations that move part of the base weights into the adapters (the reference is the residual).

@@ -32,7 +32,7 @@ from verifiers_rl.training import progress
 from verifiers_rl.training import reporting
 from verifiers_rl.training import segmented_attention
 from verifiers_rl.training.adapter_reference import AdapterReference, AdapterReferenceCallback
-from verifiers_rl.config.lora import check_bias_reference, check_peft_config, check_peft_model
+from verifiers_rl.config.lora import check_base_reference, check_peft_config, check_peft_model
 from verifiers_rl.config.rl_config import RLConfig, check_resume_spec, check_written_paths
 from verifiers_rl.training.distributed import (
     collective_failure_note,
@@ -229,7 +229,7 @@ def _check_adapters_before_trl(model, peft_config, args: RLConfig) -> None:
     elif _is_peft(model):
         check_peft_model(model)
     for config in ([peft_config] if peft_config is not None else getattr(model, "peft_config", {}).values()):
-        check_bias_reference(config, args.beta, args.sync_ref_model, copied=peft_config is None)
+        check_base_reference(config, args.beta, args.sync_ref_model, copied=peft_config is None)
 
 
 def _is_peft(model) -> bool:
