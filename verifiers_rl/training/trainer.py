@@ -45,9 +45,6 @@ from verifiers_rl.training.entropy_terms import GATHER_PAD, EntropyTerms
 from verifiers_rl.rollouts.generator import AsyncGenerator, GenerationTimeout, ReplaySource, RolloutSource, make_source
 from verifiers_rl.inference.factory import (build_engine, check_given_engine_rows, check_given_engine_sampling,
                                             model_load_kwargs)
-
-
-                                           model_load_kwargs)
 from verifiers_rl.core.engine import check_sequences_fit
 from verifiers_rl.core.launch import launched_world_size, restart_count
 from verifiers_rl.core.modeling import unwrap
