@@ -423,3 +423,22 @@ def test_reward_function_std_and_terminated_lengths_take_trls_edge_values():
     assert math.isnan(metrics["rewards/some/std"]) and math.isnan(nanstd(torch.tensor([0.25])).item())
     assert metrics["rewards/everyone/std"] == pytest.approx(nanstd(torch.tensor([0.25, 1.0, 0.5])).item())
     assert [metrics[f"completions/{s}_terminated_length"] for s in ("mean", "min", "max")] == [0.0, 0.0, 0.0]
+
+
+def test_reward_std_of_one_episode_is_nan_as_trls_overall_and_per_environment():
+    """A batch of one episode (a replay of one-rollout groups with --rollouts_per_step 1) has no spread: reward_std
+    and env/<name>/reward_std read 0.0 there while rewards/<fn>/std and evaluation's read NaN (TRL's nanstd); the
+    step line then leaves the ± out (TRL's log turns NaN into None)."""
+    import math
+
+    from trl.trainer.utils import nanstd
+
+    from verifiers_rl.training.progress import format_step_line
+    from verifiers_rl.training.step_batches import environment_metrics
+
+    rollouts = random_rollouts(num_groups=1, group_size=1, vocab_size=50, seed=0)
+    rollouts[0].env = "mix_a"
+    assert math.isnan(nanstd(torch.tensor([rollouts[0].reward])).item())
+    assert math.isnan(plan_batch(rollouts, BatchingConfig(max_seq_len=64))[0].stats.reward_std)
+    assert math.isnan(environment_metrics(rollouts, {})["env/mix_a/reward_std"])
+    assert format_step_line(1, 2, {"reward": 0.5, "reward_std": None}) == "step 1/2 | reward 0.500"

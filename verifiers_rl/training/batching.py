@@ -596,13 +596,15 @@ def plan_batch(rollouts: list[Rollout], config: BatchingConfig, batch_index: int
         rank_batches.append(micro_batches)
     # An episode of several branches is one sample of its reward, as in its advantage and in evaluation.
     episode_rewards = [rewards[i] for i in episodes_of(rollouts, rewards)[0]]
-    reward_std = float(torch.tensor(episode_rewards, dtype=torch.float64).std()) if len(episode_rewards) > 1 else 0.0
+    # One episode has no spread: NaN, as TRL's nanstd and evaluation's (TRL's log leaves it out of the backends).
+    spread = torch.tensor(episode_rewards, dtype=torch.float64)
+    reward_std = float(spread.std()) if len(episode_rewards) > 1 else math.nan
     stats = BatchStats(
         num_sequences=len(sequences),
         real_tokens=sum(lengths),
         computed_tokens=sum(mb.computed_tokens for mb in micro_batches_all),
         reward_mean=sum(episode_rewards) / len(episode_rewards),
-        reward_std=0.0 if math.isnan(reward_std) else reward_std,
+        reward_std=reward_std,
         truncated_fraction=sum(s.truncated for s in sequences) / len(sequences),
         zero_std_fraction=zero_std_fraction(rollouts, rewards, config.scale_rewards, config.reward_functions),
         input_tokens=sum(len(r.prompt_ids) + sum(r.completion_mask) for r in rollouts),

@@ -82,10 +82,11 @@ def rollout_metrics(rollouts: list[Rollout]) -> dict[str, float]:
 
 def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dict[str, float]:
     """A mixture's batch per environment (``Rollout.env``; nothing for rollouts without one), under
-    ``env/<name>/``: ``reward``, ``reward_std`` (over episodes; Bessel's correction, as the overall one), ``completions/*_length``,
-    ``completions/clipped_ratio`` (truncated fraction), ``reward_errors`` (the source's count in ``stats`` where it
-    has one: every group generated, dynamic sampling's dropped ones too), ``rollouts``; and, where dynamic sampling
-    ran (``stats`` holds ``groups_dropped``), ``groups_dropped`` (0 for an environment none was dropped of)."""
+    ``env/<name>/``: ``reward``, ``reward_std`` (over episodes; Bessel's correction, NaN for one, as the overall
+    one), ``completions/*_length``, ``completions/clipped_ratio`` (truncated fraction), ``reward_errors`` (the
+    source's count in ``stats`` where it has one: every group generated, dynamic sampling's dropped ones too),
+    ``rollouts``; and, where dynamic sampling ran (``stats`` holds ``groups_dropped``), ``groups_dropped`` (0 for
+    an environment none was dropped of)."""
     out: dict[str, float] = {}
     by_env: dict[str, list[Rollout]] = {}
     for rollout in rollouts:
@@ -95,7 +96,7 @@ def environment_metrics(rollouts: list[Rollout], stats: dict[str, float]) -> dic
         rewards = [r.reward for r in first_branches(members)]
         prefix = f"env/{name}/"
         out[prefix + "reward"] = statistics.fmean(rewards)
-        out[prefix + "reward_std"] = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+        out[prefix + "reward_std"] = statistics.stdev(rewards) if len(rewards) > 1 else math.nan
         out.update(length_metrics(prefix + "completions/{}_length", [sum(r.completion_mask) for r in members]))
         out[prefix + "completions/clipped_ratio"] = statistics.fmean(float(r.truncated) for r in members)
         # The source's count where it kept one (every group generated, dropped ones too), else the batch's.
