@@ -19,6 +19,7 @@ from verifiers_rl.envs.parsers import Parser
 logger = logging.getLogger(__name__)
 
 REWARD_INPUTS = ("prompt", "completion", "answer", "state", "info", "parser")
+# Counted by our Rubric; a classic verifiers rubric catches its functions' errors itself and records none (0 there).
 ERRORS_METRIC = "reward_errors"
 
 
