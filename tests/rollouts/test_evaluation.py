@@ -168,6 +168,23 @@ def test_evaluation_is_seeded_batch_independent_and_greedy_at_temperature_zero(t
     assert engine.policy_version == 0
 
 
+def test_a_mixture_entry_evaluates_the_same_samples_as_its_environment_alone(tiny_model_dir, tokenizer):
+    """An entry's rows drew their seeds from their place in the mixture's list, so `verifiers-rl eval` of the
+    environment and the mixture's eval/env/<name>/ sampled other completions of the same prompts."""
+    from verifiers_rl import mixture_of
+
+    reverse = {"num_examples": 4, "num_eval_examples": 3, "max_new_tokens": 8}
+    entries = [{"env": "arithmetic", "env_args": {"num_examples": 4, "num_eval_examples": 3}},
+               {"env": "reverse_text", "env_args": reverse}]  # second: its rows sit at 3-5 of the mixture's list
+    engine = EmbeddedEngine(tiny_model_dir, tokenizer, SamplingConfig(temperature=1.0))
+    settings = EvalSettings(num_examples=3, samples_per_prompt=2, seed=1)
+    mixed = evaluate(mixture_of(entries, tokenizer), engine, settings)
+    alone = evaluate(load_environment("reverse_text", tokenizer=tokenizer, **reverse), engine, settings)
+    seen = lambda samples: [(s.rollout.prompt, s.sample, s.rollout.completion_ids) for s in samples]  # noqa: E731
+    assert seen(s for s in mixed.samples if s.rollout.env == "reverse_text") == seen(alone.samples)
+    assert mixed.by_env["reverse_text"].reward == pytest.approx(alone.reward)
+
+
 # --- evaluation inside training -------------------------------------------------------------------------------------
 
 

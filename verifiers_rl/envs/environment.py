@@ -51,6 +51,11 @@ class Row:
     answer: Any = None
     info: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def seed_index(self) -> int:
+        """The index evaluation derives this row's seeds from: its place in its own environment's split."""
+        return self.index
+
 
 @dataclass
 class Trajectory:

@@ -73,6 +73,11 @@ class MixtureRow(Row):
     entry: int = 0
     source: Row | None = None
 
+    @property
+    def seed_index(self) -> int:
+        """The entry's own row's: evaluated in a mixture or alone, a row draws the same seeds."""
+        return self.index if self.source is None else self.source.seed_index
+
 
 def parse_entries(value: Any, flag: str = "--env") -> list[MixtureEntry] | None:
     """The mixture ``value`` describes (a list of mappings, its JSON text, or a YAML file of it: ``read_entries``,

@@ -2,7 +2,8 @@
 
 The trainer runs it every ``--eval_steps`` (``RLTrainer.evaluate``); ``verifiers-rl eval`` runs it on a
 saved model. Each prompt gets ``samples_per_prompt`` (k) samples; sample i of row r draws its tokens with the seed
-``derive_seed(derive_seed(seed, "eval", r), i)``, a namespace training never uses, so evaluation neither consumes nor
+``derive_seed(derive_seed(seed, "eval", r), i)`` (r: the row's place in its own environment's split, in a mixture
+too), a namespace training never uses, so evaluation neither consumes nor
 perturbs any random state of training, and the same weights always give the same evaluation (at any step, and in the
 standalone evaluation of a saved checkpoint).
 
@@ -249,7 +250,7 @@ async def _rollouts(environment: Environment, engine, rows: list[Row], settings:
     async def group(row: Row) -> list[EvalSample]:
         rollouts = await environment.rollout_group(
             engine, row, f"eval-{row.index}", settings.samples_per_prompt,
-            seed=derive_seed(settings.seed, "eval", row.index), temperature=settings.temperature,
+            seed=derive_seed(settings.seed, "eval", row.seed_index), temperature=settings.temperature,
         )
         episodes = group_episodes(rollouts)  # a multi-branch episode is one sample, with its one reward
         on_group(len(episodes))
