@@ -239,7 +239,64 @@ def test_a_checkpoint_keeps_finished_groups_and_positions_in_flight_and_a_resume
     # A checkpoint of batch-at-a-time generation continues after its pending batches.
     plain = continuous(environment(tokenizer), engine, total=4)
     plain.restore(2, {2: before[0].rollouts})
-    assert plain.checkpoint_state()[2] == {"next_position": 6, "in_flight": []}
+    assert plain.checkpoint_state()[2] == {"next_position": 6, "in_flight": [], "counts": {}, "dropped_positions": []}
+
+
+class FailsThenWaitsEnv(SingleTurnEnv):
+    """Row 0's rollouts raise at once; row 1's wait until the gate opens, then raise where ``row_one_fails``."""
+
+    gate_open = False
+    row_one_fails = False
+
+    async def generate(self, sampler, prompt, prompt_ids, state):
+        if state["info"]["row"] == 0:
+            raise ConnectionError("the sandbox of row 0 is gone")
+        while state["info"]["row"] == 1 and not self.gate_open:
+            await asyncio.sleep(0.01)
+        if state["info"]["row"] == 1 and self.row_one_fails:
+            raise ConnectionError("the sandbox of row 1 is gone")
+        return await super().generate(sampler, prompt, prompt_ids, state)
+
+
+@pytest.mark.parametrize("row_one_fails", [False, True])
+def test_drops_before_a_checkpoint_count_in_the_resumed_runs_next_batch_and_its_stop(parts, row_one_fails):
+    """Position 0 is dropped on errors before the checkpoint, position 1 still in flight. The resumed run's first
+    batch logged groups_dropped_on_error 0 (the count since the last batch was not kept) and, where position 1 fails
+    too, trained on where the uninterrupted run stops (every group of positions 0-1 dropped)."""
+    tokenizer, engine = parts
+    rows = [{"question": f"Say something ({i}).", "info": {"row": i}} for i in range(12)]
+
+    def generator(gate_open):
+        env = FailsThenWaitsEnv(rows, Rubric([length_reward]), tokenizer, max_new_tokens=5, max_seq_len=64, name="x")
+        env.gate_open, env.row_one_fails = gate_open, row_one_fails
+        made = continuous(env, engine, total=2)
+        made.max_rollout_retries = made.groups.max_rollout_retries = 0
+        made.max_failed_rollouts_fraction = 0.5
+        return made
+
+    first = generator(gate_open=False)
+    try:
+        first.start()
+        deadline = time.monotonic() + 60
+        while (positions := first.checkpoint_state()[2])["next_position"] < 2 or [0, 0] in positions["in_flight"]:
+            assert time.monotonic() < deadline, "position 0 was never dropped"
+            time.sleep(0.02)
+        pending, _, positions = first.checkpoint_state()
+    finally:
+        first.close()
+    assert not pending and [1, 0] in positions["in_flight"]  # position 0 dropped, position 1 waiting
+    resumed = generator(gate_open=True)
+    resumed.restore(0, pending, None, positions=positions)
+    try:
+        if row_one_fails:
+            with pytest.raises(GenerationError, match=r"^Batch 0: 2 groups failed .*every group of positions 0-1"):
+                resumed.batch(0)
+        else:
+            batch = resumed.batch(0)
+            assert "p0" not in groups(batch.rollouts) and "p1" in groups(batch.rollouts)
+            assert batch.stats["groups_dropped_on_error"] == 1 and batch.stats["rollouts_failed"] == 1
+    finally:
+        resumed.close()
 
 
 class BrokenRowEnv(SingleTurnEnv):

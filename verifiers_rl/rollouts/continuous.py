@@ -269,6 +269,8 @@ class ContinuousGenerator(GeneratorThread):
         dropped = int(self._counts.get("groups_dropped_on_error", 0))
         why = stop_reason(self.prompts_per_batch, self.max_failed_rollouts_fraction, self._dropped_positions)
         if why is not None:
+            if not self._errors:  # every drop came before the resume: their errors were not kept
+                raise GenerationError(f"Batch {index}: {dropped} groups dropped on errors before the resume, {why}.")
             how = dropped_how(self._errors, self.max_rollout_retries)
             raise GenerationError(f"Batch {index}: {dropped} groups {how}, {why}. Last error: {self._errors[-1]}"
                                   ) from self._errors[-1]
@@ -291,11 +293,14 @@ class ContinuousGenerator(GeneratorThread):
 
     def checkpoint_state(self) -> tuple[dict[int, list[Rollout]], None, dict]:
         """Taken together: the finished groups not yet handed out (as one pending batch, the next one's index), no
-        curriculum, and the positions: the next to draw and those in flight with their retry counts."""
+        curriculum, and the positions: the next to draw and those in flight with their retry counts, and the drops
+        (counts since the last batch, positions dropped on errors)."""
         with self._condition:
             pending = {self._handed: [r for group in self._finished for r in group.rollouts]} if self._finished else {}
             in_flight = sorted([*((p, flight.retry) for p, flight in self._in_flight.items()), *self._redo])
-            return pending, None, {"next_position": self._next_position, "in_flight": [list(p) for p in in_flight]}
+            # The drops since the last batch are the next batch's counts, and those of the run judge when to stop.
+            return pending, None, {"next_position": self._next_position, "in_flight": [list(p) for p in in_flight],
+                                   "counts": dict(self._counts), "dropped_positions": sorted(self._dropped_positions)}
 
     def pending(self) -> dict[int, list[Rollout]]:
         return self.checkpoint_state()[0]
@@ -317,6 +322,8 @@ class ContinuousGenerator(GeneratorThread):
         else:
             self._next_position = int(positions["next_position"])
             self._redo = [(int(p), int(r)) for p, r in positions["in_flight"]]
+            self._counts = {name: float(n) for name, n in positions.get("counts", {}).items()}  # older: none kept
+            self._dropped_positions = {int(p) for p in positions.get("dropped_positions", [])}
 
     # --- the generator thread -----------------------------------------------------------------------------------
 

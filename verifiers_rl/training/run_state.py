@@ -73,8 +73,8 @@ class RunState:
     # curriculum), logged when it is trained, by batch index (a JSON key).
     pending_stats: dict[str, dict[str, float]] = field(default_factory=dict)
     save_rollouts: dict[str, Any] | None = None  # {"path", "bytes"}: the rollouts file's length at the checkpoint
-    # Continuous generation (--groups_in_flight): {"next_position", "in_flight": [[position, retry], ...]}; its
-    # pending groups are one pending batch. None: batch at a time.
+    # Continuous generation (--groups_in_flight): {"next_position", "in_flight": [[position, retry], ...], "counts"
+    # (since the last batch), "dropped_positions"}; its pending groups are one pending batch. None: batch at a time.
     generator: dict[str, Any] | None = None
     format: int = STATE_FORMAT
 
