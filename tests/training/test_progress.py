@@ -1,5 +1,7 @@
 """The progress output's pure parts: the per-step line and the choice of sample completions."""
 
+import math
+
 from verifiers_rl.training.progress import (
     SampleLine,
     StepProgressCallback,
@@ -65,6 +67,12 @@ def test_eval_line_shows_reward_pass_rates_and_size():
     assert format_eval_line(20, logs) == (
         "eval at step 20 | reward 0.312 ± 0.100 | pass@1 0.100 | pass@4 0.250 | 100 prompts x 4 | 12.3s"
     )
+    # One sample has no spread: evaluation's reward_std is NaN (TRL's nanstd); it was printed "± nan", and a None
+    # "± 0.000", where the step line leaves it out.
+    for std in (math.nan, None):
+        one = {"eval_reward": 0.5, "eval_reward_std": std, "eval_pass@1": 0.0, "eval_num_prompts": 1.0,
+               "eval_samples_per_prompt": 1.0}
+        assert format_eval_line(1, one) == "eval at step 1 | reward 0.500 | pass@1 0.000 | 1 prompts x 1"
 
 
 class _Stream:

@@ -6,6 +6,7 @@ progress bar (unless ``disable_tqdm``) and lines a person can read while the run
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -94,7 +95,10 @@ def format_step_line(step: int, max_steps: int, logs: dict[str, float]) -> str:
 def format_eval_line(step: int, logs: dict[str, float], prefix: str = "eval") -> str:
     """``eval at step 20 | reward 0.312 ± 0.101 | pass@1 0.100 | pass@4 0.250 | 100 prompts x 4 | 12.3s``."""
     get = lambda name: logs.get(f"{prefix}_{name}")  # noqa: E731
-    parts = [f"{prefix} at step {step}", f"reward {get('reward'):.3f} ± {get('reward_std') or 0.0:.3f}"]
+    parts = [f"{prefix} at step {step}", f"reward {get('reward'):.3f}"]
+    std = get("reward_std")
+    if isinstance(std, (int, float)) and math.isfinite(std):  # one sample has none (NaN): left out, as the step's
+        parts[-1] += f" ± {std:.3f}"
     passes = sorted((int(key.rsplit("@", 1)[1]), value) for key, value in logs.items()
                     if key.startswith(f"{prefix}_pass@"))
     parts += [f"pass@{k} {value:.3f}" for k, value in passes]
