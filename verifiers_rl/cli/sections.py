@@ -79,8 +79,10 @@ HELP_HERE: dict[str, str] = {
     "eval_steps": "Evaluate every N optimizer steps; given alone, it turns evaluation on (--eval_strategy steps). "
                   "With --eval_strategy steps and no N: every --logging_steps. A float below 1: that fraction of "
                   "the run's steps.",
-    "logging_steps": "Log every N optimizer steps (a float below 1: that fraction of the run's steps). Acts only with "
-                     "--logging_strategy steps (the default); beside epoch or no: refused.",
+    "logging_steps": "Log every N optimizer steps (a float below 1: that fraction of the run's steps); each value "
+                     "logged is the mean of those steps' values, counts (reward_errors, rollouts_failed, ...) too: "
+                     "per step, not summed. Acts only with --logging_strategy steps (the default); beside epoch or "
+                     "no: refused.",
     "report_to": "Where to log: tensorboard and trackio (pip install 'verifiers_rl[logging]'; tested), wandb "
                  "('verifiers_rl[wandb]'), several comma-separated, all (every one installed) or none. transformers' "
                  "other integrations (mlflow, ...) are passed on untested; a name that is none of them, or whose "
