@@ -330,3 +330,28 @@ def test_eval_of_a_lora_adapter_folder_samples_the_merged_model(tiny_model_dir, 
                        "-k", "2", "--output", str(out)])
         samples[Path(folder).name] = [json.loads(line)["completion_ids"] for line in out.read_text().splitlines()]
     assert samples["adapters"] == samples["merged"] != samples[Path(tiny_model_dir).name]
+
+
+def test_a_one_episode_batchs_nan_stds_are_left_out_of_the_logs_without_a_warning(tiny_model_dir, tmp_path):
+    """A replay of one-rollout groups with --rollouts_per_step 1: reward_std and rewards/<fn>/std are NaN (one
+    episode), which TRL logged as None and tensorboard refused with a warning per key and step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from verifiers_rl.core.rollout import write_rollouts
+    from verifiers_rl.rollouts.synthetic import random_rollouts
+
+    rollouts = random_rollouts(num_groups=2, group_size=1, vocab_size=50, seed=0)
+    for rollout in rollouts:
+        rollout.metrics = {"score": rollout.reward}
+    write_rollouts(tmp_path / "ones.jsonl", rollouts)
+    args = ["train", "--model", tiny_model_dir, "--rollouts_path", str(tmp_path / "ones.jsonl"), "--max_steps", "2",
+            "--rollouts_per_step", "1", "--report_to", "tensorboard", "--output_dir", str(tmp_path / "out")]
+    result = subprocess.run([sys.executable, "-m", "verifiers_rl", *args], cwd=tmp_path, capture_output=True,
+                            text=True, env=launch_env({"HF_HUB_OFFLINE": "1"}, threads=None), timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert 'log a value of "None"' not in result.stdout + result.stderr
+    events = EventAccumulator(str(next((tmp_path / "out" / "runs").iterdir())), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/reward", "train/rewards/score/mean"} <= tags
+    assert not tags & {"train/reward_std", "train/rewards/score/std"}

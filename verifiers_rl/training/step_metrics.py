@@ -47,7 +47,10 @@ class StepMetrics:
         self.extremes: dict[str, torch.Tensor] = {}  # TRL's clip_ratio/low_min (negated) and high_max
 
     def log(self, name: str, value: float) -> None:
-        self.sink()[name].append(float(value))
+        # A NaN (one episode's std) is no value: a window of only NaN is left out of the log entry (TRL's log would
+        # write None, which tensorboard refuses with a warning per key and step); a window with values averages them.
+        if not math.isnan(value):
+            self.sink()[name].append(float(value))
 
     def begin_step(self) -> None:
         self.sums, self.extremes = {}, {}
