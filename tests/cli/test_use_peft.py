@@ -147,12 +147,13 @@ def test_a_resume_of_adapters_trained_on_takes_the_kl_reference_from_the_checkpo
     first, other = tmp_path / "first", tmp_path / "other"
     assert main(command(tiny_model_dir, first, "--max_steps", "1")) == 0
     assert main(command(tiny_model_dir, other, "--max_steps", "1", "--seed", "5")) == 0  # same shape, other values
-    on = ["--max_steps", "2", "--beta", "0.5", "--use_peft", "--lora_dropout", "0"]
-    assert main(command(str(first), tmp_path / "full", lora=on)) == 0
+    on = ["--beta", "0.5", "--use_peft", "--lora_dropout", "0"]
+    assert main(command(str(first), tmp_path / "full", "--max_steps", "2", lora=on)) == 0
     checkpoint = tmp_path / "full" / "checkpoint-1"
     assert load_file(checkpoint / "ref" / "adapter_model.safetensors").keys() == load_file(
         first / "adapter_model.safetensors").keys()
-    assert main(command(str(other), tmp_path / "resumed", "--resume_from_checkpoint", str(checkpoint), lora=on)) == 0
+    assert main(command(str(other), tmp_path / "resumed", "--max_steps", "2", "--resume_from_checkpoint", str(checkpoint),
+                        lora=on)) == 0
     final, expected = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("resumed", "full"))
     assert sorted(final) == sorted(expected)
     assert all(torch.equal(final[name], expected[name]) for name in expected)
