@@ -103,6 +103,8 @@ def parse_args(argv=None):
     at_least(parser, args, 1, "steps")
     at_least(parser, args, 2, "num_generations")
     at_least(parser, args, 0, "warmup", "budget_s")
+    if not args.peak_tflops > 0:  # NaN too: the MFU column divides by it, after the first trainer has run
+        parser.error(f"--peak_tflops must be > 0 (got {args.peak_tflops}): the MFU column divides by it")
     writable_file(parser, args.json, "--json")
     # Without a GPU the default used to fall back to the 0.5B model on the CPU: hours, and no GPU number.
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -193,6 +193,19 @@ def test_gpu_vs_trl_refuses_the_full_shape_on_the_cpu(capsys):
     assert "--device cpu checks the script with --shape tiny; --shape 0.5b on the CPU" in capsys.readouterr().err
 
 
+def test_gpu_vs_trl_refuses_a_peak_tflops_not_above_zero(capsys):
+    """``--peak_tflops 0`` ran the first trainer, then failed dividing the MFU by zero (a negative one printed a
+    negative MFU): refused at parse time, by name and value."""
+    bench = load_benchmark("gpu_vs_trl")
+    tiny = ["--shape", "tiny", "--device", "cpu"]
+    assert bench.parse_args(tiny + ["--peak_tflops", "1.5"]).peak_tflops == 1.5
+    for value in ("0", "-989", "nan"):
+        with pytest.raises(SystemExit) as refused:
+            bench.parse_args(tiny + ["--peak_tflops", value])
+        assert refused.value.code == 2
+        assert f"--peak_tflops must be > 0 (got {float(value)})" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_vllm_weight_transfer_quick_keeps_the_repeats_given(capsys):
     """--quick overwrote --repeats (``--quick --repeats 1`` timed 3 loads per mode), and ``--repeats 0`` started the
     server, then failed on an empty median: a given --repeats keeps its value, below 1 is refused before any server."""
