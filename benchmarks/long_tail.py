@@ -547,7 +547,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     at_least(parser, args, 1, "rows", "prompts", "num_generations", "steps", "turns", "threads", "tail_factor")
     at_least(parser, args, 2, "median_tokens")
     at_least(parser, args, 0, "warmup")
-    at_least(parser, args, 1, "k", why="continuous generation needs k >= 1")
+    # The continuous and groups sides generate while the trainer trains, a batch up to k >= 1 steps old; batch: k 0.
+    ahead = [side for side in args.sides if side in FIELDS]
+    why = f"the {ahead[0]} side generates while the trainer trains (k 0: --sides batch)" if ahead else ""
+    at_least(parser, args, 1 if ahead else 0, "k", why=why)
     if not 0 <= args.tail_fraction <= 1:
         parser.error(f"--tail_fraction must be in [0, 1] (got {args.tail_fraction})")
     if args.rows < args.prompts:

@@ -107,6 +107,21 @@ def test_long_tail_refuses_k_where_only_trl_runs(capsys):
     assert "--k does not act here" in capsys.readouterr().err
 
 
+def test_long_tail_takes_k_0_when_no_side_generates_ahead(capsys):
+    """``--sides batch --k 0`` was refused as 'continuous generation needs k >= 1', though the batch side trains k = 0
+    (batch-at-a-time, on-policy): k 0 is taken when no side generates ahead, and refused naming the side that does."""
+    bench = load_benchmark("long_tail")
+    assert bench.parse_args(["--sides", "batch", "--k", "0"]).k == 0
+    assert bench.parse_args(["--sides", "batch", "trl", "--k", "0"]).k == 0
+    for sides, side, bound in ((["batch", "groups"], "groups", 1), (["continuous"], "continuous", 1),
+                               (["batch"], None, 0)):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--sides", *sides, "--k", "-1" if side is None else "0"])
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert f"--k must be >= {bound} (got {-1 if side is None else 0})" in error
+        assert side is None or f"the {side} side generates while the trainer trains" in error
+
+
 @pytest.mark.parametrize("name, argv", [("long_tail", []), ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu"])])
 def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(name, argv, tmp_path, capsys):
     """--json is written once the numbers are in: a folder, or a file in a missing folder, failed with a traceback
