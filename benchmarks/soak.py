@@ -35,6 +35,10 @@ from transformers import TrainerCallback  # noqa: E402
 from benchmarks.timing import at_least, load, log  # noqa: E402
 
 
+STEPS = {"live": 300, "replay": 1000}  # each mode's default --steps
+MODES = {"both": ["live", "replay"], "live": ["live"], "replay": ["replay"]}
+
+
 class Probe(TrainerCallback):
     """RSS, threads, open files, child processes and the time of every optimizer step."""
 
@@ -117,10 +121,26 @@ def run(mode: str, steps: int) -> list[Row]:
     return probe.rows
 
 
+def tenth_of(steps: int) -> int:
+    """The steps in each window of step time: a tenth of the run, at least one."""
+    return max(steps // 10, 1)
+
+
+def windows(steps: int, warmup: int) -> tuple[slice, slice]:
+    """The rows of the first window (a tenth of the run after ``warmup``) and of the last tenth; ValueError when the
+    two would overlap, as a verdict comparing a window with itself says nothing."""
+    tenth = tenth_of(steps)
+    if warmup + 2 * tenth > steps:
+        raise ValueError(f"the first window of step time ({tenth} steps after the warm-up) and the last tenth of the "
+                         f"run ({tenth} steps) would overlap in {steps} steps")
+    return slice(warmup, warmup + tenth), slice(steps - tenth, steps)
+
+
 def report(mode: str, rows: list[Row], warmup: int) -> bool:
     """The curve (every 10% of the run) and the verdicts; True when every target holds."""
     steps = len(rows)
-    tenth = max(steps // 10, 1)
+    tenth = tenth_of(steps)
+    early_window, late_window = windows(steps, warmup)
     base = rows[max(warmup, tenth) - 1]
     print(f"\n{mode}: {steps} steps, tiny model, 16 rollouts per step; load at the end {load()}\n")
     print("| step | RSS (MiB) | RSS - base (MiB) | threads | open files | child processes | median step s (last 10%) |")
@@ -130,9 +150,9 @@ def report(mode: str, rows: list[Row], warmup: int) -> bool:
         print(f"| {row.step} | {row.rss:.1f} | {row.rss - base.rss:+.1f} | {row.threads} | {row.open_files} | "
               f"{row.children} | {statistics.median(window):.3f} |")
     last = rows[-1]
-    first = rows[warmup:warmup + tenth]  # fewer than a tenth when the warm-up takes most of the run
+    first = rows[early_window]
     early = statistics.median(r.seconds for r in first)
-    late = statistics.median(r.seconds for r in rows[-tenth:])
+    late = statistics.median(r.seconds for r in rows[late_window])
     checks = [
         (f"RSS growth step {base.step} -> {last.step}: {last.rss - base.rss:+.1f} MiB (target < 50)",
          last.rss - base.rss < 50),
@@ -150,17 +170,22 @@ def report(mode: str, rows: list[Row], warmup: int) -> bool:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["both", "live", "replay"], default="both")
+    parser.add_argument("--mode", choices=list(MODES), default="both")
     parser.add_argument("--steps", type=int, default=None, help="default: 300 live, 1000 replay")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the first window's step time")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    # Checked before the run: the verdicts need a step after the warm-up (report() would fail once the run is done).
     at_least(parser, args, 0, "warmup")
-    at_least(parser, args, 1, "threads")
-    if args.steps is not None and args.steps <= args.warmup:
-        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the first window's step time "
-                     "starts after the warm-up (a shorter run: lower --warmup too)")
+    at_least(parser, args, 1, "steps", "threads")
+    # Checked before the run, for each mode's steps: report() would find its windows overlap once the run is done.
+    for mode in MODES[args.mode]:
+        steps = STEPS[mode] if args.steps is None else args.steps
+        try:
+            windows(steps, args.warmup)
+        except ValueError as error:
+            given = "--steps" if args.steps is not None else f"the {mode} run's default --steps"
+            parser.error(f"{given} ({steps}) must be >= --warmup ({args.warmup}) + 2 x {tenth_of(steps)}: {error}; "
+                         "raise --steps or lower --warmup")
     return args
 
 
@@ -170,8 +195,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    modes = ["live", "replay"] if args.mode == "both" else [args.mode]
-    results = {mode: run(mode, args.steps or {"live": 300, "replay": 1000}[mode]) for mode in modes}
+    results = {mode: run(mode, STEPS[mode] if args.steps is None else args.steps) for mode in MODES[args.mode]}
     return 0 if all([report(mode, rows, args.warmup) for mode, rows in results.items()]) else 1
 
 

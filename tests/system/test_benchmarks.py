@@ -157,7 +157,7 @@ def test_soak_refuses_a_run_no_longer_than_its_warmup_before_running(capsys):
     with pytest.raises(SystemExit) as refused:
         bench.parse_args(["--mode", "live", "--steps", "5"])
     assert refused.value.code == 2
-    assert "--steps (5) must exceed --warmup (10)" in capsys.readouterr().err
+    assert "--steps (5) must be >= --warmup (10) + 2 x 1" in capsys.readouterr().err
     assert (bench.parse_args(["--steps", "5", "--warmup", "1"]).steps, bench.parse_args([]).steps) == (5, None)
 
 
@@ -172,13 +172,37 @@ def test_soak_states_its_memory_target_in_the_unit_it_measures(capsys):
 
 
 def test_soak_names_the_steps_its_first_window_timed(capsys):
-    """The first window is the tenth of the run after --warmup, cut at the run's end: with a warm-up of 19 of 20
-    steps it timed step 20 alone, and the verdict said 'steps 20-21' (a step the run never had)."""
+    """The first window is the tenth of the run after --warmup: with a warm-up of 16 of 20 steps it is steps 17-18,
+    and the last tenth steps 19-20 (a window cut at the run's end once named a step the run never had)."""
     bench = load_benchmark("soak")
     rows = [bench.Row(step, 500.0, 9, 9, 0, 0.05) for step in range(1, 21)]
-    bench.report("live", rows, warmup=19)
+    bench.report("live", rows, warmup=16)
     verdict = next(line for line in capsys.readouterr().out.splitlines() if "median step time" in line)
-    assert "(steps 20-20)" in verdict, verdict
+    assert "(steps 17-18)" in verdict and "(last 2)" in verdict, verdict
+
+
+LIVE_DEFAULT = "the live run's default --steps (300)"
+
+
+@pytest.mark.parametrize("argv, given", [(["--steps", "20", "--warmup", "17"], "--steps (20)"),
+                                         (["--mode", "live", "--warmup", "250"], LIVE_DEFAULT),
+                                         (["--warmup", "900"], LIVE_DEFAULT)])
+def test_soak_refuses_a_warmup_that_makes_its_two_windows_overlap(argv, given, capsys):
+    """With --warmup covering most of the run the first window (the tenth after the warm-up) and the last tenth
+    overlapped (steps 18-19 against 19-20 at 17 of 20): the verdict compared steps with themselves and could not see
+    a slowdown. Refused before the run, for each mode's steps, naming --steps and --warmup."""
+    bench = load_benchmark("soak")
+    assert bench.parse_args(["--steps", "20", "--warmup", "16"]).warmup == 16
+    assert bench.parse_args(["--mode", "replay", "--warmup", "250"]).warmup == 250  # 1,000 steps hold it
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(argv)
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{given} must be >= --warmup" in error and "would overlap" in error
+    assert error.endswith("raise --steps or lower --warmup")
+    rows = [bench.Row(step, 500.0, 9, 9, 0, 0.05) for step in range(1, 21)]
+    with pytest.raises(ValueError, match="would overlap in 20 steps"):
+        bench.report("live", rows, warmup=17)
 
 
 def test_gpu_vs_trl_without_a_gpu_says_so_in_one_line(capsys):
