@@ -1,11 +1,11 @@
 """Model loading: the first run's SmolLM2 conversion draws no progress bar into a redirected log; the tokenizer comes
-from where the weights do."""
+from where the weights do; a folder of LoRA adapters loads as its merged weights."""
 
 from __future__ import annotations
 
 import io
 
-from verifiers_rl.core.models import load_tokenizer, no_bars_when_redirected
+from verifiers_rl.core.models import load_causal_lm, load_tokenizer, no_bars_when_redirected
 
 from tests.helpers.model_folders import OTHER_TEMPLATE, a_model_in_a_subfolder
 
@@ -80,3 +80,20 @@ def test_the_tokenizer_follows_the_subfolder_and_revision_that_choose_the_weight
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda name, **kwargs: seen.append(kwargs) or chosen)
     load_tokenizer(str(root), load_kwargs={"revision": "v1", "token": "t", "variant": "fp16"})
     assert seen == [{"revision": "v1", "token": "t"}]  # variant names weight files only
+
+
+def test_a_home_relative_folder_of_adapters_loads_merged_as_resolve_model_takes_it(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """load_causal_lm tested for a folder of adapters without expanding ``~``: ``~/adapters``, which resolve_model
+    takes as the adapters merged into their base, went to transformers as a Hub id and failed; it loads merged."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=["q_proj"], init_lora_weights=False)
+    adapters = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora)
+    adapters.save_pretrained(tmp_path / "adapters")
+    merged = dict(adapters.merge_and_unload().named_parameters())
+    loaded = dict(load_causal_lm("~/adapters").named_parameters())
+    assert sorted(loaded) == sorted(merged) and all(torch.equal(loaded[name], merged[name]) for name in merged)

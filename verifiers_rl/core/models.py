@@ -174,10 +174,11 @@ def load_causal_lm(name_or_path: str, dtype=None, **kwargs):
     (transformers alone would wrap the linear layers in adapter modules, which the engines' kernels do not run)."""
     from transformers import AutoModelForCausalLM
 
-    if (Path(name_or_path) / ADAPTER_CONFIG).is_file():
+    if is_adapter_folder(name_or_path):  # ``~/adapters`` too, as resolve_model takes it
         from peft import AutoPeftModelForCausalLM
 
-        return AutoPeftModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs).merge_and_unload()
+        folder = str(Path(name_or_path).expanduser())
+        return AutoPeftModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs).merge_and_unload()
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
 
 
