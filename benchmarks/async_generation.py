@@ -69,7 +69,8 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from timing import StepRecorder, at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
+from steps import StepRecorder  # noqa: E402  (benchmarks/steps.py)
+from timing import at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
 
 DEFAULTS = dict(steps=8, warmup=2, phase_batches=3, threads=[1, 2])
 QUICK = dict(steps=4, warmup=1, phase_batches=2, threads=[1])

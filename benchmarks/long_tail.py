@@ -134,7 +134,8 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
 import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
-from timing import StepRecorder, at_least, fill_in, load, log, model_name, writable_file  # noqa: E402
+from steps import StepRecorder  # noqa: E402  (benchmarks/steps.py)
+from timing import at_least, fill_in, load, log, model_name, writable_file  # noqa: E402
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}

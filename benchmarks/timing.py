@@ -1,12 +1,12 @@
-"""Shared by the benchmarks: progress lines with the load average, per-step wall/CPU times of a trainer, and the
-checks of their size flags."""
+"""Shared by the benchmarks: progress lines with the load average and the checks of their size flags. It loads
+neither transformers nor torch (a process that only starts children, as logprob_memory.py's, need not pay for them):
+a trainer's per-step times are steps.py's."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 
 
 def log(message: str) -> None:
@@ -70,46 +70,3 @@ def writable_file(parser: argparse.ArgumentParser, path: str | None, flag: str) 
     if why:
         parser.error(f"{flag} {path}: {why}")
 
-
-def __getattr__(name: str):
-    # StepRecorder subclasses transformers' TrainerCallback: built on first use, so the helpers above load neither
-    # transformers nor torch (a process that only starts children, as logprob_memory.py's, need not pay for them).
-    if name != "StepRecorder":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()["StepRecorder"] = recorder = _step_recorder()
-    return recorder
-
-
-def _step_recorder() -> type:
-    from transformers import TrainerCallback
-
-    class StepRecorder(TrainerCallback):
-        """Instants of every ``on_step_end`` and the reward each trainer logs."""
-
-        def __init__(self):
-            self.begin = None
-            self.ends: list[float] = []
-            self.rewards: list[float] = []
-
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.begin = time.perf_counter()
-            self.cpu: list[float] = [time.process_time()]
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.ends.append(time.perf_counter())
-            self.cpu.append(time.process_time())
-
-        def cores(self, skip: int) -> float:
-            """CPU seconds of this process per wall second over the steps after ``skip``."""
-            wall = [self.begin] + self.ends
-            return (self.cpu[-1] - self.cpu[skip]) / (wall[-1] - wall[skip])
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                self.rewards.append(float(logs["reward"]))
-
-        def intervals(self) -> list[float]:
-            points = [self.begin] + self.ends
-            return [b - a for a, b in zip(points, points[1:])]
-
-    return StepRecorder

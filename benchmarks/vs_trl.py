@@ -101,7 +101,8 @@ from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model, smollm2_dir  # noqa: E402
 from verifiers_rl.training.prefix import unique_tokens  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from timing import StepRecorder, at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
+from steps import StepRecorder  # noqa: E402  (benchmarks/steps.py)
+from timing import at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
 
 
 WORKLOADS = {

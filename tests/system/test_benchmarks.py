@@ -375,6 +375,27 @@ def test_continuous_batching_sets_omp_wait_policy_passive_before_torch_loads():
         assert (out.returncode, out.stdout.strip()) == (0, expected), out.stderr[-2000:]
 
 
+# Run in a fresh interpreter: the test process has torch and transformers loaded already.
+LOADED_BY_LOGPROB_MEMORY = """
+import sys
+sys.path.insert(0, {benchmarks!r})
+import logprob_memory, timing
+print(sorted({{"torch", "transformers"}} & set(sys.modules)), hasattr(timing, "StepRecorder"))
+"""
+
+
+def test_step_recorder_is_steps_py_and_timing_py_loads_no_torch():
+    """timing.py built StepRecorder through a module-level __getattr__ so that logprob_memory.py's parent, which only
+    starts children, loaded no torch: StepRecorder is steps.py's (imported by the scripts that time a trainer), and
+    timing.py, with logprob_memory.py over it, still loads neither transformers nor torch."""
+    from transformers import TrainerCallback
+
+    code = LOADED_BY_LOGPROB_MEMORY.format(benchmarks=str(BENCHMARKS))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.split()) == (0, ["[]", "False"]), out.stderr[-2000:]
+    assert issubclass(load_benchmark("steps").StepRecorder, TrainerCallback)
+
+
 def test_prefix_sharing_fit_flags_a_negative_cost_instead_of_printing_it_as_measured():
     """Under load the least-squares fit of wall time on tokens and attention cells can give a cell (or a token) a
     negative cost; the line printed b / a, a negative 'attention cell costs' in token units, as a measurement."""
