@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
@@ -136,7 +137,6 @@ def test_use_peft_on_a_folder_of_adapters_trains_them_on_their_own_base(tiny_mod
         "train new adapters from their base model.")
 
 
-
 def test_a_resume_of_adapters_trained_on_takes_the_kl_reference_from_the_checkpoint(tiny_model_dir, tmp_path,
                                                                                      monkeypatch):
     """Adapters trained on (--model <adapters> --use_peft, --beta > 0) have TRL's frozen copy of them as the KL
@@ -152,8 +152,25 @@ def test_a_resume_of_adapters_trained_on_takes_the_kl_reference_from_the_checkpo
     checkpoint = tmp_path / "full" / "checkpoint-1"
     assert load_file(checkpoint / "ref" / "adapter_model.safetensors").keys() == load_file(
         first / "adapter_model.safetensors").keys()
-    assert main(command(str(other), tmp_path / "resumed", "--max_steps", "2", "--resume_from_checkpoint", str(checkpoint),
-                        lora=on)) == 0
+    resumed = ["--max_steps", "2", "--resume_from_checkpoint", str(checkpoint)]
+    assert main(command(str(other), tmp_path / "resumed", *resumed, lora=on)) == 0
     final, expected = (load_file(tmp_path / name / "adapter_model.safetensors") for name in ("resumed", "full"))
     assert sorted(final) == sorted(expected)
     assert all(torch.equal(final[name], expected[name]) for name in expected)
+
+
+def test_each_flag_that_rebuilds_a_folders_adapters_is_refused_beside_them():
+    """The flags the refusal names to rebuild a folder's adapters (command_flags) and the flags it refuses beside such
+    a folder (SHAPE_FLAGS) were two lists written out apart; the second is the first and --lora_task_type (in no
+    adapter signature). Each flag of the first, given beside a folder of adapters, is refused by name."""
+    from verifiers_rl.config.lora import SHAPE_FLAGS, LoraArguments, check_continued_flags, command_flags
+    from verifiers_rl.training.run_state import adapter_signature
+
+    signature = adapter_signature({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+                                   "target_parameters": ["mlp.experts.gate_up_proj"], "modules_to_save": ["norm"],
+                                   "bias": "none", "use_dora": True, "use_rslora": True})
+    named = [word[2:] for word in command_flags(signature).split() if word.startswith("--")]
+    assert named[0] == "use_peft" and set(named[1:]) == set(SHAPE_FLAGS) - {"lora_task_type"}
+    for flag in [*named[1:], "lora_task_type"]:
+        with pytest.raises(ValueError, match=f"^--{flag} .*: --model adapters holds LoRA adapters"):
+            check_continued_flags(LoraArguments(use_peft=True), {flag}, "adapters", signature)

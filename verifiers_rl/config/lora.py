@@ -97,20 +97,22 @@ def _flag_text(name: str, value) -> str:
     return f"--{name} {' '.join(value) if isinstance(value, list) else value}"
 
 
+# The flags that build adapters, each with its key in ``training.run_state.adapter_signature``.
+SIGNATURE_FLAGS = {"lora_r": "r", "lora_alpha": "lora_alpha", "lora_target_modules": "target_modules",
+                   "lora_target_parameters": "target_parameters", "lora_modules_to_save": "modules_to_save",
+                   "use_rslora": "use_rslora", "use_dora": "use_dora"}
+
+
 def command_flags(signature: dict) -> str:
     """The flags of this command that build adapters of ``signature`` (peft's LoraConfig keys, as
     ``training.run_state.adapter_signature`` gives them)."""
-    values = {"use_peft": True, "lora_r": signature["r"], "lora_alpha": signature["lora_alpha"],
-              "lora_target_modules": signature["target_modules"],
-              "lora_target_parameters": signature["target_parameters"],
-              "lora_modules_to_save": signature["modules_to_save"], "use_rslora": signature["use_rslora"],
-              "use_dora": signature["use_dora"]}
+    values = {"use_peft": True, **{flag: signature[key] for flag, key in SIGNATURE_FLAGS.items()}}
     return " ".join(_flag_text(name, value) for name, value in values.items() if value)
 
 
-# The flags that shape adapters: a folder of adapters trained on has its own.
-SHAPE_FLAGS = ("lora_r", "lora_alpha", "lora_target_modules", "lora_target_parameters", "lora_modules_to_save",
-               "lora_task_type", "use_rslora", "use_dora")
+# The flags that shape adapters: a folder of adapters trained on has its own. The task type is in no signature (the
+# only one trained here is the default), but shapes them too.
+SHAPE_FLAGS = (*SIGNATURE_FLAGS, "lora_task_type")
 
 
 def check_continued_flags(lora: LoraArguments, given: set[str], folder: str, signature: dict) -> None:
