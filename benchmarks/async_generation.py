@@ -46,13 +46,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
@@ -69,8 +67,8 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from steps import StepRecorder  # noqa: E402  (benchmarks/steps.py)
-from timing import at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
+from steps import StepRecorder, run_settings  # noqa: E402  (benchmarks/steps.py)
+from timing import at_least, fill_in, load, log, quiet_start  # noqa: E402  (benchmarks/timing.py)
 
 DEFAULTS = dict(steps=8, warmup=2, phase_batches=3, threads=[1, 2])
 QUICK = dict(steps=4, warmup=1, phase_batches=2, threads=[1])
@@ -91,15 +89,7 @@ class ListSource:
 
 def make_config(args, k: int, steps: int, out: str, **overrides) -> RLConfig:
     options = dict(
-        output_dir=out,
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_steps=steps,
-        learning_rate=1e-4,
-        lr_scheduler_type="constant",
+        run_settings(out, steps, 1e-4),
         rollouts_per_step=args.rollouts,
         num_generations=args.num_generations,
         per_device_train_batch_size=args.micro_batch or args.rollouts,
@@ -218,10 +208,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    started = time.perf_counter()
-    log(f"load average at start: {load()}")
+    started = quiet_start()
     work = tempfile.mkdtemp(prefix="bench_async_")
     model_dir = os.path.join(work, "model")
     build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers)

@@ -64,18 +64,16 @@ import argparse
 import contextlib
 import gc
 import json
-import logging
 import os
 import random
 import statistics
 import sys
 import tempfile
 import traceback
-import warnings
 
 import torch
 
-from timing import at_least, log, writable_file  # benchmarks/timing.py, beside this script
+from timing import at_least, log, quiet, writable_file  # benchmarks/timing.py, beside this script
 
 SHAPES = {
     "0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, prompt=512, new=256),
@@ -171,7 +169,8 @@ def run_trainer(name: str, args, model_dir: str, tokenizer, dataset, out: str):
 
     from verifiers_rl.config.rl_config import RLConfig
     from verifiers_rl.training.trainer import RLTrainer
-    from vs_trl import SplitRecorder, common, watch_trl
+    from steps import grpo_settings, watch_ours
+    from vs_trl import SplitRecorder, watch_trl
 
     device = args.device
 
@@ -186,8 +185,8 @@ def run_trainer(name: str, args, model_dir: str, tokenizer, dataset, out: str):
             super().on_step_end(*a, **kw)
 
     shape = SHAPES[args.shape]
-    settings = common(argparse.Namespace(warmup=args.warmup, steps=args.steps, learning_rate=0.0, prompts=1,
-                                         num_generations=args.num_generations, max_completion_length=shape["new"]), out)
+    settings = grpo_settings(out, args.warmup + args.steps, 0.0, args.num_generations, args.num_generations,
+                             shape["new"])
     settings.update(use_cpu=device == "cpu", bf16=True)
     recorder = Recorder()
     if name == "trl":
@@ -204,8 +203,7 @@ def run_trainer(name: str, args, model_dir: str, tokenizer, dataset, out: str):
                           max_off_policy_steps=k, micro_batching="padded", share_prompt_training=share,
                           print_samples_every=0)
         trainer = RLTrainer(model_dir, config, processing_class=tokenizer, reward_funcs=reward, train_dataset=dataset)
-        trainer.add_callback(recorder)  # last: a step ends once the engine holds its weights
-        recorder.trainer = trainer
+        watch_ours(trainer, recorder)
     try:
         trainer.train()
     finally:
@@ -263,8 +261,7 @@ def main() -> None:
     import trl
     from datasets import Dataset
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    quiet()
     shape = SHAPES[args.shape]
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)"
     env = (f"Device: {gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}), transformers "

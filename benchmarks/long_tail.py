@@ -99,13 +99,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,8 +132,8 @@ from verifiers_rl.rollouts.generator import AsyncGenerator  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
 import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
-from steps import StepRecorder  # noqa: E402  (benchmarks/steps.py)
-from timing import at_least, fill_in, load, log, model_name, writable_file  # noqa: E402
+from steps import StepRecorder, grpo_settings, watch_ours  # noqa: E402  (benchmarks/steps.py)
+from timing import at_least, fill_in, load, log, model_name, quiet_start, writable_file  # noqa: E402
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}
@@ -261,15 +259,8 @@ class RunRecorder(StepRecorder):
 
 def common(args, out: str, env) -> dict:
     """What our trainer and TRL's share (vs_trl.py's settings at learning rate 0)."""
-    return dict(
-        output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, max_steps=args.warmup + args.steps, learning_rate=0.0, lr_scheduler_type="constant",
-        warmup_steps=0, optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=1.0,
-        per_device_train_batch_size=args.prompts * args.num_generations, gradient_accumulation_steps=1,
-        num_generations=args.num_generations, max_completion_length=env.max_new_tokens, temperature=1.0, top_k=0,
-        top_p=1.0, num_iterations=1, beta=0.0, epsilon=0.2, loss_type="grpo", scale_rewards="group",
-        gradient_checkpointing=False, seed=0,
-    )
+    return grpo_settings(out, args.warmup + args.steps, 0.0, args.prompts * args.num_generations,
+                         args.num_generations, env.max_new_tokens)
 
 
 def run_ours(args, model_dir, tokenizer, env, side: str, out: str, server_url: str | None = None) -> RunRecorder:
@@ -292,8 +283,7 @@ def run_ours(args, model_dir, tokenizer, env, side: str, out: str, server_url: s
         instrument(engine)
     recorder = RunRecorder(args.warmup, server_url)
     trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=env, engine=engine)
-    trainer.add_callback(recorder)  # last: a step ends once the engine holds its weights
-    recorder.trainer = trainer
+    watch_ours(trainer, recorder)
     try:
         trainer.train()
     finally:
@@ -576,11 +566,8 @@ def serve(args, model_dir: str, tokenizer, cases: list[tuple[int, str]]):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
-    started = time.perf_counter()
-    log(f"load average at start: {load()}")
+    started = quiet_start()
     if args.model == "tiny":
         model_dir = os.path.join(tempfile.mkdtemp(prefix="bench_long_tail_"), "model")
         build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers)

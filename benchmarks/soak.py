@@ -32,6 +32,7 @@ if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
 import psutil  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
+from benchmarks.steps import run_settings  # noqa: E402
 from benchmarks.timing import at_least, load, log  # noqa: E402
 
 
@@ -76,8 +77,7 @@ def config(work: str, steps: int, **extra):
     from verifiers_rl.config.rl_config import RLConfig
 
     values = dict(
-        output_dir=os.path.join(work, "out"), use_cpu=True, report_to="none", disable_tqdm=True, logging_steps=1,
-        max_steps=steps, learning_rate=1e-3, lr_scheduler_type="constant", rollouts_per_step=16, num_generations=4,
+        run_settings(os.path.join(work, "out"), steps, 1e-3), rollouts_per_step=16, num_generations=4,
         max_completion_length=8, max_seq_len=128, gradient_checkpointing=False, save_strategy="steps",
         save_total_limit=2, print_samples_every=0, seed=0,
     )

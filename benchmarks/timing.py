@@ -5,8 +5,11 @@ a trainer's per-step times are steps.py's."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import time
+import warnings
 
 
 def log(message: str) -> None:
@@ -15,6 +18,20 @@ def log(message: str) -> None:
 
 def load() -> str:
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def quiet() -> None:
+    """Transformers' log at errors only and no Python warnings, so the progress lines and tables stay readable."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def quiet_start() -> float:
+    """``quiet()``, then the load average at the start on stderr; the start instant (``time.perf_counter``)."""
+    quiet()
+    started = time.perf_counter()
+    log(f"load average at start: {load()}")
+    return started
 
 
 def passive_openmp() -> str:

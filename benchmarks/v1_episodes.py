@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import statistics
 import sys
 import time
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
@@ -55,7 +53,7 @@ import torch  # noqa: E402
 from verifiers_rl.envs import Rubric, SingleTurnEnv, derive_seed, load_environment  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.core.models import load_tokenizer, resolve_model  # noqa: E402
-from timing import at_least, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, load, log, quiet_start  # noqa: E402  (benchmarks/timing.py)
 
 V1_ENV = os.path.join(ROOT, "tests", "v1", "envs", "reverse_v1.py")
 SIDES = ("ours", "v1 inprocess", "v1 null")
@@ -136,10 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
 
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    started = time.perf_counter()
-    log(f"load average at start: {load()}")
+    started = quiet_start()
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     engine = EmbeddedEngine(model_dir, tokenizer,

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import math
 import os
 import statistics
@@ -79,7 +78,6 @@ from collections import defaultdict
 import sys
 import tempfile
 import time
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
@@ -101,8 +99,8 @@ from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model, smollm2_dir  # noqa: E402
 from verifiers_rl.training.prefix import unique_tokens  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
-from steps import StepRecorder  # noqa: E402  (benchmarks/steps.py)
-from timing import at_least, fill_in, load, log  # noqa: E402  (benchmarks/timing.py)
+from steps import StepRecorder, grpo_settings, watch_ours  # noqa: E402  (benchmarks/steps.py)
+from timing import at_least, fill_in, load, log, quiet  # noqa: E402  (benchmarks/timing.py)
 
 
 WORKLOADS = {
@@ -192,36 +190,8 @@ def trl_reward(completions, answer, **kwargs) -> list[float]:
 
 
 def common(args, out: str) -> dict:
-    return dict(
-        output_dir=out,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        max_steps=args.warmup + args.steps,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        optim="adamw_torch_fused",  # transformers' default with torch >= 2.8: what both run when a user sets none
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        per_device_train_batch_size=args.prompts * args.num_generations,
-        gradient_accumulation_steps=1,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        num_iterations=1,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="grpo",
-        scale_rewards="group",
-        gradient_checkpointing=False,
-        seed=0,
-    )
+    return grpo_settings(out, args.warmup + args.steps, args.learning_rate, args.prompts * args.num_generations,
+                         args.num_generations, args.max_completion_length)
 
 
 def run_trl(args, model_dir, tokenizer, rows, out) -> SplitRecorder:
@@ -245,8 +215,7 @@ def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt_train
     engine = build_engine(config, model_dir, tokenizer)
     recorder = SplitRecorder()
     trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine)
-    trainer.add_callback(recorder)  # last: a step ends once the engine holds its weights
-    recorder.trainer = trainer
+    watch_ours(trainer, recorder)
     trainer.train()
     engine.close()
     return recorder
@@ -429,8 +398,7 @@ def print_learning(args, recorders) -> None:
 
 def main() -> None:
     args = parse_args()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
+    quiet()
     for workload in args.workloads:
         run_workload(args, workload)
 
