@@ -68,7 +68,7 @@ from verifiers_rl.inference.factory import build_engine  # noqa: E402
 from verifiers_rl.core.models import build_tiny_model  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from steps import StepRecorder, run_settings  # noqa: E402  (benchmarks/steps.py)
-from timing import at_least, fill_in, load, log, quiet_start  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, fill_in, load, log, once_each, quiet_start  # noqa: E402  (benchmarks/timing.py)
 
 DEFAULTS = dict(steps=8, warmup=2, phase_batches=3, threads=[1, 2])
 QUICK = dict(steps=4, warmup=1, phase_batches=2, threads=[1])
@@ -200,6 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     at_least(parser, args, 1, "hidden", "layers", "rollouts", "max_completion_length", "max_seq_len", "steps",
              "phase_batches", "threads", "rounds")
     at_least(parser, args, 2, "num_generations")
+    once_each(parser, args, "threads", "variants")
     at_least(parser, args, 0, "warmup", "micro_batch")
     if args.rollouts % args.num_generations:
         parser.error(f"--rollouts ({args.rollouts}) must be a multiple of --num_generations ({args.num_generations})")

@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from anywhere without PYTHONPATH
     sys.path.insert(0, ROOT)
 
-from timing import at_least, fill_in, load, log, model_name, passive_openmp  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, fill_in, load, log, model_name, once_each, passive_openmp  # noqa: E402  (timing.py)
 
 passive_openmp()  # before torch loads OpenMP: the engine runs under the policy a continuous trainer runs it with
 
@@ -89,6 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     model_name(parser, args.model)
     at_least(parser, args, 1, "requests", "max_rows", "samples", "repeats", "threads", "tail_factor")
     at_least(parser, args, 2, "median_tokens")
+    once_each(parser, args, "workloads")
     if not 0 <= args.tail_fraction <= 1:
         parser.error(f"--tail_fraction must be in [0, 1] (got {args.tail_fraction})")
     return args

@@ -40,7 +40,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from verifiers_rl.envs import RolloutSampling, sampling_for_rollout  # noqa: E402
 from verifiers_rl.inference import EmbeddedEngine, SamplingConfig  # noqa: E402
 from verifiers_rl.core.models import smollm2_dir  # noqa: E402
-from timing import at_least, load, log  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, load, log, once_each  # noqa: E402  (benchmarks/timing.py)
 
 VARIANTS = {
     "forward": dict(llama_decode=False, cpu_matmuls="linear"),
@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     # Checked before SmolLM2 loads: --batches 0 decoded the warm-up batches, then failed on an empty median.
     at_least(parser, args, 1, "max_new_tokens", "batches", "samples", "threads")
+    once_each(parser, args, "variants", "max_new_tokens")
     return args
 
 

@@ -73,7 +73,7 @@ import traceback
 
 import torch
 
-from timing import at_least, log, quiet, writable_file  # benchmarks/timing.py, beside this script
+from timing import at_least, log, once_each, quiet, writable_file  # benchmarks/timing.py, beside this script
 
 SHAPES = {
     "0.5b": dict(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, prompt=512, new=256),
@@ -101,6 +101,7 @@ def parse_args(argv=None):
     at_least(parser, args, 1, "steps")
     at_least(parser, args, 2, "num_generations")
     at_least(parser, args, 0, "warmup", "budget_s")
+    once_each(parser, args, "trainers")
     if not args.peak_tflops > 0:  # NaN too: the MFU column divides by it, after the first trainer has run
         parser.error(f"--peak_tflops must be > 0 (got {args.peak_tflops}): the MFU column divides by it")
     writable_file(parser, args.json, "--json")

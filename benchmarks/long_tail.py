@@ -133,7 +133,9 @@ from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from long_tail_env import build_env, force_lengths  # noqa: E402  (benchmarks/long_tail_env.py)
 import long_tail_vllm  # noqa: E402  (benchmarks/long_tail_vllm.py)
 from steps import StepRecorder, grpo_settings, watch_ours  # noqa: E402  (benchmarks/steps.py)
-from timing import at_least, fill_in, load, log, model_name, quiet_start, writable_file  # noqa: E402
+from timing import (  # noqa: E402  (benchmarks/timing.py)
+    at_least, fill_in, load, log, model_name, once_each, quiet_start, writable_file,
+)
 
 SIDES = ("batch", "continuous", "groups", "trl")
 DEFAULT_SIDES = {"embedded": ["batch", "continuous", "trl"], "vllm": ["batch", "continuous"]}
@@ -538,6 +540,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     at_least(parser, args, 1, "rows", "prompts", "num_generations", "steps", "turns", "threads", "tail_factor")
     at_least(parser, args, 2, "median_tokens")
     at_least(parser, args, 0, "warmup")
+    once_each(parser, args, "workloads", "lengths", "sides")
     # The continuous and groups sides generate while the trainer trains, a batch up to k >= 1 steps old; batch: k 0.
     ahead = [side for side in args.sides if side in FIELDS]
     why = f"the {ahead[0]} side generates while the trainer trains (k 0: --sides batch)" if ahead else ""

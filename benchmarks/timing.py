@@ -62,6 +62,17 @@ def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum:
                 parser.error(f"--{name} must be >= {minimum} (got {item})" + (f": {why}" if why else ""))
 
 
+def once_each(parser: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
+    """Refuse by ``parser.error`` a value given twice to one of ``names`` (``nargs="+"`` flags, each its attribute of
+    ``args``): each value is a run of its own, so a repeat ran again and doubled or replaced its row in the tables."""
+    for name in names:
+        values = getattr(args, name) or []
+        repeated = list(dict.fromkeys(str(value) for value in values if values.count(value) > 1))
+        if repeated:
+            parser.error(f"--{name} {' '.join(map(str, values))}: {', '.join(repeated)} given more than once; each "
+                         "value runs once (name it once)")
+
+
 def model_name(parser: argparse.ArgumentParser, model: str) -> None:
     """Refuse by ``parser.error`` a ``--model`` that is no folder here and no Hub id either: resolved in the run, it
     failed with a traceback."""

@@ -100,7 +100,7 @@ from verifiers_rl.core.models import build_tiny_model, smollm2_dir  # noqa: E402
 from verifiers_rl.training.prefix import unique_tokens  # noqa: E402
 from verifiers_rl.training.trainer import RLTrainer  # noqa: E402
 from steps import StepRecorder, grpo_settings, watch_ours  # noqa: E402  (benchmarks/steps.py)
-from timing import at_least, fill_in, load, log, quiet  # noqa: E402  (benchmarks/timing.py)
+from timing import at_least, fill_in, load, log, once_each, quiet  # noqa: E402  (timing.py)
 
 
 WORKLOADS = {
@@ -272,6 +272,7 @@ def parse_args(argv=None):
     at_least(parser, args, 1, "hidden", "layers", "prompts", "max_completion_length", "max_seq_len", "steps",
              "threads")
     at_least(parser, args, 2, "num_generations")
+    once_each(parser, args, "workloads", "trainers", "threads")
     at_least(parser, args, 0, "warmup")
     real = [workload for workload in args.workloads if (args.model or WORKLOADS[workload]["model"]) == "smollm2"]
     if real and (args.hidden, args.layers) != (None, None):  # they were dropped without a word

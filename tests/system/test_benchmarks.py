@@ -342,6 +342,32 @@ def test_each_script_refuses_a_size_below_its_bound_by_name_and_value(name, argv
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+# One repeat per script of a flag that lists runs: the flag, its values and the repeat.
+REPEATS = [
+    ("long_tail", ["--sides", "batch", "trl", "batch"], "--sides batch trl batch: batch given more than once"),
+    ("long_tail", ["--workloads", "single", "single"], "--workloads single single: single given more than once"),
+    ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu", "--trainers", "trl", "trl"], "--trainers trl trl: trl"),
+    ("vs_trl", ["--threads", "2", "2"], "--threads 2 2: 2 given more than once"),
+    ("async_generation", ["--variants", "k1", "k1"], "--variants k1 k1: k1 given more than once"),
+    ("continuous_batching", ["--workloads", "uniform", "uniform"], "--workloads uniform uniform: uniform given"),
+    ("embedded_decode", ["--max_new_tokens", "16", "16"], "--max_new_tokens 16 16: 16 given more than once"),
+]
+
+
+@pytest.mark.parametrize("name, argv, message", REPEATS, ids=[f"{case[0]}-{case[1][-1]}" for case in REPEATS])
+def test_a_value_given_twice_to_a_flag_that_lists_runs_is_refused(name, argv, message, capsys):
+    """``--sides batch batch`` ran the batch side twice, the second run replacing the first in the table (long_tail),
+    ``--trainers trl trl`` printed TRL's row twice (gpu_vs_trl): each value is a run of its own, so a repeat is refused
+    by name before any model is built; the same values once each are taken."""
+    bench = load_benchmark(name)
+    assert getattr(bench.parse_args(argv[:-1]), message.split()[0][2:]) is not None
+    with pytest.raises(SystemExit) as refused:
+        bench.parse_args(argv)
+    assert refused.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error and "each value runs once" in error, error
+
+
 # Run in a fresh interpreter: what matters is OMP_WAIT_POLICY at the moment torch (and its OpenMP) first loads; the
 # script is run up to that moment only (torch's import takes seconds).
 POLICY_AT_TORCH_IMPORT = """
