@@ -471,6 +471,21 @@ def print_ratios(results: list[dict]) -> None:
         print(f"| {r['workload']} | {r['lengths']} | " + " | ".join(cells) + " |")
 
 
+def our_settings(args) -> str:
+    """The header's words on our sides' settings: those of the sides that run (TRL's side takes none of them)."""
+    ours = [side for side in args.sides if side != "trl"]
+    if not ours:
+        return "TRL's side alone"
+    text = f"our sides on the {ENGINES[args.engine]} (eos: {EOS[args.engine]}), k = {args.k}"
+    ahead = [side for side in ours if side in FIELDS]
+    if ahead:
+        text += f", {' and '.join(ahead)}: groups_in_flight {args.groups_in_flight}"
+    if "continuous" in ahead:
+        text += (f", continuous_batching_rows {args.continuous_rows}" if args.engine == "embedded" else
+                 ", the server batching continuously itself")
+    return text
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny",
@@ -596,13 +611,10 @@ def main(argv=None) -> None:
                                     server_url))
     elapsed = time.perf_counter() - started
     log(f"load average at end: {load()}")
-    continuous_rows = (f"continuous_batching_rows {args.continuous_rows}" if args.engine == "embedded" else
-                       "the server batching continuously itself")
     print(f"\nLong-tail benchmark through the trainer: {name}, {args.rows} prompts, {args.prompts} prompts x "
           f"{args.num_generations} samples per step, median {args.median_tokens} tokens, {args.tail_fraction:.0%} of "
           f"prompts at {args.tail_factor}x, learning rate 0, eos suppressed (every row decodes its asked length, "
-          f"checked), our sides on the {ENGINES[args.engine]} (eos: {EOS[args.engine]}), k = {args.k}, continuous: "
-          f"groups_in_flight {args.groups_in_flight}, {continuous_rows}; {args.steps} timed steps after {args.warmup} "
+          f"checked), {our_settings(args)}; {args.steps} timed steps after {args.warmup} "
           f"warm-up per side, {args.threads} torch threads, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, CPU "
           f"({os.cpu_count()} cores). Total {elapsed:.0f} s; load average at end {load()}.")
     for note in dict.fromkeys(notes):

@@ -122,6 +122,19 @@ def test_long_tail_takes_k_0_when_no_side_generates_ahead(capsys):
         assert side is None or f"the {side} side generates while the trainer trains" in error
 
 
+def test_long_tail_header_names_the_settings_of_the_sides_that_run():
+    """The header said 'k = 1, continuous: groups_in_flight 8, continuous_batching_rows 8' beside ``--sides batch trl``
+    too, settings of a side that never ran: it names those of the sides run, and none beside TRL's alone."""
+    bench = load_benchmark("long_tail")
+    default = bench.our_settings(bench.parse_args(["--quick"]))
+    assert default.endswith("k = 1, continuous: groups_in_flight 8, continuous_batching_rows 8")
+    batch = bench.our_settings(bench.parse_args(["--quick", "--sides", "batch", "trl", "--k", "0"]))
+    assert batch.endswith("k = 0") and "groups_in_flight" not in batch and "continuous" not in batch
+    groups = bench.our_settings(bench.parse_args(["--quick", "--sides", "groups"]))
+    assert groups.endswith("k = 1, groups: groups_in_flight 8")
+    assert bench.our_settings(bench.parse_args(["--quick", "--sides", "trl"])) == "TRL's side alone"
+
+
 @pytest.mark.parametrize("name, argv", [("long_tail", []), ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu"])])
 def test_a_json_file_that_cannot_be_written_is_refused_before_the_run(name, argv, tmp_path, capsys):
     """--json is written once the numbers are in: a folder, or a file in a missing folder, failed with a traceback
