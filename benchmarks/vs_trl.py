@@ -274,6 +274,7 @@ def parse_args(argv=None):
     at_least(parser, args, 2, "num_generations")
     once_each(parser, args, "workloads", "trainers", "threads")
     at_least(parser, args, 0, "warmup")
+    at_least(parser, args, 0, "learning_rate", why="torch's optimizer refuses it (0: equal work)")
     real = [workload for workload in args.workloads if (args.model or WORKLOADS[workload]["model"]) == "smollm2"]
     if real and (args.hidden, args.layers) != (None, None):  # they were dropped without a word
         parser.error(f"--hidden/--layers shape the tiny model only: the {real[0]} workload runs SmolLM2-135M (--model "

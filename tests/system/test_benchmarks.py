@@ -335,6 +335,7 @@ SIZE_REFUSALS = [
     ("vllm_servers", ["--steps", "1"], "--steps must be >= 2 (got 1): step 1 includes the warm-up"),
     ("soak", ["--warmup", "-1"], "--warmup must be >= 0 (got -1)"),
     ("vs_trl", ["--threads", "1", "0"], "--threads must be >= 1 (got 0)"),
+    ("vs_trl", ["--learning_rate", "-1"], "--learning_rate must be >= 0 (got -1.0)"),
     ("embedded_decode", ["--batches", "0"], "--batches must be >= 1 (got 0)"),
     ("weight_sync", ["--quick", "--repetitions", "0"], "--repetitions must be >= 1 (got 0)"),
     ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu", "--num_generations", "1"],
