@@ -357,7 +357,8 @@ def test_the_engine_samples_the_model_model_init_kwargs_choose(tiny_model_dir, t
     trainer = RLTrainer(model=str(tmp_path / "models"), reward_funcs=[letters_like_target], train_dataset=rows(True),
                         args=config(tmp_path, max_steps=1, max_off_policy_steps=0,
                                     model_init_kwargs={"subfolder": "chosen"}))
-    assert trainer.processing_class.chat_template == (tmp_path / "models" / "chosen" / "chat_template.jinja").read_text()
+    chosen = tmp_path / "models" / "chosen" / "chat_template.jinja"
+    assert trainer.processing_class.chat_template == chosen.read_text()
     trainer.train()
     assert trainer.state.log_history[0]["is_ratio"] == pytest.approx(1.0, abs=1e-4)
 

@@ -218,7 +218,8 @@ class EmbeddedEngine:
 
         self.model_name, self.model = _own_copy(model, dtype, load_kwargs or {})
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or self.model_name), **tokenizer_kwargs(load_kwargs))
+            name = str(tokenizer or self.model_name)
+            tokenizer = AutoTokenizer.from_pretrained(name, **tokenizer_kwargs(load_kwargs))
         self.tokenizer = tokenizer
         self.sampling = sampling or SamplingConfig()
         self.max_batch_size = max_batch_size
