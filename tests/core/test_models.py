@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from verifiers_rl.core.models import load_causal_lm, load_tokenizer, no_bars_when_redirected
+from verifiers_rl.core.models import load_causal_lm, load_tokenizer, no_bars_when_redirected, resolve_model
 
 from tests.helpers.model_folders import OTHER_TEMPLATE, a_model_in_a_subfolder
 
@@ -97,3 +97,15 @@ def test_a_home_relative_folder_of_adapters_loads_merged_as_resolve_model_takes_
     merged = dict(adapters.merge_and_unload().named_parameters())
     loaded = dict(load_causal_lm("~/adapters").named_parameters())
     assert sorted(loaded) == sorted(merged) and all(torch.equal(loaded[name], merged[name]) for name in merged)
+
+
+def test_a_home_relative_model_folder_resolves_to_the_folder(tiny_model_dir, tmp_path, monkeypatch):
+    """``--model=~/m`` (the shell leaves ``~`` after ``=`` alone) went to transformers unexpanded, which then said
+    "'~/m' is not a folder here" of a folder that is there."""
+    import shutil
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    assert resolve_model("~/m") == str(tmp_path / "m")
+    assert load_tokenizer("~/m").vocab_size == load_tokenizer(tiny_model_dir).vocab_size
+    assert resolve_model("org/name") == "org/name"  # a Hub id is passed on as it is

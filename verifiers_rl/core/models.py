@@ -128,9 +128,12 @@ def resolve_model(name_or_path: str, flag: str = "--model") -> str:
         return str(folder)
     if name_or_path == "smollm2":
         return str(smollm2_dir())
+    folder = Path(name_or_path).expanduser()
     if is_adapter_folder(name_or_path):
-        return str(merged_adapters_dir(Path(name_or_path).expanduser()))
-    return name_or_path
+        return str(merged_adapters_dir(folder))
+    # ``--model=~/m`` reaches us unexpanded (the shell expands ``~`` only at a word's start); transformers reads it as
+    # a Hub id.
+    return str(folder) if str(name_or_path).startswith("~") and folder.is_dir() else name_or_path
 
 
 ADAPTER_CONFIG = "adapter_config.json"  # what a folder of LoRA adapters (a peft_config run's save_model) holds
