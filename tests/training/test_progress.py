@@ -30,6 +30,9 @@ def test_step_line_shows_present_metrics_in_order_and_skips_absent_ones():
     assert "stale_dropped" not in format_step_line(12, 60, logs)
     logs["groups_stale_dropped"] = 2.0
     assert " | staleness 1 | stale_dropped 2 | gen 3.1s" in format_step_line(12, 60, logs)
+    # Groups dropped on errors, labelled apart from --filter_groups' groups_dropped (a metric of its own).
+    logs["groups_dropped_on_error"] = 3.0
+    assert " | dropped_on_error 3 | stale_dropped 2 |" in format_step_line(12, 60, logs)
     # Replay without sampler log-probs: no is_ratio, no generation timing.
     assert format_step_line(1, 2, {"reward": 1.0}) == "step 1/2 | reward 1.000"
 

@@ -28,7 +28,7 @@ STEP_FIELDS = (
     ("staleness_max", "staleness", "{:.0f}"),
     ("reward_errors", "reward_errors", "{:.0f}"),
     ("rollouts_failed", "rollouts_failed", "{:.0f}"),
-    ("groups_dropped_on_error", "groups_dropped", "{:.0f}"),
+    ("groups_dropped_on_error", "dropped_on_error", "{:.0f}"),  # not --filter_groups' groups_dropped
     ("groups_stale_dropped", "stale_dropped", "{:.0f}"),  # continuous generation: older than the bound
     ("weight_sync_probe_gap", "probe_gap", "{:.1e}"),
     ("generation_time", "gen", "{:.1f}s"),
