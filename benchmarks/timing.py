@@ -58,7 +58,7 @@ def at_least(parser: argparse.ArgumentParser, args: argparse.Namespace, minimum:
     for name in names:
         value = getattr(args, name)
         for item in value if isinstance(value, list) else [value]:
-            if item is not None and item < minimum:
+            if item is not None and not item >= minimum:  # NaN too: it compares false with every bound
                 parser.error(f"--{name} must be >= {minimum} (got {item})" + (f": {why}" if why else ""))
 
 

@@ -214,10 +214,12 @@ def run_ours(args, model_dir, tokenizer, environment, k, out, share_prompt_train
                       share_prompt_training=share_prompt_training)
     engine = build_engine(config, model_dir, tokenizer)
     recorder = SplitRecorder()
-    trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine)
-    watch_ours(trainer, recorder)
-    trainer.train()
-    engine.close()
+    try:  # a failed run must not leave the engine's decode thread behind the next side's
+        trainer = RLTrainer(model_dir, config, processing_class=tokenizer, environment=environment, engine=engine)
+        watch_ours(trainer, recorder)
+        trainer.train()
+    finally:
+        engine.close()
     return recorder
 
 

@@ -340,6 +340,7 @@ SIZE_REFUSALS = [
     ("weight_sync", ["--quick", "--repetitions", "0"], "--repetitions must be >= 1 (got 0)"),
     ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu", "--num_generations", "1"],
      "--num_generations must be >= 2 (got 1)"),
+    ("gpu_vs_trl", ["--shape", "tiny", "--device", "cpu", "--budget_s", "nan"], "--budget_s must be >= 0 (got nan)"),
 ]
 
 
