@@ -148,9 +148,12 @@ def _skeleton(model: str, load_kwargs: dict):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from verifiers_rl.compat import without_zero3_init
+
     config_kwargs = {key: value for key, value in load_kwargs.items() if key not in CONFIG_UNREAD}
     config = AutoConfig.from_pretrained(model, **config_kwargs)
-    with torch.device("meta"):
+    # From the trainer under ZeRO-3, transformers would partition (and initialise) it: no data on the meta device.
+    with torch.device("meta"), without_zero3_init():
         return AutoModelForCausalLM.from_config(config, trust_remote_code=load_kwargs.get("trust_remote_code", False))
 
 
