@@ -244,10 +244,12 @@ def check_peft_config(model, peft_config, load_kwargs: dict | None = None) -> No
     import torch
     from peft import get_peft_model
 
+    from verifiers_rl.compat import without_zero3_init
+
     if isinstance(model, str):
         skeleton = _skeleton(model, load_kwargs or {})
     else:
-        with torch.device("meta"):
+        with torch.device("meta"), without_zero3_init():  # as _skeleton: no partitioned init of meta weights
             skeleton = type(model)(copy.deepcopy(model.config))
     config = copy.deepcopy(peft_config)  # peft adds tied names to the config it wraps with
     if hasattr(config, "init_lora_weights"):
