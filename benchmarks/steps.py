@@ -38,7 +38,6 @@ class StepRecorder(TrainerCallback):
         return [b - a for a, b in zip(points, points[1:])]
 
 
-
 def run_settings(out: str, max_steps: int, learning_rate: float) -> dict:
     """The trainer settings every timed run shares: on the CPU, no reports, checkpoints or progress bar, a log line
     per step (the recorders read it), a constant learning rate."""

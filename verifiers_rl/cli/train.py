@@ -367,9 +367,10 @@ def checked_model(name: str, load_kwargs: dict | None = None):
     try:
         model = resolve_model(name)
         check_revision(model, load_kwargs, "--model_init_kwargs")
-        folder = Path(model).expanduser() / (load_kwargs or {}).get("subfolder", "")
-        if Path(model).expanduser().is_dir():  # before the slow loads: weights, config and tokenizer are there
-            check_model_folder(folder, tokenizer_hint="train from a folder that has one")
+        folder = Path(model).expanduser()
+        if folder.is_dir():  # before the slow loads: weights, config and tokenizer are there
+            check_model_folder(folder / (load_kwargs or {}).get("subfolder", ""),
+                               tokenizer_hint="train from a folder that has one")
         return model, load_tokenizer(model, load_kwargs=load_kwargs)
     except FileNotFoundError as error:
         raise ValueError(str(error)) from None

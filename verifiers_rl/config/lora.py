@@ -149,15 +149,14 @@ def _skeleton(model: str, load_kwargs: dict):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from verifiers_rl.compat import without_zero3_init
+    from verifiers_rl.core.models import WEIGHTS_ONLY
 
-    config_kwargs = {key: value for key, value in load_kwargs.items() if key not in CONFIG_UNREAD}
+    config_kwargs = {key: value for key, value in load_kwargs.items() if key not in WEIGHTS_ONLY}
     config = AutoConfig.from_pretrained(model, **config_kwargs)
     # From the trainer under ZeRO-3, transformers would partition (and initialise) it: no data on the meta device.
     with torch.device("meta"), without_zero3_init():
         return AutoModelForCausalLM.from_config(config, trust_remote_code=load_kwargs.get("trust_remote_code", False))
 
-
-CONFIG_UNREAD = ("variant", "use_safetensors")  # weight-file choices: AutoConfig would keep them as attributes
 
 
 def check_module_names(skeleton, lora: LoraArguments) -> None:

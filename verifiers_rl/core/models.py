@@ -209,7 +209,8 @@ def _publish(partial: Path, folder: Path) -> None:
 # quantization stay the engine's own.
 WHICH_WEIGHTS = ("revision", "subfolder", "trust_remote_code", "token", "cache_dir", "local_files_only", "variant",
                  "use_safetensors")
-WEIGHTS_ONLY = ("variant", "use_safetensors")  # name weight files: a tokenizer has none
+# Name weight files: a tokenizer has none, and AutoConfig would keep them as attributes.
+WEIGHTS_ONLY = ("variant", "use_safetensors")
 
 
 def tokenizer_kwargs(load_kwargs: dict | None) -> dict:

@@ -9,17 +9,10 @@ from pathlib import Path
 from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_random
 
 
-# Every rank of a launch probes the same paths at once: one rank's clean-up can remove a folder another has just made
-# (FileNotFoundError or FileExistsError there), so those are tried again; a path that cannot be made (/proc/x) raises
-# them every time.
-_probe = retry(retry=retry_if_exception_type((FileNotFoundError, FileExistsError)), stop=stop_after_attempt(5),
-               wait=wait_random(0.01, 0.1), reraise=True)(lambda path, is_file: probe_writable(path, is_file))
-
-
 def unwritable(path, is_file: bool) -> str | None:
     """Why ``path`` (a file, or a folder) cannot be created or written by this user, or None."""
     try:
-        _probe(Path(path).expanduser(), is_file)
+        probe_writable(Path(path).expanduser(), is_file)
     except OSError as error:
         where = f" at {error.filename}" if error.filename and str(error.filename) != str(path) else ""
         return (f"cannot create or write {'the file' if is_file else 'the folder'} ({error.strerror}{where}); pass a "
@@ -27,6 +20,11 @@ def unwritable(path, is_file: bool) -> str | None:
     return None
 
 
+# Every rank of a launch probes the same paths at once: one rank's clean-up can remove a folder another has just made
+# (FileNotFoundError or FileExistsError there), so those are tried again; a path that cannot be made (/proc/x) raises
+# them every time.
+@retry(retry=retry_if_exception_type((FileNotFoundError, FileExistsError)), stop=stop_after_attempt(5),
+       wait=wait_random(0.01, 0.1), reraise=True)
 def probe_writable(path: Path, is_file: bool) -> None:
     """Raise the OSError of creating ``path`` (its folder, a file in it; an existing file opened to append), leaving
     nothing behind: the folders it made are removed (root's write permission is no answer: /proc refuses root)."""
